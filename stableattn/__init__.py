@@ -1,0 +1,39 @@
+"""stableattn: how far does flash attention deviate from plain attention?
+
+Public API:
+  attention(q, k, v, *, implementation, precision, block_q, block_k, scheme,
+            causal, interpret)
+  golden_attention(q, k, v, causal) / golden_attention_vjp(...)
+  compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
+  Precision, preset_names; tiles_from_sram
+"""
+
+from stableattn.dispatch import IMPLEMENTATIONS, attention
+from stableattn.golden import golden_attention, golden_attention_vjp
+from stableattn.metrics import (
+  Deviation,
+  compare,
+  error_ratio,
+  passes_fa_rule,
+  rounding_floor,
+)
+from stableattn.pallas_forward import SCHEMES
+from stableattn.precision import STAGES, Precision, preset_names
+from stableattn.tiling import tiles_from_sram
+
+__all__ = [
+  "IMPLEMENTATIONS",
+  "SCHEMES",
+  "STAGES",
+  "Deviation",
+  "Precision",
+  "attention",
+  "compare",
+  "error_ratio",
+  "golden_attention",
+  "golden_attention_vjp",
+  "passes_fa_rule",
+  "preset_names",
+  "rounding_floor",
+  "tiles_from_sram",
+]

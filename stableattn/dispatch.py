@@ -1,0 +1,221 @@
+"""`attention`: one entry point, one validation, every implementation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from stableattn.flash_attention import flash_attention, flash_attention_with_lse
+from stableattn.pallas_forward import SCHEMES, KernelConfig
+from stableattn.precision import Precision, require_x64_if_needed, resolve
+from stableattn.reference import reference_attention, xla_attention
+from stableattn.tiling import check_block_size, resolve_interpret
+
+IMPLEMENTATIONS = ("pallas", "reference", "xla")
+# Stages where the kernel does elementwise arithmetic (not just a cast).
+ARITHMETIC_STAGES = (
+  "scores",
+  "softmax_stats",
+  "out_accum",
+  "delta",
+  "grad_accum",
+)
+
+
+def _check_choice(name: str, value, valid) -> None:
+  if value not in valid:
+    raise ValueError(f"Unknown {name} {value!r}; valid: {list(valid)}.")
+
+
+def validate_inputs(q, k, v) -> None:
+  """Shape and dtype checks shared by every implementation."""
+  arrays = {"q": q, "k": k, "v": v}
+  for name, x in arrays.items():
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 4:
+      raise ValueError(
+        f"{name} must be a rank-4 array [batch, seq, heads, head_dim], got "
+        f"shape {shape}."
+      )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(
+        f"{name} must have a floating dtype (float16, bfloat16, float32, "
+        f"float64), got {x.dtype}."
+      )
+    if min(shape) <= 0:
+      raise ValueError(f"{name} has an empty dimension: shape {shape}.")
+  if k.shape != v.shape:
+    raise ValueError(
+      f"k and v must have the same shape [batch, kv_len, kv_heads, "
+      f"head_dim], got k {k.shape} and v {v.shape}."
+    )
+  if q.shape[0] != k.shape[0]:
+    raise ValueError(
+      f"q and k/v batch sizes differ: q batch {q.shape[0]}, k/v batch "
+      f"{k.shape[0]}."
+    )
+  if q.shape[3] != k.shape[3]:
+    raise ValueError(
+      f"q and k/v head dims differ: q head_dim {q.shape[3]}, k/v head_dim "
+      f"{k.shape[3]}."
+    )
+  heads, kv_heads = q.shape[2], k.shape[2]
+  if heads % kv_heads != 0:
+    raise ValueError(
+      f"kv_heads must divide heads (GQA/MQA): got {heads} query heads and "
+      f"{kv_heads} key/value heads; valid kv_heads are "
+      f"{[n for n in range(1, heads + 1) if heads % n == 0]}."
+    )
+
+
+def kernel_config(
+  q_shape,
+  kv_shape,
+  *,
+  policy: Precision,
+  block_q,
+  block_k,
+  scheme: str,
+  causal: bool,
+  interpret: bool | None,
+  num_warps=None,
+  num_stages=None,
+  bwd_block_q=None,
+  bwd_block_k=None,
+) -> KernelConfig:
+  """Validated static configuration of the Pallas kernels."""
+  _check_choice("scheme", scheme, SCHEMES)
+  interpret = resolve_interpret(interpret)
+  for_gpu = not interpret
+  block_q = check_block_size("block_q", block_q, for_gpu=for_gpu)
+  block_k = check_block_size("block_k", block_k, for_gpu=for_gpu)
+  bwd_block_q = check_block_size(
+    "bwd_block_q",
+    block_q if bwd_block_q is None else bwd_block_q,
+    for_gpu=for_gpu,
+  )
+  bwd_block_k = check_block_size(
+    "bwd_block_k",
+    block_k if bwd_block_k is None else bwd_block_k,
+    for_gpu=for_gpu,
+  )
+  if for_gpu and policy.uses_fp64:
+    raise ValueError(
+      f"Precision {policy.name!r} has FP64 stages, which the GPU (Triton) "
+      "kernel does not support; use interpret=True for FP64."
+    )
+  if for_gpu:
+    half_arithmetic = [
+      stage
+      for stage in ARITHMETIC_STAGES
+      if getattr(policy, stage) in ("fp16", "bf16")
+    ]
+    if half_arithmetic:
+      raise ValueError(
+        f"Precision {policy.name!r} does arithmetic in half precision at "
+        f"stages {half_arithmetic}, which the Triton lowering cannot "
+        "compile (it only casts to fp16/bf16 and multiplies them in matrix "
+        "units). Run this policy with interpret=True, or on a GPU use a "
+        "policy whose arithmetic stages are fp32 (e.g. 'bf16-fa2')."
+      )
+  return KernelConfig(
+    policy=policy,
+    block_q=block_q,
+    block_k=block_k,
+    scheme=scheme,
+    causal=bool(causal),
+    q_len=q_shape[1],
+    kv_len=kv_shape[1],
+    head_dim=q_shape[3],
+    interpret=interpret,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    bwd_block_q=bwd_block_q,
+    bwd_block_k=bwd_block_k,
+  )
+
+
+def attention(
+  q,
+  k,
+  v,
+  *,
+  implementation: str = "pallas",
+  precision: str | Precision = "bf16",
+  block_q: int = 64,
+  block_k: int = 64,
+  scheme: str = "fa2",
+  causal: bool = False,
+  interpret: bool | None = None,
+  num_warps: int | None = None,
+  num_stages: int | None = None,
+  bwd_block_q: int | None = None,
+  bwd_block_k: int | None = None,
+  return_lse: bool = False,
+):
+  """Scaled dot-product attention under a precision policy.
+
+  Args:
+    q: [batch, q_len, heads, head_dim].
+    k, v: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    implementation: "pallas" (our flash kernel), "reference" (materialized
+      baseline in jnp) or "xla" (`jax.nn.dot_product_attention`).
+    precision: a preset name (see `stableattn.preset_names()`) or a
+      `stableattn.Precision`. Inputs are first cast to its `inputs` format.
+    block_q, block_k: tile sizes B_r and B_c of the Pallas kernel (any
+      positive size in interpret mode; powers of two >= 16 on a GPU).
+    scheme: "fa2" (normalize once at the end) or "fa1" (renormalize after
+      every key block).
+    causal: top-left aligned causal mask (query i sees keys 0..i).
+    interpret: run the Pallas kernel in interpret mode; None means "iff the
+      default backend is the CPU".
+    num_warps, num_stages: Triton compiler parameters (GPU only).
+    bwd_block_q, bwd_block_k: backward tile sizes; default to the forward's.
+    return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
+      only; not differentiable).
+
+  Returns:
+    [batch, q_len, heads, head_dim] in the policy's `output` format (and
+    the log-sum-exp if `return_lse`).
+
+  Raises:
+    ValueError: for malformed inputs or unknown names; the message says what
+      was received and what is valid.
+  """
+  _check_choice("implementation", implementation, IMPLEMENTATIONS)
+  policy = resolve(precision)
+  require_x64_if_needed(policy)
+  validate_inputs(q, k, v)
+  input_dtype = policy.dtype("inputs")
+  q, k, v = (jnp.asarray(x).astype(input_dtype) for x in (q, k, v))
+  # Tile and scheme arguments are validated for every implementation, so a
+  # sweep with a bad tile fails the same way whichever implementation runs
+  # first; only the kernel is bound by GPU constraints.
+  cfg = kernel_config(
+    q.shape,
+    k.shape,
+    policy=policy,
+    block_q=block_q,
+    block_k=block_k,
+    scheme=scheme,
+    causal=causal,
+    interpret=interpret if implementation == "pallas" else True,
+    num_warps=num_warps,
+    num_stages=num_stages,
+    bwd_block_q=bwd_block_q,
+    bwd_block_k=bwd_block_k,
+  )
+  if implementation == "pallas":
+    if return_lse:
+      return flash_attention_with_lse(q, k, v, cfg)
+    return flash_attention(q, k, v, cfg)
+  if return_lse:
+    raise ValueError("return_lse=True is only available for 'pallas'.")
+  if implementation == "reference":
+    return reference_attention(q, k, v, policy=policy, causal=causal)
+  return xla_attention(q, k, v, policy=policy, causal=causal)
+
+
+def jit_attention(**static_kwargs):
+  """A jitted `attention` with its keyword arguments fixed."""
+  return jax.jit(lambda q, k, v: attention(q, k, v, **static_kwargs))

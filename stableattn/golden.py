@@ -1,0 +1,81 @@
+"""The golden value: attention and its gradients in plain NumPy float64.
+
+Independent of JAX and its settings, so it stays FP64 whether or not JAX
+64-bit mode is on. Gradients are written from the formulas, not by finite
+differences or autodiff.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _as_f64(x) -> np.ndarray:
+  return np.asarray(x).astype(np.float64)
+
+
+def _grouped(q, k):
+  """q [B,T,H,D] -> [B,Hkv,G,T,D]; k [B,S,Hkv,D] -> [B,Hkv,S,D]."""
+  batch, q_len, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  q_g = q.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
+  return q_g.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3)
+
+
+def _probabilities(q_g, k_t, causal: bool, scale: float):
+  s = np.einsum("bkgtd,bksd->bkgts", q_g, k_t) * scale
+  if causal:
+    q_len, kv_len = s.shape[-2:]
+    allowed = np.tril(np.ones((q_len, kv_len), dtype=bool))
+    s = np.where(allowed, s, -np.inf)
+  s = s - s.max(axis=-1, keepdims=True)
+  p = np.exp(s)
+  return p / p.sum(axis=-1, keepdims=True)
+
+
+def golden_attention(q, k, v, causal: bool = False) -> np.ndarray:
+  """softmax(Q K^T / sqrt(d)) V in float64.
+
+  Args:
+    q: [batch, q_len, heads, head_dim]; any float dtype (converted to f64).
+    k, v: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    causal: mask keys after the query position (top-left aligned).
+
+  Returns:
+    float64 array [batch, q_len, heads, head_dim].
+  """
+  q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
+  batch, q_len, heads, head_dim = q.shape
+  q_g, k_t = _grouped(q, k)
+  p = _probabilities(q_g, k_t, causal, head_dim**-0.5)
+  o = np.einsum("bkgts,bksd->bkgtd", p, v.transpose(0, 2, 1, 3))
+  return o.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
+
+
+def golden_attention_vjp(q, k, v, d_out, causal: bool = False):
+  """Gradients of `golden_attention` for the output cotangent `d_out`.
+
+  With S = Q K^T * c, P = softmax(S), O = P V:
+    dV = P^T dO,  dP = dO V^T,  delta = rowsum(dO * O),
+    dS = P * (dP - delta),  dQ = c dS K,  dK = c dS^T Q,
+  where dK, dV of a shared (GQA) key/value head sum over its query heads.
+
+  Returns:
+    (dq, dk, dv) in float64, shaped like q, k, v.
+  """
+  q, k, v, d_out = _as_f64(q), _as_f64(k), _as_f64(v), _as_f64(d_out)
+  batch, q_len, heads, head_dim = q.shape
+  scale = head_dim**-0.5
+  q_g, k_t = _grouped(q, k)
+  v_t = v.transpose(0, 2, 1, 3)
+  do_g, _ = _grouped(d_out, k)
+  p = _probabilities(q_g, k_t, causal, scale)
+  o = np.einsum("bkgts,bksd->bkgtd", p, v_t)
+  dv = np.einsum("bkgts,bkgtd->bksd", p, do_g)
+  dp = np.einsum("bkgtd,bksd->bkgts", do_g, v_t)
+  delta = np.sum(do_g * o, axis=-1, keepdims=True)
+  ds = p * (dp - delta)
+  dq = scale * np.einsum("bkgts,bksd->bkgtd", ds, k_t)
+  dk = scale * np.einsum("bkgts,bkgtd->bksd", ds, q_g)
+  dq = dq.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
+  return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)

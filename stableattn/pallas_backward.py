@@ -1,0 +1,250 @@
+"""Pallas flash-attention backward kernels (FlashAttention-2 style).
+
+Three `pallas_call`s, each reading top to bottom like the forward file:
+  1. `delta = rowsum(dO * O)`, rounded to the policy's `delta` format; Qiu &
+     Yao (arXiv 2510.04212) trace biased low-precision training to this
+     quantity.
+  2. dK and dV: one program per key block, looping over query blocks,
+     recomputing P from Q, K and the saved log-sum-exp.
+  3. dQ: one program per query block, looping over key blocks.
+
+Stages: dP = dO V^T accumulates in `matmul_accum`; dS = P * (dP - delta) is
+computed in `softmax_stats` and rounded like P (the `probs` stage) before it
+enters a matmul; running dQ, dK, dV sums are kept in `grad_accum`.
+
+The dK/dV kernel runs per query head; the wrapper sums each group of query
+heads (GQA) in `grad_accum` before the final cast.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from stableattn.block_math import (
+  NN_DIMS,
+  NT_DIMS,
+  TN_DIMS,
+  block_scores,
+  key_mask,
+  policy_dot,
+)
+from stableattn.pallas_forward import KernelConfig
+from stableattn.precision import Precision
+
+
+def _delta_kernel(o_ref, do_ref, delta_ref, *, policy: Precision):
+  delta_dtype = policy.dtype("delta")
+  o_BqxD = o_ref[...].astype(delta_dtype)
+  do_BqxD = do_ref[...].astype(delta_dtype)
+  delta_ref[...] = jnp.sum(o_BqxD * do_BqxD, axis=-1).astype(delta_dtype)
+
+
+def _probs_and_dscores(
+  q_BqxD, k_BkxD, v_BkxD, do_BqxD, lse_Bq, delta_Bq, mask, *, cfg: KernelConfig
+):
+  """Recomputes P and returns (P, dS), both rounded to `probs`."""
+  policy = cfg.policy
+  stats_dtype = policy.dtype("softmax_stats")
+  s_BqxBk = block_scores(
+    q_BqxD, k_BkxD, policy=policy, scale=cfg.scale, mask=mask
+  ).astype(stats_dtype)
+  p_BqxBk = jnp.exp(s_BqxBk - lse_Bq.astype(stats_dtype)[:, None])
+  dp_BqxBk = policy_dot(do_BqxD, v_BkxD, NT_DIMS, policy).astype(stats_dtype)
+  ds_BqxBk = p_BqxBk * (dp_BqxBk - delta_Bq.astype(stats_dtype)[:, None])
+  probs_dtype = policy.dtype("probs")
+  return p_BqxBk.astype(probs_dtype), ds_BqxBk.astype(probs_dtype)
+
+
+def _dkdv_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  cfg: KernelConfig,
+):
+  """One program: one key block of one (batch, query head)."""
+  policy = cfg.policy
+  block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
+  grad_dtype = policy.dtype("grad_accum")
+  q_len_padded = q_ref.shape[0]
+  head_dim_padded = k_ref.shape[-1]
+  k_start = pl.program_id(0) * block_k
+  k_BkxD = k_ref[...]
+  v_BkxD = v_ref[...]
+  needs_mask = cfg.causal or cfg.kv_len % block_k != 0
+
+  def body(q_index, carry):
+    dk_BkxD, dv_BkxD = carry
+    q_start = pl.multiple_of(q_index * block_q, block_q)
+    rows = pl.ds(q_start, block_q)
+    mask = None
+    if needs_mask:
+      mask = key_mask(
+        q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
+      )
+    do_BqxD = do_ref[rows, :]
+    q_BqxD = q_ref[rows, :]
+    p_BqxBk, ds_BqxBk = _probs_and_dscores(
+      q_BqxD,
+      k_BkxD,
+      v_BkxD,
+      do_BqxD,
+      lse_ref[rows],
+      delta_ref[rows],
+      mask,
+      cfg=cfg,
+    )
+    dv_BkxD = dv_BkxD + policy_dot(p_BqxBk, do_BqxD, TN_DIMS, policy).astype(
+      grad_dtype
+    )
+    dk_step = policy_dot(ds_BqxBk, q_BqxD, TN_DIMS, policy) * cfg.scale
+    dk_BkxD = dk_BkxD + dk_step.astype(grad_dtype)
+    return dk_BkxD.astype(grad_dtype), dv_BkxD.astype(grad_dtype)
+
+  num_q_blocks = q_len_padded // block_q
+  # Causal: query blocks that end before this key block starts see none of
+  # its keys.
+  lower = lax.div(k_start, jnp.int32(block_q)) if cfg.causal else 0
+  init = (
+    jnp.zeros((block_k, head_dim_padded), grad_dtype),
+    jnp.zeros((block_k, head_dim_padded), grad_dtype),
+  )
+  dk_BkxD, dv_BkxD = lax.fori_loop(lower, num_q_blocks, body, init)
+  dk_ref[...] = dk_BkxD.astype(dk_ref.dtype)
+  dv_ref[...] = dv_BkxD.astype(dv_ref.dtype)
+
+
+def _dq_kernel(
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: KernelConfig
+):
+  """One program: one query block of one (batch, query head)."""
+  policy = cfg.policy
+  block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
+  grad_dtype = policy.dtype("grad_accum")
+  kv_len_padded = k_ref.shape[0]
+  head_dim_padded = q_ref.shape[-1]
+  q_start = pl.program_id(0) * block_q
+  q_BqxD = q_ref[...]
+  do_BqxD = do_ref[...]
+  lse_Bq = lse_ref[...]
+  delta_Bq = delta_ref[...]
+  needs_mask = cfg.causal or cfg.kv_len % block_k != 0
+
+  def body(k_index, dq_BqxD):
+    k_start = pl.multiple_of(k_index * block_k, block_k)
+    cols = pl.ds(k_start, block_k)
+    k_BkxD = k_ref[cols, :]
+    mask = None
+    if needs_mask:
+      mask = key_mask(
+        q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
+      )
+    _, ds_BqxBk = _probs_and_dscores(
+      q_BqxD, k_BkxD, v_ref[cols, :], do_BqxD, lse_Bq, delta_Bq, mask, cfg=cfg
+    )
+    dq_step = policy_dot(ds_BqxBk, k_BkxD, NN_DIMS, policy) * cfg.scale
+    return (dq_BqxD + dq_step.astype(grad_dtype)).astype(grad_dtype)
+
+  num_k_blocks = kv_len_padded // block_k
+  if cfg.causal:
+    upper = jnp.minimum(
+      lax.div(q_start + (block_q - 1), jnp.int32(block_k)) + 1, num_k_blocks
+    )
+  else:
+    upper = num_k_blocks
+  init = jnp.zeros((block_q, head_dim_padded), grad_dtype)
+  dq_BqxD = lax.fori_loop(0, upper, body, init)
+  dq_ref[...] = dq_BqxD.astype(dq_ref.dtype)
+
+
+def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
+  """Gradients of the padded forward pass.
+
+  Args:
+    q, k, v, out, d_out: padded, layout [batch, seq, heads, head_dim].
+    lse: [batch, heads, q_len_padded] from the forward kernel.
+    cfg: the forward's configuration; its `bwd_block_*` must divide the
+      padded lengths.
+
+  Returns:
+    (dq [batch, q_len_padded, heads, D], dk and dv [batch, kv_len_padded,
+    heads, D]), all in `grad_accum`; dk/dv are per query head, not yet
+    summed over GQA groups.
+  """
+  batch, q_len_padded, heads, head_dim_padded = q.shape
+  kv_len_padded, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  policy = cfg.policy
+  block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
+  params = cfg.compiler_params(block_q * block_k)
+
+  def rows_spec(block, head_of):
+    return pl.BlockSpec((None, block, None, head_dim_padded), head_of)
+
+  def vec_spec(block, index_map):
+    return pl.BlockSpec((None, None, block), index_map)
+
+  delta = pl.pallas_call(
+    functools.partial(_delta_kernel, policy=policy),
+    grid=(q_len_padded // block_q, batch, heads),
+    in_specs=[rows_spec(block_q, lambda i, b, h: (b, i, h, 0))] * 2,
+    out_specs=vec_spec(block_q, lambda i, b, h: (b, h, i)),
+    out_shape=jax.ShapeDtypeStruct(
+      (batch, heads, q_len_padded), policy.dtype("delta")
+    ),
+    compiler_params=cfg.compiler_params(block_q * head_dim_padded),
+    interpret=cfg.interpret,
+    name="stableattn_flash_backward_delta",
+  )(out, d_out)
+
+  grad_dtype = policy.dtype("grad_accum")
+  whole_q = rows_spec(q_len_padded, lambda j, b, h: (b, 0, h, 0))
+  whole_kv = rows_spec(kv_len_padded, lambda j, b, h: (b, 0, h // group, 0))
+  whole_vec = vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
+  key_block = rows_spec(block_k, lambda j, b, h: (b, j, h // group, 0))
+  key_block_out = rows_spec(block_k, lambda j, b, h: (b, j, h, 0))
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkdv_kernel, cfg=cfg),
+    grid=(kv_len_padded // block_k, batch, heads),
+    in_specs=[whole_q, key_block, key_block, whole_q, whole_vec, whole_vec],
+    out_specs=[key_block_out, key_block_out],
+    out_shape=[
+      jax.ShapeDtypeStruct(
+        (batch, kv_len_padded, heads, head_dim_padded), grad_dtype
+      ),
+    ]
+    * 2,
+    compiler_params=params,
+    interpret=cfg.interpret,
+    name="stableattn_flash_backward_dkdv",
+  )(q, k, v, d_out, lse, delta)
+
+  query_block = rows_spec(block_q, lambda i, b, h: (b, i, h, 0))
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, cfg=cfg),
+    grid=(q_len_padded // block_q, batch, heads),
+    in_specs=[
+      query_block,
+      whole_kv,
+      whole_kv,
+      query_block,
+      vec_spec(block_q, lambda i, b, h: (b, h, i)),
+      vec_spec(block_q, lambda i, b, h: (b, h, i)),
+    ],
+    out_specs=query_block,
+    out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype),
+    compiler_params=params,
+    interpret=cfg.interpret,
+    name="stableattn_flash_backward_dq",
+  )(q, k, v, d_out, lse, delta)
+  return dq, dk, dv

@@ -1,0 +1,69 @@
+"""Baseline attention: materialized softmax(Q K^T / sqrt(d)) V in jnp.
+
+Applies the same precision policy as the flash kernel at its own stages:
+the whole score matrix S is stored in `scores`, the softmax runs in
+`softmax_stats` and P is normalized *before* PV and stored in `probs`.
+The `out_accum`, `delta` and `grad_accum` stages belong to the blocked
+algorithm; here the PV product goes straight to the output, and gradients
+come from autodiff, which rounds where the forward pass rounds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from stableattn.precision import Precision
+
+
+def _einsum(spec, a, b, policy: Precision):
+  operand_dtype = policy.dtype("matmul_operands")
+  accum_dtype = policy.dtype("matmul_accum")
+  wide = jnp.promote_types(operand_dtype, accum_dtype)
+  out = jnp.einsum(
+    spec,
+    a.astype(operand_dtype),
+    b.astype(operand_dtype),
+    precision=lax.Precision.HIGHEST,
+    preferred_element_type=wide,
+  )
+  return out.astype(accum_dtype)
+
+
+def reference_attention(q, k, v, *, policy: Precision, causal: bool):
+  """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`."""
+  batch, q_len, heads, head_dim = q.shape
+  kv_len, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  stats_dtype = policy.dtype("softmax_stats")
+  q_BxTxKxGxD = q.reshape(batch, q_len, kv_heads, group, head_dim)
+
+  s = _einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k, policy)
+  s = (s * jnp.asarray(head_dim**-0.5, s.dtype)).astype(policy.dtype("scores"))
+  if causal:
+    allowed_TxS = jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))
+    s = jnp.where(allowed_TxS, s, jnp.asarray(-jnp.inf, s.dtype))
+  s = s.astype(stats_dtype)
+  m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  p = jnp.exp(s - m)
+  accum_dtype = policy.dtype("matmul_accum")
+  l_sum = jnp.sum(p.astype(accum_dtype), axis=-1, keepdims=True)
+  p = (p / l_sum.astype(stats_dtype)).astype(policy.dtype("probs"))
+
+  o = _einsum("bkgts,bskd->btkgd", p, v, policy)
+  o = o.astype(policy.dtype("out_accum")).astype(policy.dtype("output"))
+  return o.reshape(batch, q_len, heads, head_dim)
+
+
+def xla_attention(q, k, v, *, policy: Precision, causal: bool):
+  """`jax.nn.dot_product_attention` as users call it (implementation="xla").
+
+  It honors only the input and output formats of the policy; everything in
+  between is its own choice (it computes the softmax in FP32 whatever the
+  input format, so even an FP64 policy is only FP32-accurate here).
+  """
+  out = jax.nn.dot_product_attention(
+    q, k, v, is_causal=causal, implementation="xla"
+  )
+  return out.astype(policy.dtype("output"))

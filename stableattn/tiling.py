@@ -1,0 +1,78 @@
+"""Tile sizes: the paper's SRAM formula, GPU constraints, padding."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+# Triton's tl.dot needs every matmul dimension to be at least 16.
+MIN_GPU_BLOCK = 16
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+  """`interpret=None` means: interpret mode iff the default backend is CPU."""
+  if interpret is None:
+    return jax.default_backend() == "cpu"
+  return bool(interpret)
+
+
+def is_power_of_two(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def check_block_size(name: str, value, *, for_gpu: bool) -> int:
+  """Validates one tile size; GPU (Triton) tiles must be powers of two >= 16."""
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+  if for_gpu and (not is_power_of_two(value) or value < MIN_GPU_BLOCK):
+    raise ValueError(
+      f"{name}={value} cannot be compiled for a GPU: the Triton lowering "
+      f"needs tile sizes that are powers of two and at least {MIN_GPU_BLOCK} "
+      "(e.g. 16, 32, 64, 128). Any positive size works in interpret mode "
+      "(interpret=True)."
+    )
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SramTiles:
+  """Tile sizes derived from an on-chip memory budget (FlashAttention-1)."""
+
+  block_q: int  # B_r
+  block_k: int  # B_c
+  sram_elements: int
+  head_dim: int
+
+
+def tiles_from_sram(sram_elements: int, head_dim: int) -> SramTiles:
+  """FlashAttention-1's tile sizes for an SRAM of `sram_elements` values.
+
+  Follows Dao et al. (2022), Algorithm 1, as used by Golden et al. (2024):
+  `B_c = ceil(M / 4d)` and `B_r = min(ceil(M / 4d), d)`.
+
+  Args:
+    sram_elements: on-chip memory budget M, counted in elements.
+    head_dim: head dimension d.
+
+  Returns:
+    The tile sizes as `SramTiles(block_q=B_r, block_k=B_c, ...)`.
+
+  Raises:
+    ValueError: if either argument is not a positive integer.
+  """
+  for name, value in (("sram_elements", sram_elements), ("head_dim", head_dim)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+  block_k = math.ceil(sram_elements / (4 * head_dim))
+  block_q = min(block_k, head_dim)
+  return SramTiles(block_q, block_k, sram_elements, head_dim)

@@ -1,0 +1,41 @@
+"""Random attention inputs for tests."""
+
+import numpy as np
+
+
+def random_qkv(
+  seed, *, batch=2, q_len=64, kv_len=None, heads=4, kv_heads=2, head_dim=64
+):
+  """Standard-normal float64 q [B,T,H,D], k and v [B,S,Hkv,D]."""
+  rng = np.random.default_rng(seed)
+  kv_len = q_len if kv_len is None else kv_len
+  q = rng.standard_normal((batch, q_len, heads, head_dim))
+  k = rng.standard_normal((batch, kv_len, kv_heads, head_dim))
+  v = rng.standard_normal((batch, kv_len, kv_heads, head_dim))
+  return q, k, v
+
+
+def value_and_grads(q, k, v, d_out, **attention_kwargs):
+  """`sa.attention` output and its (dq, dk, dv) for cotangent d_out, in f64."""
+  import jax
+  import jax.numpy as jnp
+
+  import stableattn as sa
+
+  def fn(q, k, v):
+    return sa.attention(q, k, v, **attention_kwargs)
+
+  out, vjp = jax.vjp(fn, q, k, v)
+  grads = vjp(jnp.asarray(d_out).astype(out.dtype))
+  return np.asarray(out.astype(jnp.float64)), [
+    np.asarray(g.astype(jnp.float64)) for g in grads
+  ]
+
+
+def golden_value_and_grads(q, k, v, d_out, causal):
+  import stableattn as sa
+
+  return (
+    sa.golden_attention(q, k, v, causal),
+    sa.golden_attention_vjp(q, k, v, d_out, causal),
+  )

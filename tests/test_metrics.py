@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+import scipy.stats
+from hypothesis import given
+from hypothesis import strategies as st
+
+import stableattn as sa
+from stableattn.metrics import ulp, wasserstein_1d
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 500))
+def test_wasserstein_matches_scipy(seed, n):
+  rng = np.random.default_rng(seed)
+  a = rng.standard_normal(n)
+  b = rng.standard_normal(n) * 2 + 0.5
+  ours = wasserstein_1d(a, b)
+  theirs = scipy.stats.wasserstein_distance(a, b)
+  assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-300)
+
+
+def test_compare_basic_quantities():
+  expected = np.array([[1.0, 2.0], [3.0, 4.0]])
+  actual = np.array([[1.0, 2.5], [2.0, 4.0]])
+  d = sa.compare(expected, actual)
+  assert d.max_abs == 1.0
+  assert d.argmax == (1, 0)
+  assert d.mean_abs == pytest.approx(0.375)
+  assert d.mean_signed == pytest.approx(-0.125)
+  assert d.rmse == pytest.approx(np.sqrt((0.25 + 1.0) / 4))
+  assert d.rel_l2 == pytest.approx(np.sqrt(1.25) / np.sqrt(30))
+  assert d.std_abs == pytest.approx(np.std([0, 0.5, 1.0, 0]))
+  assert (d.n_nan, d.n_inf, d.size) == (0, 0, 4)
+
+
+def test_compare_counts_nan_and_inf_and_does_not_hide_them():
+  expected = np.zeros(4)
+  actual = np.array([0.0, np.nan, np.inf, 1.0])
+  d = sa.compare(expected, actual)
+  assert d.n_nan == 1 and d.n_inf == 1
+  assert np.isnan(d.max_abs)
+  assert d.argmax == (1,)
+
+
+def test_compare_rejects_shape_mismatch():
+  with pytest.raises(ValueError, match="shapes differ"):
+    sa.compare(np.zeros(3), np.zeros(4))
+
+
+def test_ulp_of_one_in_each_format():
+  assert ulp(np.array(1.0), "bf16") == 2.0**-7
+  assert ulp(np.array(1.0), "fp16") == 2.0**-10
+  assert ulp(np.array(-3.0), "fp32") == 2.0**-22
+  # Near zero: subnormal spacing, never zero.
+  assert ulp(np.array(0.0), "fp16") == 2.0**-24
+
+
+def test_max_ulp_counts_in_actual_format():
+  expected = np.array([1.0, 2.0])
+  actual = np.array([1.0 + 2.0**-7, 2.0]).astype("float32")
+  d = sa.compare(expected, actual, ulp_format="bf16")
+  assert d.max_ulp == pytest.approx(1.0)
+  assert sa.compare(expected, actual).ulp_format == "fp32"
+
+
+def test_error_ratio_and_fa_rule():
+  golden = np.zeros(10)
+  baseline = np.full(10, 0.1)
+  candidate = np.full(10, 0.25)
+  assert sa.error_ratio(golden, candidate, baseline) == pytest.approx(2.5)
+  assert not sa.passes_fa_rule(golden, candidate, baseline)
+  assert sa.passes_fa_rule(golden, candidate, baseline, factor=3.0)
+  assert sa.passes_fa_rule(golden, candidate, baseline, floor=0.05)
+
+
+def test_rounding_floor_is_a_few_ulps():
+  golden = np.linspace(-1, 1, 101)
+  floor = sa.rounding_floor(golden, "bf16")
+  assert 0 < floor <= 4 * 2.0**-7
