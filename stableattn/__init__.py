@@ -6,9 +6,11 @@ Public API:
   golden_attention(q, k, v, causal) / golden_attention_vjp(...)
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
   Precision, preset_names; tiles_from_sram
+  make_attention_fn(...) -> attention_fn for flax.nnx.MultiHeadAttention
 """
 
 from stableattn.dispatch import IMPLEMENTATIONS, attention
+from stableattn.flax_attention import make_attention_fn
 from stableattn.golden import golden_attention, golden_attention_vjp
 from stableattn.metrics import (
   Deviation,
@@ -32,6 +34,7 @@ __all__ = [
   "error_ratio",
   "golden_attention",
   "golden_attention_vjp",
+  "make_attention_fn",
   "passes_fa_rule",
   "preset_names",
   "rounding_floor",

@@ -1,0 +1,120 @@
+"""The kernel as a drop-in `attention_fn` of flax.nnx.MultiHeadAttention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import stableattn as sa
+
+VOCAB, WIDTH, HEADS, LENGTH = 32, 32, 2, 24
+
+
+class TwoLayerModel(nnx.Module):
+  def __init__(self, attention_fn, *, rngs):
+    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+
+    def layer():
+      return nnx.MultiHeadAttention(
+        num_heads=HEADS,
+        in_features=WIDTH,
+        decode=False,
+        attention_fn=attention_fn,
+        rngs=rngs,
+      )
+
+    self.attention_0 = layer()
+    self.attention_1 = layer()
+    self.unembed = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.attention_0(x, is_causal=True)
+    x = x + self.attention_1(x, is_causal=True)
+    return self.unembed(x)
+
+
+def _tokens():
+  # A repeated random phrase: attention to the previous copy predicts it.
+  phrase = np.random.default_rng(0).integers(0, VOCAB, size=(4, 8))
+  return jnp.asarray(np.tile(phrase, (1, LENGTH // 8)))
+
+
+def _loss(model, tokens):
+  logits = model(tokens[:, :-1]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(
+    logits, tokens[:, 1:]
+  ).mean()
+
+
+def _model(**kwargs):
+  return TwoLayerModel(sa.make_attention_fn(**kwargs), rngs=nnx.Rngs(0))
+
+
+def test_model_trains_with_pallas_attention():
+  model = _model(
+    implementation="pallas", precision="bf16-fa2", block_q=16, block_k=8
+  )
+  optimizer = nnx.Optimizer(model, optax.adam(3e-2), wrt=nnx.Param)
+  tokens = _tokens()
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(_loss)(model, tokens)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(6)]
+  assert all(np.isfinite(losses))
+  assert losses[-1] < 0.8 * losses[0], losses
+
+
+def _grads(**kwargs):
+  model = _model(**kwargs)
+  grads = nnx.jit(nnx.grad(_loss))(model, _tokens())
+  return {
+    "/".join(map(str, path)): np.asarray(leaf, np.float64)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(
+      nnx.state(grads), is_leaf=lambda x: isinstance(x, jax.Array)
+    )
+  }
+
+
+def test_model_gradients_pass_fa_rule_against_reference_attention():
+  flash = _grads(
+    implementation="pallas", precision="bf16-fa2", block_q=16, block_k=8
+  )
+  baseline = _grads(implementation="reference", precision="bf16-fa2")
+  # FP64 attention inside an FP32 model: accurate to FP32, far below the
+  # BF16 errors under test.
+  golden = _grads(implementation="reference", precision="fp64")
+  assert flash.keys() == golden.keys() and len(golden) >= 10
+  for name in golden:
+    floor = sa.rounding_floor(golden[name], "bf16")
+    assert sa.passes_fa_rule(
+      golden[name], flash[name], baseline[name], factor=3.0, floor=floor
+    ), name
+
+
+def test_unsupported_flax_features_raise():
+  attention_fn = sa.make_attention_fn(precision="fp32")
+  x = jnp.ones((1, 8, 2, 16))
+  with pytest.raises(ValueError, match="bias"):
+    attention_fn(x, x, x, bias=jnp.zeros((1, 2, 8, 8)))
+  with pytest.raises(ValueError, match="dropout"):
+    attention_fn(x, x, x, dropout_rate=0.1, deterministic=False)
+  with pytest.raises(ValueError, match="neither"):
+    attention_fn(x, x, x, mask=jnp.eye(8, dtype=bool))
+
+
+def test_concrete_causal_mask_equals_is_causal():
+  attention_fn = sa.make_attention_fn(precision="fp32", block_q=4, block_k=4)
+  x = jnp.asarray(
+    np.random.default_rng(0).standard_normal((1, 8, 2, 16)), jnp.float32
+  )
+  mask = nnx.make_causal_mask(jnp.ones((1, 8)))
+  np.testing.assert_array_equal(
+    attention_fn(x, x, x, mask=mask), attention_fn(x, x, x, is_causal=True)
+  )
