@@ -6,9 +6,11 @@ Public API:
   golden_attention(q, k, v, causal) / golden_attention_vjp(...)
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
   Precision, preset_names; tiles_from_sram
+  check(fn, precision=..., shapes=...) -> CheckReport (FlashAttention rule)
   make_attention_fn(...) -> attention_fn for flax.nnx.MultiHeadAttention
 """
 
+from stableattn.check import CheckReport, check
 from stableattn.dispatch import IMPLEMENTATIONS, attention
 from stableattn.flax_attention import make_attention_fn
 from stableattn.golden import golden_attention, golden_attention_vjp
@@ -27,9 +29,11 @@ __all__ = [
   "IMPLEMENTATIONS",
   "SCHEMES",
   "STAGES",
+  "CheckReport",
   "Deviation",
   "Precision",
   "attention",
+  "check",
   "compare",
   "error_ratio",
   "golden_attention",

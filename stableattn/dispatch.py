@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -186,8 +188,7 @@ def attention(
   policy = resolve(precision)
   require_x64_if_needed(policy)
   validate_inputs(q, k, v)
-  input_dtype = policy.dtype("inputs")
-  q, k, v = (jnp.asarray(x).astype(input_dtype) for x in (q, k, v))
+  q, k, v = (jnp.asarray(x) for x in (q, k, v))
   # Tile and scheme arguments are validated for every implementation, so a
   # sweep with a bad tile fails the same way whichever implementation runs
   # first; only the kernel is bound by GPU constraints.
@@ -205,15 +206,28 @@ def attention(
     bwd_block_q=bwd_block_q,
     bwd_block_k=bwd_block_k,
   )
+  if return_lse and implementation != "pallas":
+    raise ValueError("return_lse=True is only available for 'pallas'.")
+  return _compute(
+    q, k, v, implementation=implementation, cfg=cfg, return_lse=return_lse
+  )
+
+
+@functools.partial(
+  jax.jit, static_argnames=("implementation", "cfg", "return_lse")
+)
+def _compute(
+  q, k, v, *, implementation: str, cfg: KernelConfig, return_lse: bool
+):
+  """One compiled program per (shapes, implementation, configuration)."""
+  q, k, v = (x.astype(cfg.policy.dtype("inputs")) for x in (q, k, v))
   if implementation == "pallas":
     if return_lse:
       return flash_attention_with_lse(q, k, v, cfg)
     return flash_attention(q, k, v, cfg)
-  if return_lse:
-    raise ValueError("return_lse=True is only available for 'pallas'.")
   if implementation == "reference":
-    return reference_attention(q, k, v, policy=policy, causal=causal)
-  return xla_attention(q, k, v, policy=policy, causal=causal)
+    return reference_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)
+  return xla_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)
 
 
 def jit_attention(**static_kwargs):

@@ -1,0 +1,38 @@
+r"""Forward-deviation experiment launcher.
+
+  python launch/forward_deviation.py --workdir=runs/forward \
+      [--config=configs/forward_deviation.py[:paper|:smoke]] \
+      [--config.seq_lens=256,1024]
+
+Kept short so that Colab and tests call the same `run`.
+"""
+
+import json
+import pathlib
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from stableattn.experiments import forward_deviation
+
+_CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / "configs"
+config_flags.DEFINE_config_file(
+  "config",
+  str(_CONFIG_PATH / "forward_deviation.py"),
+  "Experiment configuration file (with an optional :variant).",
+)
+flags.DEFINE_string(
+  "workdir",
+  "runs/forward_deviation",
+  "Directory for config.json, metrics.jsonl and the report.",
+)
+
+
+def main(argv):
+  del argv
+  result = forward_deviation.run(flags.FLAGS.config, flags.FLAGS.workdir)
+  print(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+  app.run(main)

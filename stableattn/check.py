@@ -1,0 +1,138 @@
+"""`check`: is a user's attention kernel's error normal for its format?
+
+Applies FlashAttention's test rule: the kernel's max error against the FP64
+golden value must be at most `factor` times the error of the same-policy
+baseline attention, plus FlashAttention-3's absolute floor of a few ULPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.dispatch import attention
+from stableattn.golden import golden_attention
+from stableattn.inputs import Shape, make_inputs, round_to
+from stableattn.metrics import compare, rounding_floor
+from stableattn.precision import Precision
+
+DEFAULT_SHAPES = ((1, 128, 4, 64), (2, 97, 4, 64), (1, 256, 2, 128))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckRow:
+  shape: tuple[int, ...]
+  distribution: str
+  seed: int
+  error: float  # max |fn - golden|
+  baseline_error: float  # max |reference - golden|, same policy
+  ratio: float
+  floor: float
+  passed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckReport:
+  precision: str
+  factor: float
+  rows: tuple[CheckRow, ...]
+
+  @property
+  def passed(self) -> bool:
+    return all(r.passed for r in self.rows)
+
+  def __str__(self) -> str:
+    lines = [
+      f"FlashAttention rule at {self.precision}: error <= {self.factor} x "
+      "baseline error + floor",
+      f"{'shape':>22} {'inputs':>8} {'error':>10} {'baseline':>10} "
+      f"{'ratio':>7} {'floor':>9}  verdict",
+    ]
+    for r in self.rows:
+      lines.append(
+        f"{str(r.shape):>22} {r.distribution:>8} {r.error:10.3e} "
+        f"{r.baseline_error:10.3e} {r.ratio:7.2f} {r.floor:9.2e}  "
+        f"{'pass' if r.passed else 'FAIL'}"
+      )
+    lines.append("PASSED" if self.passed else "FAILED")
+    return "\n".join(lines)
+
+
+def _shape(spec) -> Shape:
+  spec = tuple(int(x) for x in spec)
+  if len(spec) == 4:
+    batch, length, heads, head_dim = spec
+    return Shape(batch, length, length, heads, heads, head_dim)
+  if len(spec) == 6:
+    return Shape(*spec)
+  raise ValueError(
+    f"shape {spec} must be (batch, seq_len, heads, head_dim) or (batch, "
+    "q_len, kv_len, heads, kv_heads, head_dim)."
+  )
+
+
+def check(
+  fn,
+  *,
+  precision: str | Precision = "bf16-fa2",
+  shapes=None,
+  causal: bool = False,
+  distributions=("normal",),
+  seeds: int = 1,
+  factor: float = 2.0,
+) -> CheckReport:
+  """Runs `fn(q, k, v)` against golden and the same-policy baseline.
+
+  Args:
+    fn: attention function taking q [B,T,H,D], k, v [B,S,Hkv,D] (JAX arrays
+      in the policy's input format) and returning [B,T,H,D].
+    precision: policy of the baseline; inputs are rounded to its format.
+    shapes: (batch, seq_len, heads, head_dim) or (batch, q_len, kv_len,
+      heads, kv_heads, head_dim) tuples; a few defaults if None.
+    causal: whether fn is causal (the references follow).
+    distributions: input distributions from `stableattn.inputs`.
+    seeds: inputs per shape and distribution.
+    factor: allowed error ratio (FlashAttention uses 2; 3 for gradients).
+
+  Returns:
+    A `CheckReport`; `str(report)` is a table, `report.passed` the verdict.
+  """
+  policy = Precision.from_name(precision)
+  fmt = policy.inputs
+  rows = []
+  for spec in shapes or DEFAULT_SHAPES:
+    shape = _shape(spec)
+    for distribution in distributions:
+      for seed in range(seeds):
+        q, k, v = (
+          round_to(x, fmt) for x in make_inputs(distribution, seed, shape)
+        )
+        golden = golden_attention(q, k, v, causal)
+        baseline = attention(
+          q, k, v, implementation="reference", precision=policy, causal=causal
+        )
+        dtype = policy.dtype("inputs")
+        out = fn(*(jnp.asarray(x).astype(dtype) for x in (q, k, v)))
+        out = np.asarray(jnp.asarray(out).astype(jnp.float64))
+        if out.shape != golden.shape:
+          raise ValueError(
+            f"fn returned shape {out.shape}; expected {golden.shape}."
+          )
+        error = compare(golden, out).max_abs
+        baseline_error = compare(golden, baseline).max_abs
+        floor = rounding_floor(golden, policy.output)
+        rows.append(
+          CheckRow(
+            shape=tuple(spec),
+            distribution=distribution,
+            seed=seed,
+            error=error,
+            baseline_error=baseline_error,
+            ratio=error / baseline_error if baseline_error else float("inf"),
+            floor=floor,
+            passed=bool(error <= factor * baseline_error + floor),
+          )
+        )
+  return CheckReport(policy.name, factor, tuple(rows))

@@ -1,0 +1,126 @@
+"""Computes attention outputs and gradients for deviation studies, once each.
+
+Studies ask for the same output many times (one flash output is compared
+with several baselines); the engine keys every result by what determines it
+and keeps it until the study ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.dispatch import attention
+from stableattn.golden import golden_attention, golden_attention_vjp
+from stableattn.inputs import Shape, make_inputs, round_to
+from stableattn.precision import Precision
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """Inputs of one measurement: distribution, shape, storage format, seed."""
+
+  distribution: str
+  shape: Shape
+  fmt: str  # inputs are rounded to this format before anything runs
+  seed: int
+  causal: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """How attention is computed."""
+
+  implementation: str
+  policy: Precision
+  block_q: int = 64
+  block_k: int = 64
+  scheme: str = "fa2"
+
+
+class Engine:
+  def __init__(self, *, scale: float = 8.0, tied_copies: int = 4):
+    self._scale = scale
+    self._tied_copies = tied_copies
+    self._cache: dict = {}
+
+  def clear(self) -> None:
+    self._cache.clear()
+
+  def _memo(self, key, compute):
+    if key not in self._cache:
+      self._cache[key] = compute()
+    return self._cache[key]
+
+  def inputs(self, case: Case):
+    def compute():
+      qkv = make_inputs(
+        case.distribution,
+        case.seed,
+        case.shape,
+        scale=self._scale,
+        tied_copies=self._tied_copies,
+      )
+      return tuple(round_to(x, case.fmt) for x in qkv)
+
+    return self._memo(
+      ("inputs", case.distribution, case.shape, case.fmt, case.seed), compute
+    )
+
+  def d_out(self, case: Case):
+    """A standard-normal output cotangent, rounded to the case format."""
+
+    def compute():
+      rng = np.random.default_rng([case.seed, 7919])
+      return round_to(rng.standard_normal(case.shape.q_shape), case.fmt)
+
+    return self._memo(("d_out", case), compute)
+
+  def golden(self, case: Case):
+    return self._memo(
+      ("golden", case),
+      lambda: golden_attention(*self.inputs(case), causal=case.causal),
+    )
+
+  def golden_grads(self, case: Case):
+    return self._memo(
+      ("golden_grads", case),
+      lambda: golden_attention_vjp(
+        *self.inputs(case), self.d_out(case), causal=case.causal
+      ),
+    )
+
+  def _kwargs(self, kernel: Kernel, case: Case):
+    return dict(
+      implementation=kernel.implementation,
+      precision=kernel.policy,
+      block_q=kernel.block_q,
+      block_k=kernel.block_k,
+      scheme=kernel.scheme,
+      causal=case.causal,
+    )
+
+  def output(self, kernel: Kernel, case: Case) -> np.ndarray:
+    """Attention output as float64 (values as the kernel stored them)."""
+
+    def compute():
+      out = attention(*self.inputs(case), **self._kwargs(kernel, case))
+      return np.asarray(out.astype(jnp.float64))
+
+    return self._memo(("output", kernel, case), compute)
+
+  def grads(self, kernel: Kernel, case: Case):
+    """(dq, dk, dv) for the case's output cotangent, as float64."""
+
+    def compute():
+      kwargs = self._kwargs(kernel, case)
+      out, vjp = jax.vjp(
+        lambda q, k, v: attention(q, k, v, **kwargs), *self.inputs(case)
+      )
+      grads = vjp(jnp.asarray(self.d_out(case)).astype(out.dtype))
+      return tuple(np.asarray(g.astype(jnp.float64)) for g in grads)
+
+    return self._memo(("grads", kernel, case), compute)

@@ -1,0 +1,88 @@
+"""Small matplotlib helpers: log-scale line and bar plots saved as PNG."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+@dataclasses.dataclass
+class Series:
+  label: str
+  x: list
+  y: list
+  y_err: list | None = None  # symmetric spread (e.g. std over seeds)
+
+
+def _positive(values):
+  return [v if v is not None and v > 0 else float("nan") for v in values]
+
+
+def line_plot(
+  path: str | pathlib.Path,
+  series: list[Series],
+  *,
+  title: str,
+  xlabel: str,
+  ylabel: str,
+  logx: bool = True,
+  logy: bool = True,
+) -> pathlib.Path:
+  fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+  for s in series:
+    y = _positive(s.y) if logy else s.y
+    if s.y_err is not None:
+      ax.errorbar(s.x, y, yerr=s.y_err, marker="o", capsize=3, label=s.label)
+    else:
+      ax.plot(s.x, y, marker="o", label=s.label)
+  if logx:
+    ax.set_xscale("log", base=2)
+  if logy:
+    ax.set_yscale("log")
+  ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+  ax.grid(True, which="both", alpha=0.3)
+  if series:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return pathlib.Path(path)
+
+
+def bar_plot(
+  path: str | pathlib.Path,
+  labels: list[str],
+  groups: dict[str, list[float]],
+  *,
+  title: str,
+  ylabel: str,
+  logy: bool = True,
+  reference_line: float | None = None,
+) -> pathlib.Path:
+  """Grouped bars: one bar per group at each label."""
+  width = 0.8 / max(1, len(groups))
+  fig, ax = plt.subplots(
+    figsize=(max(6.4, 0.55 * len(labels) + 2), 4.4), dpi=110
+  )
+  for i, (name, values) in enumerate(groups.items()):
+    xs = [j + i * width for j in range(len(labels))]
+    ax.bar(xs, _positive(values) if logy else values, width, label=name)
+  ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(labels))])
+  ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+  if logy:
+    ax.set_yscale("log")
+  if reference_line is not None:
+    ax.axhline(reference_line, color="black", linewidth=0.8, linestyle="--")
+  ax.set(title=title, ylabel=ylabel)
+  ax.grid(True, axis="y", which="both", alpha=0.3)
+  if len(groups) > 1:
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return pathlib.Path(path)

@@ -1,0 +1,120 @@
+"""The forward-deviation experiment, end to end on its :smoke config."""
+
+import csv
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from configs import forward_deviation as forward_config
+from stableattn.experiments import forward_deviation
+from stableattn.experiments.forward_studies import STUDIES
+from stableattn.metrics import Deviation
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("forward_smoke")
+  config = forward_config.get_config("smoke")
+  result = forward_deviation.run(config, workdir)
+  return workdir, result, config
+
+
+def _rows(workdir):
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return [json.loads(line) for line in lines]
+
+
+def test_writes_every_file(smoke_run):
+  workdir, result, _ = smoke_run
+  for name in ("config.json", "metrics.jsonl", "summary.csv", "report.md"):
+    assert (workdir / name).stat().st_size > 0, name
+  for study in STUDIES:
+    png = workdir / f"{study}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", study
+  report = (workdir / "report.md").read_text()
+  for study in STUDIES.values():
+    assert study.title in report
+  assert report.count("**Finding.**") >= len(STUDIES)
+  assert result["points_measured"] > 0 and result["points_skipped"] == 0
+  assert json.loads((workdir / "config.json").read_text())["seeds"] == 2
+
+
+def test_rows_carry_identity_and_every_deviation_field(smoke_run):
+  workdir, _, _ = smoke_run
+  rows = _rows(workdir)
+  fields = set(Deviation.__dataclass_fields__)
+  for row in rows:
+    assert {"study", "point_key", "seed", "comparison"} <= row.keys()
+    assert fields <= row.keys()
+  assert {r["study"] for r in rows} == set(STUDIES)
+  with open(workdir / "summary.csv") as f:
+    summary = list(csv.DictReader(f))
+  assert summary and "max_abs_mean" in summary[0]
+  assert all(int(r["n_seeds"]) == 2 for r in summary)
+
+
+def test_invariants(smoke_run):
+  workdir, _, _ = smoke_run
+  rows = [
+    r
+    for r in _rows(workdir)
+    if r["study"] == "format_sweep" and r["comparison"] == "flash_vs_baseline"
+  ]
+  by_format = {}
+  for r in rows:
+    by_format.setdefault(r["format"], []).append(r["max_abs"])
+  worst = {fmt: max(v) for fmt, v in by_format.items()}
+  assert worst["fp64"] < 1e-12
+  # Fewer mantissa bits, larger deviation.
+  assert worst["fp64"] < worst["fp32"] < worst["bf16"]
+  assert all(r["n_nan"] == 0 for r in _rows(workdir))
+
+
+def test_rerun_skips_finished_points_and_repairs_a_cut_line(
+  smoke_run, tmp_path
+):
+  workdir, first, config = smoke_run
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  lines = (workdir / "metrics.jsonl").read_text().splitlines(keepends=True)
+  # An interrupted write: the last row cut in half.
+  (copy / "metrics.jsonl").write_text(
+    "".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]
+  )
+  result = forward_deviation.run(config, copy)
+  # Only the point whose row was cut is measured again.
+  assert result["points_measured"] == 1
+  assert result["points_skipped"] == first["points_measured"] - 1
+  again = _rows(copy)  # every line parses, no row is duplicated
+  assert len(again) == len(lines)
+  assert len({json.dumps(r, sort_keys=True) for r in again}) == len(again)
+  assert forward_deviation.run(config, copy)["points_measured"] == 0
+
+
+def test_launcher_accepts_command_line_overrides(tmp_path):
+  cmd = [
+    sys.executable,
+    str(REPO / "launch" / "forward_deviation.py"),
+    f"--workdir={tmp_path}",
+    f"--config={REPO / 'configs' / 'forward_deviation.py'}:smoke",
+    "--config.studies=seq_len",
+    "--config.seq_lens=32,48",
+    "--config.seeds=1",
+  ]
+  subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=300)
+  lengths = {r["seq_len"] for r in _rows(tmp_path)}
+  assert lengths == {32, 48}
+
+
+def test_bad_config_fails_fast():
+  config = forward_config.get_config("smoke")
+  config.studies = "format_sweep,fig9"
+  with pytest.raises(ValueError, match="fig9.*valid"):
+    forward_deviation.run(config, "/nonexistent/never/written")
+  with pytest.raises(ValueError, match="variant 'papers'"):
+    forward_config.get_config("papers")
