@@ -1,0 +1,387 @@
+"""Training-drift experiment (Golden et al., Figs. 7-8).
+
+Trains several runs of the same transformer in lockstep on one data stream
+and, at every logging step, measures how far each pair's weights have
+drifted apart:
+  * flash_vs_baseline — same init and data, Flash vs Baseline attention;
+  * different_seed — another initialization (the accepted lower reference);
+  * bf16_vs_fp32, fp16_vs_fp32 — low-precision training (the upper one);
+  * identical_rerun — the same run twice: a control that must be 0;
+  * one_vs_n_devices — 1 device vs N (reduction order), when N > 1.
+Runs that coincide (the base run *is* the bf16 run when training in BF16)
+are trained once. All runs are checkpointed together with Orbax; a
+restarted run resumes from the last checkpoint and continues bitwise
+identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from stableattn import data as data_lib
+from stableattn.drift import param_drift
+from stableattn.experiments.drift_report import write_report
+from stableattn.experiments.rundir import RunDir
+from stableattn.model import AttentionSpec, ModelSpec
+from stableattn.precision import preset_names
+from stableattn.training import (
+  COMPUTE_DTYPES,
+  OptimizerSpec,
+  RunSpec,
+  Trainer,
+  TrainState,
+)
+
+PAIRS = {
+  "flash_vs_baseline": ("base", "flash"),
+  "different_seed": ("base", "seed"),
+  "bf16_vs_fp32": ("fp32", "bf16"),
+  "fp16_vs_fp32": ("fp32", "fp16"),
+  "identical_rerun": ("base", "rerun"),
+  "one_vs_n_devices": ("base", "one_device"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  model: ModelSpec
+  optimizer: OptimizerSpec
+  runs: dict  # logical run name -> RunSpec
+  pairs: tuple[str, ...]
+  batch_size: int
+  seq_len: int
+  log_every: int
+  checkpoint_every: int
+  stop_at_step: int
+  data_seed: int
+  data_path: str
+  corpus_tokens: int
+
+  @property
+  def physical_runs(self) -> dict[str, RunSpec]:
+    """One entry per distinct RunSpec (first logical name wins)."""
+    out = {}
+    for name, spec in self.runs.items():
+      if spec not in out.values():
+        out[name] = spec
+    return out
+
+  def physical_name(self, logical: str) -> str:
+    spec = self.runs[logical]
+    return next(n for n, s in self.physical_runs.items() if s == spec)
+
+
+def _policy(name: str, implementation: str, precision: str) -> str:
+  if name != "auto":
+    if name not in preset_names():
+      raise ValueError(
+        f"Unknown attention precision {name!r}; valid: 'auto' or "
+        f"{preset_names()}."
+      )
+    return name
+  if precision == "fp32":
+    return "fp32"
+  return (
+    f"{precision}-fa2"
+    if implementation == "pallas"
+    else (f"{precision}-framework")
+  )
+
+
+def settings_from_config(config) -> Settings:
+  """Validates the ConfigDict (fails fast) and builds typed settings."""
+  c = config
+  precision = c.train.precision
+  if precision not in COMPUTE_DTYPES:
+    raise ValueError(
+      f"Unknown training precision {precision!r}; valid: "
+      f"{list(COMPUTE_DTYPES)}."
+    )
+  for kind in (c.attention.baseline, c.attention.flash):
+    if kind not in ("reference", "pallas", "xla", "shadow"):
+      raise ValueError(
+        f"Unknown attention {kind!r}; valid: reference, pallas, xla, shadow."
+      )
+  devices = int(c.train.devices) or jax.local_device_count()
+  pairs = tuple(p.strip() for p in c.pairs.split(",") if p.strip())
+  unknown = [p for p in pairs if p not in PAIRS]
+  if unknown:
+    raise ValueError(f"Unknown pairs {unknown}; valid: {list(PAIRS)}.")
+  if devices == 1:
+    pairs = tuple(p for p in pairs if p != "one_vs_n_devices")
+  batch_size = int(c.train.batch_size)
+  if batch_size % devices:
+    raise ValueError(
+      f"train.batch_size {batch_size} is not divisible by the device count "
+      f"{devices}."
+    )
+  seq_len = int(c.model.seq_len)
+  model = ModelSpec(
+    vocab_size=int(c.model.vocab_size),
+    width=int(c.model.width),
+    depth=int(c.model.depth),
+    heads=int(c.model.heads),
+    max_len=seq_len,
+    mlp_ratio=int(c.model.mlp_ratio),
+  )
+  if model.width % model.heads:
+    raise ValueError(
+      f"model.width {model.width} is not divisible by "
+      f"model.heads {model.heads}."
+    )
+
+  def run(implementation, run_precision, **kwargs) -> RunSpec:
+    attention = AttentionSpec(
+      kind=implementation,
+      flash_precision=_policy(
+        c.attention.flash_precision, "pallas", run_precision
+      ),
+      baseline_precision=_policy(
+        c.attention.baseline_precision, "reference", run_precision
+      ),
+      block_q=int(c.attention.block_q),
+      block_k=int(c.attention.block_k),
+      scheme=c.attention.scheme,
+    )
+    return RunSpec(
+      attention=attention,
+      precision=run_precision,
+      devices=kwargs.pop("devices", devices),
+      **kwargs,
+    )
+
+  base = c.attention.baseline
+  runs = {
+    "base": run(base, precision),
+    "flash": run(c.attention.flash, precision),
+    "seed": run(base, precision, init_seed=1),
+    "rerun": run(base, precision, replica=1),
+    "fp32": run(base, "fp32"),
+    "bf16": run(base, "bf16"),
+    "fp16": run(base, "fp16"),
+    "one_device": run(base, precision, devices=1),
+  }
+  needed = {r for p in pairs for r in PAIRS[p]}
+  runs = {n: s for n, s in runs.items() if n in needed}
+  total = int(c.train.total_steps)
+  optimizer = OptimizerSpec(
+    learning_rate=float(c.train.learning_rate),
+    warmup_steps=int(c.train.warmup_steps),
+    total_steps=total,
+    weight_decay=float(c.train.weight_decay),
+    clip_norm=float(c.train.clip_norm),
+  )
+  return Settings(
+    model=model,
+    optimizer=optimizer,
+    runs=runs,
+    pairs=pairs,
+    batch_size=batch_size,
+    seq_len=seq_len,
+    log_every=int(c.train.log_every),
+    checkpoint_every=int(c.train.checkpoint_every),
+    stop_at_step=int(c.train.stop_at_step),
+    data_seed=int(c.data.seed),
+    data_path=str(c.data.path),
+    corpus_tokens=int(c.data.corpus_tokens),
+  )
+
+
+def load_data(s: Settings) -> np.ndarray:
+  if s.data_path:
+    tokens = data_lib.load_tokens(s.data_path, s.model.vocab_size)
+  else:
+    tokens = data_lib.generate_corpus(s.corpus_tokens, s.data_seed)
+  data_lib.check_length(tokens, s.seq_len)
+  return tokens
+
+
+def _checkpoint_manager(run_dir: RunDir) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+    (run_dir.path / "checkpoints").resolve(),
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=2, create=True, enable_async_checkpointing=False
+    ),
+  )
+
+
+def _as_leaves(states: dict[str, TrainState]) -> dict:
+  return {
+    run: {f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(state))}
+    for run, state in states.items()
+  }
+
+
+def _from_leaves(template: dict[str, TrainState], leaves: dict):
+  return {
+    run: jax.tree.unflatten(
+      jax.tree.structure(state), [leaves[run][k] for k in sorted(leaves[run])]
+    )
+    for run, state in template.items()
+  }
+
+
+def load_checkpoint(workdir, template: dict[str, TrainState]):
+  """(step, states) of the latest checkpoint in a workdir, or (None, None)."""
+  manager = _checkpoint_manager(RunDir(workdir))
+  step = manager.latest_step()
+  if step is None:
+    return None, None
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _as_leaves(template))
+  restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+  return step, _from_leaves(template, restored)
+
+
+def _stats_rows(run: str, step: int, layer_stats) -> list[dict]:
+  return [
+    {
+      "kind": "attention",
+      "run": run,
+      "step": step,
+      "layer": i,
+      **{k: float(v) for k, v in stats.items()},
+    }
+    for i, stats in enumerate(layer_stats)
+  ]
+
+
+def run(config, workdir) -> dict:
+  """Trains every run, logs drift, writes the report; returns headlines."""
+  settings = settings_from_config(config)
+  tokens = load_data(settings)
+  run_dir = RunDir(workdir)
+  run_dir.write_config(config.to_dict())
+  physical = settings.physical_runs
+  trainers = {
+    name: Trainer(settings.model, spec, settings.optimizer, settings.batch_size)
+    for name, spec in physical.items()
+  }
+  states = {name: t.init_state() for name, t in trainers.items()}
+
+  start, restored = load_checkpoint(run_dir.path, states)
+  rows = [
+    r
+    for r in run_dir.read_metrics()
+    if start is not None and r["step"] <= start
+  ]
+  run_dir.rewrite_metrics(rows)
+  if restored is not None:
+    states = {n: trainers[n].place(s) for n, s in restored.items()}
+  start = 0 if start is None else start
+  manager = _checkpoint_manager(run_dir)
+
+  eval_tokens = data_lib.eval_batch(
+    tokens,
+    seed=settings.data_seed,
+    batch_size=settings.batch_size,
+    seq_len=settings.seq_len,
+  )
+  eval_batches = {n: t.shard_batch(eval_tokens) for n, t in trainers.items()}
+  last_train = {}
+
+  def log(step: int):
+    evals = {
+      n: trainers[n].evaluate(states[n], eval_batches[n]) for n in trainers
+    }
+    new = []
+    for name, (_, loss, layer_stats) in evals.items():
+      new.append(
+        {
+          "kind": "run",
+          "run": name,
+          "step": step,
+          "eval_loss": float(loss),
+          **last_train.get(name, {}),
+        }
+      )
+      new += _stats_rows(name, step, layer_stats)
+    params = {n: jax.device_get(s.params) for n, s in states.items()}
+    for pair in settings.pairs:
+      a, b = (settings.physical_name(r) for r in PAIRS[pair])
+      logits_a, logits_b = np.asarray(evals[a][0]), np.asarray(evals[b][0])
+      diff = logits_b.astype(np.float64) - logits_a
+      new.append(
+        {
+          "kind": "pair",
+          "pair": pair,
+          "step": step,
+          "eval_loss_gap": float(evals[b][1]) - float(evals[a][1]),
+          "logit_max_abs": float(np.max(np.abs(diff))),
+          "logit_rel_l2": float(
+            np.linalg.norm(diff) / np.linalg.norm(logits_a)
+          ),
+        }
+      )
+      new += [
+        {"kind": "drift", "pair": pair, "step": step, **row}
+        for row in param_drift(params[a], params[b])
+      ]
+    run_dir.append_metrics(new)
+    rows.extend(new)
+
+  started = time.time()
+  if start == 0 and not rows:
+    log(0)
+  total = settings.optimizer.total_steps
+  batch_shards = None
+  for step in tqdm(
+    range(start + 1, total + 1),
+    desc="training drift",
+    unit="step",
+    mininterval=1.0,
+    initial=start,
+    total=total,
+  ):
+    batch = data_lib.batch_at(
+      tokens,
+      seed=settings.data_seed,
+      step=step,
+      batch_size=settings.batch_size,
+      seq_len=settings.seq_len,
+    )
+    for name, trainer in trainers.items():
+      sharded = trainer.shard_batch(batch)
+      if name == "base":
+        batch_shards = [tuple(s.data.shape) for s in sharded.addressable_shards]
+      states[name], metrics = trainer.step(states[name], sharded)
+      loss = float(metrics["loss"])
+      last_train[name] = {
+        "train_loss": loss,
+        "grad_norm": float(metrics["grad_norm"]),
+        "loss_scale": float(metrics["loss_scale"]),
+        "finite_grads": bool(metrics["finite_grads"]),
+      }
+      if not np.isfinite(loss):
+        row = {"kind": "nonfinite", "run": name, "step": step, "loss": loss}
+        run_dir.append_metrics([row])
+        raise FloatingPointError(
+          f"Run {name!r} ({physical[name].precision}, attention "
+          f"{physical[name].attention.kind}): training loss is {loss} at "
+          f"step {step}. The row is in {run_dir.metrics_path}."
+        )
+    if step % settings.log_every == 0 or step == total:
+      log(step)
+    stop_here = step == settings.stop_at_step
+    if step % settings.checkpoint_every == 0 or step == total or stop_here:
+      manager.save(
+        step, args=ocp.args.StandardSave(_as_leaves(states)), force=True
+      )
+      manager.wait_until_finished()
+    if stop_here:
+      return {"workdir": str(run_dir.path), "stopped_at_step": step}
+
+  headline = write_report(run_dir, settings, rows)
+  return {
+    "workdir": str(run_dir.path),
+    "seconds": time.time() - started,
+    "runs": list(physical),
+    "devices": {n: s.devices for n, s in physical.items()},
+    "batch_shards": batch_shards,
+    **headline,
+  }

@@ -1,0 +1,202 @@
+"""A small decoder-only transformer (flax.nnx) whose attention is chosen by name.
+
+Pre-norm blocks (RMSNorm computed in FP32), learned absolute positions, a
+GELU MLP, and tied input/output embeddings. Attention is one of:
+  * "reference": materialized baseline attention (`stableattn.attention`),
+  * "pallas": our flash kernel,
+  * "xla": `jax.nn.dot_product_attention`,
+  * "shadow": computes both flash and baseline on the same inputs, passes one
+    of them downstream (`shadow_downstream`) and, when statistics are
+    collected, reports their per-layer deviation (Golden et al. ran both
+    attentions inside the model the same way).
+With `collect_stats=True` every layer also reports its largest attention
+logit and the mean entropy of its attention rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from stableattn.dispatch import attention
+from stableattn.precision import Precision
+
+ATTENTION_KINDS = ("reference", "pallas", "xla", "shadow")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """How every layer computes attention."""
+
+  kind: str = "reference"
+  flash_precision: str = "fp32"  # policy of the pallas kernel
+  baseline_precision: str = "fp32"  # policy of reference / xla
+  block_q: int = 64
+  block_k: int = 64
+  scheme: str = "fa2"
+  shadow_downstream: str = "reference"  # which output "shadow" passes on
+
+  def __post_init__(self):
+    if self.kind not in ATTENTION_KINDS:
+      raise ValueError(
+        f"Unknown attention {self.kind!r}; valid: {list(ATTENTION_KINDS)}."
+      )
+    if self.shadow_downstream not in ("reference", "pallas"):
+      raise ValueError(
+        f"shadow_downstream must be 'reference' or 'pallas', got "
+        f"{self.shadow_downstream!r}."
+      )
+    Precision.from_name(self.flash_precision)
+    Precision.from_name(self.baseline_precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  vocab_size: int = 256
+  width: int = 128
+  depth: int = 4
+  heads: int = 4
+  max_len: int = 128
+  mlp_ratio: int = 4
+
+
+def _flash(q, k, v, spec: AttentionSpec):
+  return attention(
+    q,
+    k,
+    v,
+    implementation="pallas",
+    precision=spec.flash_precision,
+    block_q=spec.block_q,
+    block_k=spec.block_k,
+    scheme=spec.scheme,
+    causal=True,
+  )
+
+
+def _baseline(q, k, v, spec: AttentionSpec, implementation="reference"):
+  return attention(
+    q,
+    k,
+    v,
+    implementation=implementation,
+    precision=spec.baseline_precision,
+    causal=True,
+  )
+
+
+def attention_statistics(q_BxTxHxD, k_BxTxHxD):
+  """Largest logit and mean row entropy of causal attention, in FP32."""
+  q = jax.lax.stop_gradient(q_BxTxHxD).astype(jnp.float32)
+  k = jax.lax.stop_gradient(k_BxTxHxD).astype(jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+  length = s.shape[-1]
+  causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+  s = jnp.where(causal, s, -jnp.inf)
+  log_p = jax.nn.log_softmax(s, axis=-1)
+  entropy = -jnp.sum(jnp.where(causal, jnp.exp(log_p) * log_p, 0.0), -1)
+  return {"max_logit": jnp.max(s), "entropy": jnp.mean(entropy)}
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, width: int):
+    self.scale = nnx.Param(jnp.ones((width,), jnp.float32))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6)
+    return (normed * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+class SelfAttention(nnx.Module):
+  def __init__(
+    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+  ):
+    self.heads = spec.heads
+    self.head_dim = spec.width // spec.heads
+    self.attention_spec = attention_spec
+
+    def linear():
+      return nnx.Linear(spec.width, spec.width, use_bias=False, rngs=rngs)
+
+    self.query, self.key, self.value, self.out = (linear() for _ in range(4))
+
+  def __call__(self, x_BxTxW, collect_stats: bool = False):
+    batch, length, width = x_BxTxW.shape
+    shape = (batch, length, self.heads, self.head_dim)
+    q = self.query(x_BxTxW).reshape(shape)
+    k = self.key(x_BxTxW).reshape(shape)
+    v = self.value(x_BxTxW).reshape(shape)
+    spec = self.attention_spec
+    stats = {}
+    if spec.kind == "shadow":
+      flash = _flash(q, k, v, spec)
+      base = _baseline(q, k, v, spec)
+      out = flash if spec.shadow_downstream == "pallas" else base
+      if collect_stats:
+        diff = jnp.abs(flash.astype(jnp.float32) - base.astype(jnp.float32))
+        stats["shadow_max_abs"] = jnp.max(diff)
+        stats["shadow_rel_l2"] = jnp.linalg.norm(diff) / jnp.linalg.norm(
+          base.astype(jnp.float32)
+        )
+    elif spec.kind == "pallas":
+      out = _flash(q, k, v, spec)
+    else:
+      out = _baseline(q, k, v, spec, implementation=spec.kind)
+    if collect_stats:
+      stats.update(attention_statistics(q, k))
+    out = out.astype(x_BxTxW.dtype).reshape(batch, length, width)
+    return self.out(out), stats
+
+
+class Block(nnx.Module):
+  def __init__(
+    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+  ):
+    self.attention_norm = RMSNorm(spec.width)
+    self.attention = SelfAttention(spec, attention_spec, rngs=rngs)
+    self.mlp_norm = RMSNorm(spec.width)
+    hidden = spec.mlp_ratio * spec.width
+    self.mlp_in = nnx.Linear(spec.width, hidden, rngs=rngs)
+    self.mlp_out = nnx.Linear(hidden, spec.width, rngs=rngs)
+
+  def __call__(self, x, collect_stats: bool = False):
+    attended, stats = self.attention(self.attention_norm(x), collect_stats)
+    x = x + attended
+    x = x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+    return x, stats
+
+
+class Transformer(nnx.Module):
+  def __init__(
+    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+  ):
+    self.spec = spec
+    self.embed = nnx.Embed(spec.vocab_size, spec.width, rngs=rngs)
+    self.positions = nnx.Param(
+      0.02 * jax.random.normal(rngs.params(), (spec.max_len, spec.width))
+    )
+    self.blocks = nnx.List(
+      [Block(spec, attention_spec, rngs=rngs) for _ in range(spec.depth)]
+    )
+    self.final_norm = RMSNorm(spec.width)
+
+  def __call__(self, tokens_BxT, collect_stats: bool = False):
+    """Logits [B, T, vocab] (FP32) and per-layer statistics."""
+    length = tokens_BxT.shape[1]
+    if length > self.spec.max_len:
+      raise ValueError(
+        f"sequence length {length} exceeds the model's max_len "
+        f"{self.spec.max_len}."
+      )
+    x = self.embed(tokens_BxT)
+    x = x + self.positions.value[:length].astype(x.dtype)
+    layer_stats = []
+    for block in self.blocks:
+      x, stats = block(x, collect_stats)
+      layer_stats.append(stats)
+    logits = self.embed.attend(self.final_norm(x))
+    return logits.astype(jnp.float32), layer_stats

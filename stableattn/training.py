@@ -1,0 +1,226 @@
+"""Training a `Transformer` with Optax in FP32, BF16 or FP16.
+
+Master weights stay FP32; the forward and backward passes run in the
+compute format (params cast on the way in). FP16 adds dynamic loss scaling:
+a step whose gradients overflow is skipped and the scale halved; after
+`loss_scale_period` good steps the scale doubles. Data parallelism: the
+batch is sharded over a 1-D `Mesh` ("data" axis), parameters replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from stableattn.model import AttentionSpec, ModelSpec, Transformer
+
+COMPUTE_DTYPES = {
+  "fp32": jnp.float32,
+  "bf16": jnp.bfloat16,
+  "fp16": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  total_steps: int = 400
+  end_learning_rate_fraction: float = 0.1
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """Everything that defines one training run."""
+
+  attention: AttentionSpec
+  precision: str = "fp32"  # compute format: fp32 | bf16 | fp16
+  init_seed: int = 0
+  devices: int = 1
+  replica: int = 0  # distinguishes an identical rerun from its original
+  init_loss_scale: float = 2.0**15
+  loss_scale_period: int = 200
+
+  def __post_init__(self):
+    if self.precision not in COMPUTE_DTYPES:
+      raise ValueError(
+        f"Unknown training precision {self.precision!r}; valid: "
+        f"{list(COMPUTE_DTYPES)}."
+      )
+
+  @property
+  def dynamic_loss_scale(self) -> bool:
+    return self.precision == "fp16"
+
+
+class TrainState(NamedTuple):
+  params: nnx.State
+  opt_state: optax.OptState
+  loss_scale: jax.Array  # float32 scalar; 1 without loss scaling
+  good_steps: jax.Array  # int32: finite steps since the last scale change
+  step: jax.Array  # int32: updates applied or skipped so far
+
+
+def make_optimizer(spec: OptimizerSpec) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+    init_value=0.0,
+    peak_value=spec.learning_rate,
+    warmup_steps=spec.warmup_steps,
+    decay_steps=spec.total_steps,
+    end_value=spec.learning_rate * spec.end_learning_rate_fraction,
+  )
+  return optax.chain(
+    optax.clip_by_global_norm(spec.clip_norm),
+    optax.adamw(
+      schedule, b1=spec.b1, b2=spec.b2, weight_decay=spec.weight_decay
+    ),
+  )
+
+
+def make_mesh(devices: int) -> Mesh:
+  available = jax.local_devices()
+  if devices > len(available):
+    raise ValueError(
+      f"{devices} devices requested, but only {len(available)} are "
+      "available (on CPU, simulate more with XLA_FLAGS="
+      "--xla_force_host_platform_device_count=N)."
+    )
+  return Mesh(np.asarray(available[:devices]), ("data",))
+
+
+class Trainer:
+  """Initializes, steps and evaluates one run; compiled once per run."""
+
+  def __init__(
+    self,
+    model_spec: ModelSpec,
+    run: RunSpec,
+    optimizer: OptimizerSpec,
+    batch_size: int,
+  ):
+    if batch_size % run.devices:
+      raise ValueError(
+        f"batch_size {batch_size} is not divisible by the {run.devices} "
+        "devices of the data-parallel mesh."
+      )
+    self.run = run
+    self.mesh = make_mesh(run.devices)
+    self.replicated = NamedSharding(self.mesh, P())
+    self.batch_sharding = NamedSharding(self.mesh, P("data"))
+    model = Transformer(model_spec, run.attention, rngs=nnx.Rngs(run.init_seed))
+    self.graphdef, params = nnx.split(model, nnx.Param)
+    self._initial_params = params
+    self.tx = make_optimizer(optimizer)
+    self.compute_dtype = COMPUTE_DTYPES[run.precision]
+    self._step = jax.jit(self._step_impl, donate_argnums=0)
+    self._eval = jax.jit(self._eval_impl)
+    shadow = dataclasses.replace(
+      run.attention, kind="shadow", shadow_downstream="pallas"
+    )
+    self._shadow_graphdef = nnx.split(
+      Transformer(model_spec, shadow, rngs=nnx.Rngs(0)), nnx.Param
+    )[0]
+
+  def init_state(self) -> TrainState:
+    params = self._initial_params
+    state = TrainState(
+      params=params,
+      opt_state=self.tx.init(params),
+      loss_scale=jnp.asarray(
+        self.run.init_loss_scale if self.run.dynamic_loss_scale else 1.0,
+        jnp.float32,
+      ),
+      good_steps=jnp.asarray(0, jnp.int32),
+      step=jnp.asarray(0, jnp.int32),
+    )
+    return jax.device_put(state, self.replicated)
+
+  def place(self, state: TrainState) -> TrainState:
+    return jax.device_put(state, self.replicated)
+
+  def shard_batch(self, batch: np.ndarray) -> jax.Array:
+    return jax.device_put(batch, self.batch_sharding)
+
+  def _apply(self, graphdef, params, tokens, collect_stats=False):
+    cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+    return nnx.merge(graphdef, cast)(tokens, collect_stats=collect_stats)
+
+  def _loss(self, params, batch, loss_scale):
+    logits, _ = self._apply(self.graphdef, params, batch[:, :-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch[:, 1:]
+    ).mean()
+    return loss * loss_scale, loss
+
+  def _step_impl(self, state: TrainState, batch):
+    grads, loss = jax.grad(self._loss, has_aux=True)(
+      state.params, batch, state.loss_scale
+    )
+    grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+    finite = jnp.all(
+      jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    )
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    loss_scale, good_steps = state.loss_scale, state.good_steps
+    if self.run.dynamic_loss_scale:
+      keep = lambda new, old: jax.tree.map(  # noqa: E731
+        lambda n, o: jnp.where(finite, n, o), new, old
+      )
+      params = keep(params, state.params)
+      opt_state = keep(opt_state, state.opt_state)
+      grow = jnp.logical_and(
+        finite, good_steps + 1 >= self.run.loss_scale_period
+      )
+      loss_scale = jnp.where(
+        finite,
+        jnp.where(grow, loss_scale * 2, loss_scale),
+        jnp.maximum(loss_scale / 2, 1.0),
+      )
+      good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
+    metrics = {
+      "loss": loss,
+      "grad_norm": optax.global_norm(grads),
+      "finite_grads": finite,
+      "loss_scale": state.loss_scale,
+    }
+    return TrainState(
+      params, opt_state, loss_scale, good_steps, state.step + 1
+    ), metrics
+
+  def step(self, state: TrainState, batch: jax.Array):
+    return self._step(state, batch)
+
+  def _eval_impl(self, params, batch):
+    logits, stats = self._apply(
+      self._shadow_graphdef
+      if self.run.attention.kind == "pallas"
+      else self.graphdef,
+      params,
+      batch[:, :-1],
+      collect_stats=True,
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch[:, 1:]
+    ).mean()
+    return logits, loss, stats
+
+  def evaluate(self, state: TrainState, batch: jax.Array):
+    """Logits and loss on a batch, and per-layer attention statistics.
+
+    A flash (pallas) run is evaluated through "shadow" attention, which
+    also computes the baseline and reports their per-layer deviation.
+    """
+    return self._eval(state.params, batch)
