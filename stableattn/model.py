@@ -1,4 +1,4 @@
-"""A small decoder-only transformer (flax.nnx) whose attention is chosen by name.
+"""A small decoder-only transformer (flax.nnx), attention chosen by name.
 
 Pre-norm blocks (RMSNorm computed in FP32), learned absolute positions, a
 GELU MLP, and tied input/output embeddings. Attention is one of:

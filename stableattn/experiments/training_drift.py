@@ -170,6 +170,11 @@ def settings_from_config(config) -> Settings:
   needed = {r for p in pairs for r in PAIRS[p]}
   runs = {n: s for n, s in runs.items() if n in needed}
   total = int(c.train.total_steps)
+  if total <= int(c.train.warmup_steps):
+    raise ValueError(
+      f"train.total_steps ({total}) must exceed train.warmup_steps "
+      f"({c.train.warmup_steps}): the cosine decay needs at least one step."
+    )
   optimizer = OptimizerSpec(
     learning_rate=float(c.train.learning_rate),
     warmup_steps=int(c.train.warmup_steps),

@@ -1,0 +1,68 @@
+import numpy as np
+import pytest
+
+from stableattn import data
+
+
+def test_generated_corpus_is_deterministic_and_structured():
+  a = data.generate_corpus(20_000, seed=3)
+  b = data.generate_corpus(20_000, seed=3)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, data.generate_corpus(20_000, seed=4))
+  text = bytes(a.astype(np.uint8)).decode()
+  assert text.count("<") > 5 and text.count("=") > 5  # copy spans
+  assert a.max() < data.BYTE_VOCAB
+
+
+def test_batches_depend_only_on_seed_and_step():
+  tokens = data.generate_corpus(5_000, seed=0)
+  a = data.batch_at(tokens, seed=1, step=7, batch_size=4, seq_len=16)
+  b = data.batch_at(tokens, seed=1, step=7, batch_size=4, seq_len=16)
+  np.testing.assert_array_equal(a, b)
+  assert a.shape == (4, 17) and a.dtype == np.int32
+  c = data.batch_at(tokens, seed=1, step=8, batch_size=4, seq_len=16)
+  assert not np.array_equal(a, c)
+
+
+def test_loaders(tmp_path):
+  ids = np.arange(100, dtype=np.int64) % 50
+  np.save(tmp_path / "t.npy", ids)
+  np.testing.assert_array_equal(data.load_tokens(tmp_path / "t.npy", 50), ids)
+  ids.astype(np.uint16).tofile(tmp_path / "t.bin")
+  np.testing.assert_array_equal(data.load_tokens(tmp_path / "t.bin", 50), ids)
+  (tmp_path / "t.txt").write_text("hello")
+  assert list(data.load_tokens(tmp_path / "t.txt", 256)) == list(b"hello")
+
+
+@pytest.mark.parametrize(
+  "name, content, message",
+  [
+    ("missing.npy", None, "does not exist"),
+    ("odd.bin", b"\x01\x02\x03", "whole number of uint16"),
+    ("empty.txt", b"", "no tokens"),
+    (
+      "big.bin",
+      np.asarray([1, 300], np.uint16).tobytes(),
+      r"token ids in \[1, 300\].*\[0, 256\)",
+    ),
+  ],
+)
+def test_loader_errors(tmp_path, name, content, message):
+  path = tmp_path / name
+  if content is not None:
+    path.write_bytes(content)
+  with pytest.raises(ValueError, match=message):
+    data.load_tokens(path, 256)
+
+
+def test_float_npy_is_rejected(tmp_path):
+  np.save(tmp_path / "f.npy", np.ones(10))
+  with pytest.raises(ValueError, match="must be integers"):
+    data.load_tokens(tmp_path / "f.npy", 256)
+
+
+def test_sequence_longer_than_data():
+  with pytest.raises(ValueError, match="fewer than seq_len"):
+    data.batch_at(
+      np.zeros(10, np.int32), seed=0, step=0, batch_size=1, seq_len=10
+    )

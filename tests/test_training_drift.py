@@ -1,0 +1,202 @@
+"""The training-drift experiment, end to end on its :smoke config."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from configs import training_drift as drift_config
+from stableattn.experiments import training_drift
+from stableattn.experiments.drift_report import drift_ratios
+from stableattn.model import AttentionSpec, ModelSpec
+from stableattn.training import OptimizerSpec, RunSpec, Trainer
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("drift_smoke")
+  config = drift_config.get_config("smoke")
+  result = training_drift.run(config, workdir)
+  return workdir, result
+
+
+def _rows(workdir):
+  return [
+    json.loads(line)
+    for line in (workdir / "metrics.jsonl").read_text().splitlines()
+  ]
+
+
+def _final_states(workdir, config):
+  settings = training_drift.settings_from_config(config)
+  template = {
+    name: Trainer(
+      settings.model, spec, settings.optimizer, settings.batch_size
+    ).init_state()
+    for name, spec in settings.physical_runs.items()
+  }
+  return training_drift.load_checkpoint(workdir, template)
+
+
+def test_writes_every_file(smoke_run):
+  workdir, _ = smoke_run
+  for name in (
+    "config.json",
+    "metrics.jsonl",
+    "summary.csv",
+    "report.md",
+    "fig7_flash_vs_baseline.png",
+    "fig8_all_pairs.png",
+    "shadow_deviation.png",
+    "loss.png",
+  ):
+    assert (workdir / name).stat().st_size > 0, name
+
+
+def test_controls_and_pairs(smoke_run):
+  workdir, result = smoke_run
+  rows = _rows(workdir)
+  drift = [r for r in rows if r["kind"] == "drift" and r["scope"] == "model"]
+  rerun = [r["max_abs"] for r in drift if r["pair"] == "identical_rerun"]
+  flash = [
+    r["max_abs"]
+    for r in drift
+    if r["pair"] == "flash_vs_baseline" and r["step"] > 0
+  ]
+  assert rerun and max(rerun) == 0.0
+  assert flash and min(flash) > 0.0
+  assert result["identical_rerun_max_abs"] == 0.0
+  # Per-layer in-model deviation of flash vs baseline was recorded.
+  shadow = [
+    r for r in rows if r["kind"] == "attention" and "shadow_max_abs" in r
+  ]
+  assert {r["layer"] for r in shadow} == {0, 1}
+  assert all(r["shadow_max_abs"] > 0 for r in shadow)
+
+
+def test_report_ratio_is_recomputed_from_metrics(smoke_run):
+  workdir, result = smoke_run
+  ratios = drift_ratios(_rows(workdir), "flash_vs_baseline", "fp16_vs_fp32")
+  median = float(np.median(list(ratios.values())))
+  assert result["flash_over_fp16_vs_fp32_median"] == pytest.approx(
+    median, rel=1e-12
+  )
+  report = (workdir / "report.md").read_text()
+  assert "fp16_vs_fp32 pair" in report and "identical-rerun" in report
+
+
+def test_interrupted_run_resumes_bitwise(smoke_run, tmp_path):
+  full_dir, _ = smoke_run
+  config = drift_config.get_config("smoke")
+  config.pairs = "flash_vs_baseline"
+  config.train.stop_at_step = 6
+  assert training_drift.run(config, tmp_path)["stopped_at_step"] == 6
+  config.train.stop_at_step = 0
+  training_drift.run(config, tmp_path)
+  step, resumed = _final_states(tmp_path, config)
+  full_step, full = _final_states(full_dir, drift_config.get_config("smoke"))
+  assert step == full_step == config.train.total_steps
+  for run in ("base", "flash"):
+    a, b = jax.tree.leaves(resumed[run]), jax.tree.leaves(full[run])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), run
+  # Metrics after the checkpoint were not duplicated.
+  steps = [
+    r["step"]
+    for r in _rows(tmp_path)
+    if r["kind"] == "run" and r["run"] == "base"
+  ]
+  assert steps == sorted(set(steps))
+
+
+def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  cmd = [
+    sys.executable,
+    str(REPO / "launch" / "training_drift.py"),
+    f"--workdir={tmp_path}",
+    f"--config={REPO / 'configs' / 'training_drift.py'}:smoke",
+    "--config.pairs=one_vs_n_devices",
+    "--config.train.total_steps=2",
+    "--config.train.warmup_steps=1",
+    "--config.train.log_every=1",
+  ]
+  out = subprocess.run(
+    cmd,
+    check=True,
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  ).stdout
+  result = json.loads(out[out.index("{") :])
+  assert result["devices"] == {"base": 4, "one_device": 1}
+  assert result["batch_shards"] == [[2, 33]] * 4
+
+
+@pytest.mark.parametrize(
+  "override, message",
+  [
+    (("attention", "flash", "triton"), "Unknown attention 'triton'"),
+    (("train", "precision", "fp8"), "Unknown training precision 'fp8'"),
+    (("attention", "flash_precision", "bf17"), "Unknown attention precision"),
+    (("train", "batch_size", 7), "not divisible by the device count"),
+  ],
+)
+def test_bad_configs_fail_fast(override, message, tmp_path):
+  config = drift_config.get_config("smoke")
+  section, field, value = override
+  config[section][field] = value
+  if field == "batch_size":
+    # Checked before any device is touched, so 3 "devices" work anywhere.
+    config.train.devices = 3
+  with pytest.raises(ValueError, match=message):
+    training_drift.run(config, tmp_path)
+
+
+def test_sequence_longer_than_data_fails_fast(tmp_path):
+  config = drift_config.get_config("smoke")
+  config.data.corpus_tokens = 16
+  with pytest.raises(ValueError, match="fewer than seq_len"):
+    training_drift.run(config, tmp_path)
+
+
+def test_nan_loss_stops_with_step_named(tmp_path):
+  config = drift_config.get_config("smoke")
+  config.pairs = "identical_rerun"
+  config.train.precision = "fp32"
+  config.train.learning_rate = 1e12
+  config.train.clip_norm = 1e30
+  config.train.warmup_steps = 0
+  with pytest.raises(FloatingPointError, match=r"at step \d+"):
+    training_drift.run(config, tmp_path)
+  assert any(r["kind"] == "nonfinite" for r in _rows(tmp_path))
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps():
+  spec = RunSpec(
+    AttentionSpec("reference", "fp16-fa2", "fp16-framework", 16, 16),
+    precision="fp16",
+    init_loss_scale=2.0**40,
+  )
+  trainer = Trainer(
+    ModelSpec(width=16, depth=1, heads=2, max_len=8),
+    spec,
+    OptimizerSpec(total_steps=4, warmup_steps=0),
+    4,
+  )
+  state = trainer.init_state()
+  before = jax.tree.leaves(jax.device_get(state.params))
+  batch = trainer.shard_batch(np.ones((4, 9), np.int32))
+  state, metrics = trainer.step(state, batch)
+  assert not bool(metrics["finite_grads"])  # 2^40 overflows fp16
+  after = jax.tree.leaves(jax.device_get(state.params))
+  assert all(np.array_equal(a, b) for a, b in zip(before, after))
+  assert float(state.loss_scale) == 2.0**39
