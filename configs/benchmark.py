@@ -1,0 +1,57 @@
+"""Benchmark: our kernel vs reference, XLA (and on GPU cuDNN and jax's mha).
+
+Run:
+  python launch/benchmark.py --workdir=runs/benchmark
+  python launch/benchmark.py --workdir=runs/bench_smoke \
+      --config=configs/benchmark.py:smoke
+
+Variants: default (CPU: lengths 256-4096, memory up to 8192; GPU: lengths
+512-16384 with a tile search), `smoke` (CPU, under 2 minutes; tests).
+
+Expected outcome on CPU: in interpret mode our fp32 forward is within
+~1.5x of the reference's time, and its peak memory grows linearly with
+length while the reference's grows quadratically.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.implementations = "pallas,reference,xla"  # GPU adds cudnn and jax_mha
+  c.modes = "forward,forward_backward"
+  c.causal = (False, True)
+  c.head_dims = "64,128"
+  c.warmup = 2
+  c.repeats = 5
+  c.memory_implementations = "pallas,reference"
+  c.tile_search = True  # GPU only
+
+  c.cpu = ml_collections.ConfigDict()
+  c.cpu.dtypes = "fp32"
+  c.cpu.seq_lens = "256,512,1024,2048,4096"
+  c.cpu.batch = 1
+  c.cpu.heads = 8
+  c.cpu.block_q = 64
+  c.cpu.block_k = 64
+  c.cpu.memory_seq_lens = "1024,2048,4096,8192"
+
+  c.gpu = ml_collections.ConfigDict()
+  c.gpu.dtypes = "bf16,fp16"
+  c.gpu.seq_lens = "512,1024,2048,4096,8192,16384"
+  c.gpu.batch = 4
+  c.gpu.heads = 16
+  c.gpu.block_q = 128
+  c.gpu.block_k = 64
+  c.gpu.memory_seq_lens = "2048,8192,16384"
+
+  if arg == "smoke":
+    c.head_dims = "64"
+    c.repeats = 3
+    c.warmup = 1
+    c.cpu.seq_lens = "256,512"
+    c.cpu.heads = 2
+    c.cpu.memory_seq_lens = "512,1024"
+  elif arg not in (None, "", "default"):
+    raise ValueError(f"Unknown config variant {arg!r}; valid: default, smoke.")
+  return c

@@ -1,0 +1,496 @@
+"""Speed and memory of our kernel against the attention users pick instead.
+
+Implementations run in one process, in alternation, after warm-up: ours
+("pallas"), "reference", "xla" (`jax.nn.dot_product_attention`), and on a
+GPU also "cudnn" and jax's own Pallas kernel ("jax_mha"). FLOPs follow the
+FlashAttention convention: forward 4*B*H*T*S*D (halved when causal), and
+forward+backward 3.5 times that (the backward counted as 2.5 forwards).
+Peak memory is measured per implementation and length in a fresh process
+(`memory_probe`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
+from tqdm.auto import tqdm
+
+from stableattn.dispatch import attention
+from stableattn.experiments.forward_report import num, table
+from stableattn.experiments.rundir import RunDir
+from stableattn.plotting import Series, line_plot
+
+CPU_IMPLEMENTATIONS = ("pallas", "reference", "xla")
+GPU_ONLY = ("cudnn", "jax_mha")
+_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def attention_fn(
+  implementation: str,
+  precision: str,
+  causal: bool,
+  block_q: int = 64,
+  block_k: int = 64,
+  num_warps: int | None = None,
+  num_stages: int | None = None,
+):
+  """fn(q, k, v) -> out for one implementation (inputs in their dtype)."""
+  if implementation in CPU_IMPLEMENTATIONS:
+    return functools.partial(
+      attention,
+      implementation=implementation,
+      precision=precision,
+      causal=causal,
+      block_q=block_q,
+      block_k=block_k,
+      num_warps=num_warps,
+      num_stages=num_stages,
+    )
+  if implementation == "cudnn":
+    return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="cudnn"
+    )
+  if implementation == "jax_mha":
+
+    def jax_mha(q, k, v):
+      sizes = jax_gpu_attention.BlockSizes(
+        block_q=block_q,
+        block_k=block_k,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_k,
+        block_q_dq=block_q,
+        block_kv_dq=block_k,
+      )
+      return jax_gpu_attention.mha(
+        q,
+        k,
+        v,
+        segment_ids=None,
+        sm_scale=q.shape[-1] ** -0.5,
+        causal=causal,
+        block_sizes=sizes,
+        num_warps=num_warps,
+        num_stages=num_stages or 2,
+      )
+
+    return jax_mha
+  raise ValueError(
+    f"Unknown implementation {implementation!r}; valid: "
+    f"{list(CPU_IMPLEMENTATIONS + GPU_ONLY)}."
+  )
+
+
+def _timed(fn, mode: str):
+  if mode == "forward":
+    return jax.jit(fn)
+
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32))
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def flops(batch, heads, seq_len, head_dim, causal, mode) -> float:
+  forward = 4.0 * batch * heads * seq_len * seq_len * head_dim
+  if causal:
+    forward /= 2
+  return forward * (3.5 if mode == "forward_backward" else 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  implementations: tuple[str, ...]
+  modes: tuple[str, ...]
+  causal: tuple[bool, ...]
+  dtypes: tuple[str, ...]
+  head_dims: tuple[int, ...]
+  seq_lens: tuple[int, ...]
+  batch: int
+  heads: int
+  block_q: int
+  block_k: int
+  warmup: int
+  repeats: int
+  memory_seq_lens: tuple[int, ...]
+  memory_implementations: tuple[str, ...]
+  tile_search: bool
+
+
+def _split(value, kind=str) -> tuple:
+  if isinstance(value, str):
+    return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
+  return tuple(kind(v) for v in value)
+
+
+def settings_from_config(c) -> Settings:
+  gpu = on_gpu()
+  implementations = _split(c.implementations)
+  if gpu:
+    implementations += tuple(i for i in GPU_ONLY if i not in implementations)
+  for name in implementations:
+    if name not in CPU_IMPLEMENTATIONS + GPU_ONLY:
+      raise ValueError(
+        f"Unknown implementation {name!r}; valid: "
+        f"{list(CPU_IMPLEMENTATIONS + GPU_ONLY)}."
+      )
+    if name in GPU_ONLY and not gpu:
+      raise ValueError(f"Implementation {name!r} needs a GPU.")
+  g = c.gpu if gpu else c.cpu
+  return Settings(
+    implementations=implementations,
+    modes=_split(c.modes),
+    causal=tuple(bool(x) for x in c.causal),
+    dtypes=_split(g.dtypes),
+    head_dims=_split(c.head_dims, int),
+    seq_lens=_split(g.seq_lens, int),
+    batch=int(g.batch),
+    heads=int(g.heads),
+    block_q=int(g.block_q),
+    block_k=int(g.block_k),
+    warmup=int(c.warmup),
+    repeats=int(c.repeats),
+    memory_seq_lens=_split(g.memory_seq_lens, int),
+    memory_implementations=_split(c.memory_implementations),
+    tile_search=bool(c.tile_search) and gpu,
+  )
+
+
+def _precision(dtype: str) -> str:
+  return "fp32" if dtype == "fp32" else f"{dtype}-fa2"
+
+
+def _time_point(s: Settings, mode, causal, dtype, head_dim, seq_len):
+  shape = (s.batch, seq_len, s.heads, head_dim)
+  keys = jax.random.split(jax.random.key(seq_len), 3)
+  q, k, v = (jax.random.normal(key, shape, _DTYPES[dtype]) for key in keys)
+  fns = {}
+  for name in s.implementations:
+    fn = _timed(
+      attention_fn(name, _precision(dtype), causal, s.block_q, s.block_k), mode
+    )
+    for _ in range(s.warmup):
+      jax.block_until_ready(fn(q, k, v))
+    fns[name] = fn
+  times = {name: [] for name in fns}
+  for _ in range(s.repeats):  # alternate so drifts hit all alike
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(q, k, v))
+      times[name].append(time.perf_counter() - start)
+  work = flops(s.batch, s.heads, seq_len, head_dim, causal, mode)
+  rows = []
+  for name, ts in times.items():
+    ts = np.asarray(ts)
+    median = float(np.median(ts))
+    rows.append(
+      {
+        "kind": "timing",
+        "implementation": name,
+        "mode": mode,
+        "causal": causal,
+        "dtype": dtype,
+        "head_dim": head_dim,
+        "seq_len": seq_len,
+        "batch": s.batch,
+        "heads": s.heads,
+        "median_ms": 1e3 * median,
+        "p25_ms": 1e3 * float(np.percentile(ts, 25)),
+        "p75_ms": 1e3 * float(np.percentile(ts, 75)),
+        "min_ms": 1e3 * float(ts.min()),
+        "tflops": work / median / 1e12,
+      }
+    )
+  for row in rows:
+    for other in rows:
+      if other is not row:
+        row[f"time_ratio_vs_{other['implementation']}"] = (
+          row["median_ms"] / other["median_ms"]
+        )
+  return rows
+
+
+def _memory(s: Settings, implementation: str, seq_len: int) -> dict:
+  cmd = [
+    sys.executable,
+    "-m",
+    "stableattn.experiments.memory_probe",
+    f"--implementation={implementation}",
+    f"--seq_len={seq_len}",
+    f"--heads={s.heads}",
+    f"--head_dim={s.head_dims[0]}",
+    f"--precision={_precision(s.dtypes[0])}",
+    f"--block_q={s.block_q}",
+    f"--block_k={s.block_k}",
+  ]
+  out = subprocess.run(
+    cmd, check=True, capture_output=True, text=True, timeout=900
+  ).stdout
+  return {
+    "kind": "memory",
+    "head_dim": s.head_dims[0],
+    "dtype": s.dtypes[0],
+    **json.loads(out.strip().splitlines()[-1]),
+  }
+
+
+def tile_search(
+  s: Settings, dtype: str, head_dim: int, causal: bool, seq_len: int
+) -> dict:
+  """Fastest (block_q, block_k, num_warps, num_stages) for one setting."""
+  shape = (s.batch, seq_len, s.heads, head_dim)
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, shape, _DTYPES[dtype]) for key in keys)
+  best = None
+  for block_q, block_k, warps, stages in itertools.product(
+    (64, 128), (32, 64, 128), (4, 8), (2, 3)
+  ):
+    fn = jax.jit(
+      attention_fn(
+        "pallas", _precision(dtype), causal, block_q, block_k, warps, stages
+      )
+    )
+    try:
+      jax.block_until_ready(fn(q, k, v))
+    except Exception:  # a configuration Triton cannot fit (shared memory)
+      continue
+    ts = []
+    for _ in range(s.repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(q, k, v))
+      ts.append(time.perf_counter() - start)
+    median = float(np.median(ts))
+    if best is None or median < best["median_ms"] / 1e3:
+      best = {
+        "block_q": block_q,
+        "block_k": block_k,
+        "num_warps": warps,
+        "num_stages": stages,
+        "median_ms": 1e3 * median,
+      }
+  return {
+    "kind": "tile_search",
+    "dtype": dtype,
+    "head_dim": head_dim,
+    "causal": causal,
+    "seq_len": seq_len,
+    **(best or {}),
+  }
+
+
+def run(config, workdir) -> dict:
+  s = settings_from_config(config)
+  run_dir = RunDir(workdir)
+  run_dir.write_config(config.to_dict())
+  run_dir.rewrite_metrics([])  # timings are re-measured, never resumed
+  points = list(
+    itertools.product(s.modes, s.causal, s.dtypes, s.head_dims, s.seq_lens)
+  )
+  rows = []
+  for point in tqdm(points, desc="benchmark", unit="point"):
+    new = _time_point(s, *point)
+    run_dir.append_metrics(new)
+    rows += new
+  for name, seq_len in tqdm(
+    list(itertools.product(s.memory_implementations, s.memory_seq_lens)),
+    desc="memory",
+    unit="run",
+  ):
+    new = _memory(s, name, seq_len)
+    run_dir.append_metrics([new])
+    rows.append(new)
+  if s.tile_search:
+    for dtype, head_dim, causal in itertools.product(
+      s.dtypes, s.head_dims, s.causal
+    ):
+      new = tile_search(s, dtype, head_dim, causal, max(s.seq_lens))
+      run_dir.append_metrics([new])
+      rows.append(new)
+  return _report(run_dir, s, rows)
+
+
+def _report(run_dir: RunDir, s: Settings, rows) -> dict:
+  timings = [r for r in rows if r["kind"] == "timing"]
+  memory = [r for r in rows if r["kind"] == "memory"]
+  run_dir.write_csv("summary.csv", timings + memory)
+  device = jax.devices()[0]
+  parts = [
+    "# Attention speed and memory",
+    "",
+    f"*Device:* {device.device_kind} ({device.platform}), jax "
+    f"{jax.__version__}; batch {s.batch}, {s.heads} heads, tiles "
+    f"{s.block_q}x{s.block_k} for ours; median of {s.repeats} runs "
+    f"after {s.warmup} warm-up, implementations alternating; "
+    "TFLOP/s by the FlashAttention FLOP count.",
+    "",
+  ]
+  headline = {}
+  series = []
+  for mode, causal, dtype, head_dim in itertools.product(
+    s.modes, s.causal, s.dtypes, s.head_dims
+  ):
+    group = [
+      r
+      for r in timings
+      if (r["mode"], r["causal"], r["dtype"], r["head_dim"])
+      == (mode, causal, dtype, head_dim)
+    ]
+    header = ["length"] + [f"{i} ms (TFLOP/s)" for i in s.implementations]
+    others = [i for i in s.implementations if i != "pallas"]
+    header += [f"ours / {o}" for o in others]
+    body = []
+    for seq_len in s.seq_lens:
+      by = {r["implementation"]: r for r in group if r["seq_len"] == seq_len}
+      cells = [seq_len] + [
+        f"{num(by[i]['median_ms'])} ({num(by[i]['tflops'])})"
+        for i in s.implementations
+      ]
+      cells += [num(by["pallas"][f"time_ratio_vs_{o}"]) for o in others]
+      body.append(cells)
+    parts += [
+      f"## {mode}, {'causal' if causal else 'non-causal'}, {dtype}, "
+      f"head dim {head_dim}",
+      "",
+      table(header, body),
+      "",
+    ]
+    for name in s.implementations:
+      pts = sorted(
+        (r["seq_len"], r["tflops"])
+        for r in group
+        if r["implementation"] == name
+      )
+      series.append(
+        Series(
+          f"{name} {mode[:3]} {'c' if causal else 'nc'} d{head_dim}",
+          *map(list, zip(*pts)),
+        )
+      )
+  target_len = 2048 if 2048 in s.seq_lens else max(s.seq_lens)
+  fwd = {
+    r["implementation"]: r
+    for r in timings
+    if r["mode"] == "forward"
+    and not r["causal"]
+    and r["seq_len"] == target_len
+    and r["head_dim"] == s.head_dims[0]
+    and r["dtype"] == s.dtypes[0]
+  }
+  if "pallas" in fwd and "reference" in fwd:
+    ratio = fwd["pallas"]["median_ms"] / fwd["reference"]["median_ms"]
+    headline["forward_time_ratio_vs_reference"] = ratio
+    parts.append(
+      f"**Finding.** Forward, non-causal, {s.dtypes[0]}, head dim "
+      f"{s.head_dims[0]}, length {target_len}: ours "
+      f"{num(fwd['pallas']['median_ms'])} ms vs reference "
+      f"{num(fwd['reference']['median_ms'])} ms ({ratio:.2f}x the "
+      "reference's time)."
+    )
+  names = {r["implementation"] for r in memory}
+  if memory:
+    body = []
+    for seq_len in s.memory_seq_lens:
+      by = {r["implementation"]: r for r in memory if r["seq_len"] == seq_len}
+      body.append(
+        [seq_len]
+        + [f"{by[n]['peak_bytes'] / 2**20:.1f}" for n in sorted(names)]
+      )
+    parts += [
+      "",
+      f"## Peak memory of one forward pass (MiB; {memory[0]['source']})",
+      "",
+      table(["length"] + sorted(names), body),
+      "",
+    ]
+    longest = max(s.memory_seq_lens)
+    by = {r["implementation"]: r for r in memory if r["seq_len"] == longest}
+    if "pallas" in by and "reference" in by and by["reference"]["peak_bytes"]:
+      share = by["pallas"]["peak_bytes"] / by["reference"]["peak_bytes"]
+      headline["memory_ratio_vs_reference"] = share
+      parts.append(
+        f"**Finding.** At length {longest}, our kernel's peak is "
+        f"{by['pallas']['peak_bytes'] / 2**20:.1f} MiB vs the reference's "
+        f"{by['reference']['peak_bytes'] / 2**20:.1f} MiB ({share:.3f}x): "
+        "flash attention never stores the length x length score matrix."
+      )
+    mem_series = [
+      Series(
+        n,
+        *map(
+          list,
+          zip(
+            *sorted(
+              (r["seq_len"], r["peak_bytes"] / 2**20)
+              for r in memory
+              if r["implementation"] == n
+            )
+          ),
+        ),
+      )
+      for n in sorted(names)
+    ]
+    line_plot(
+      run_dir.path / "memory.png",
+      mem_series,
+      title="Peak memory of one forward pass",
+      xlabel="length",
+      ylabel="MiB",
+    )
+  searches = [r for r in rows if r["kind"] == "tile_search"]
+  if searches:
+    parts += [
+      "",
+      "## Best tiles (GPU search)",
+      "",
+      table(
+        [
+          "dtype",
+          "head dim",
+          "causal",
+          "block_q",
+          "block_k",
+          "warps",
+          "stages",
+          "ms",
+        ],
+        [
+          [
+            r["dtype"],
+            r["head_dim"],
+            r["causal"],
+            r.get("block_q"),
+            r.get("block_k"),
+            r.get("num_warps"),
+            r.get("num_stages"),
+            num(r.get("median_ms")),
+          ]
+          for r in searches
+        ],
+      ),
+    ]
+  line_plot(
+    run_dir.path / "tflops.png",
+    series,
+    title="Throughput",
+    xlabel="length",
+    ylabel="TFLOP/s",
+    logy=False,
+  )
+  parts += ["", "![tflops](tflops.png)"]
+  if memory:
+    parts.append("![memory](memory.png)")
+  run_dir.write_text("report.md", "\n".join(parts) + "\n")
+  return {"workdir": str(run_dir.path), **headline}
