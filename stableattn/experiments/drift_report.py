@@ -48,6 +48,15 @@ def _ratio_phrase(ratios: dict[int, float], other: str) -> str:
   return f"{median:.2g}x ({low:.2g}-{high:.2g}x) {other}"
 
 
+def _attention_label(attention) -> str:
+  policy = (
+    attention.flash_precision
+    if attention.kind == "pallas"
+    else attention.baseline_precision
+  )
+  return f"{attention.kind} attention ({policy})"
+
+
 def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
   headline: dict = {}
   pairs = settings.pairs
@@ -167,10 +176,8 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
 
   plots = _plots(run_dir, settings, rows, pairs)
   runs = "; ".join(
-    f"{name}: {spec.attention.kind} attention "
-    f"({spec.attention.flash_precision if spec.attention.kind == 'pallas' else spec.attention.baseline_precision}),"  # noqa: E501
-    f" {spec.precision} training, init seed {spec.init_seed}, "
-    f"{spec.devices} device(s)"
+    f"{name}: {_attention_label(spec.attention)}, {spec.precision} "
+    f"training, init seed {spec.init_seed}, {spec.devices} device(s)"
     for name, spec in settings.physical_runs.items()
   )
   m = settings.model

@@ -241,6 +241,9 @@ def _against_golden(run_dir, s, summary, headline):
       )
       headline[f"{fmt}_all_stage_ratio"] = float(a)
       headline[f"{fmt}_natural_ratio"] = float(b)
+  disagreement = _paper_disagreement(low, headline)
+  if disagreement:
+    findings.append(disagreement)
   labels = [
     f"{r['format']} {r['flash_policy']}|{r['baseline_policy']} "
     f"{r['scheme']} {r['distribution'][:4]}"
@@ -263,6 +266,31 @@ def _trend_text(
   if slope < -threshold:
     return falling
   return rising if slope > threshold else flat
+
+
+def _paper_disagreement(low_rows, headline) -> str | None:
+  """Says so when the BF16 ratio is far from the paper's ~10x, and why."""
+  ratio = headline.get("bf16_all_stage_ratio")
+  if ratio is None or ratio >= PAPER_BF16_RATIO / 2:
+    return None
+  by_dist: dict[str, list[float]] = {}
+  for r in low_rows:
+    if r["format"] == r["flash_policy"] == r["baseline_policy"] == "bf16":
+      by_dist.setdefault(r["distribution"], []).append(r["ratio_max_abs_mean"])
+  per_dist = ", ".join(
+    f"{d} inputs {num(float(np.mean(v)))}x" for d, v in sorted(by_dist.items())
+  )
+  return (
+    f"We do not reproduce the paper's ~{PAPER_BF16_RATIO:.0f}x at BF16: "
+    f"with every stage rounded to BF16, Flash deviates {num(ratio)}x as "
+    f"much as Baseline here ({per_dist}). The paper states neither how it "
+    "emulated BF16 nor its shapes. The stage-attribution section locates "
+    "the excess in the values a flash kernel rounds between key blocks "
+    "(the output accumulator and the softmax statistics) — stages real "
+    "kernels keep in FP32 — so the ratio grows with the number of "
+    "rescales (length over B_c) and depends on the inputs; none of our "
+    "settings reach 10x."
+  )
 
 
 def power_law(x, y):

@@ -89,6 +89,31 @@ def _against_golden(
   ]
 
 
+def _pairwise(
+  engine: Engine,
+  flash: Kernel,
+  baseline: Kernel,
+  case: Case,
+  with_baseline_vs_golden: bool = True,
+) -> list[dict]:
+  """Rows flash_vs_baseline, flash_vs_golden (and baseline_vs_golden)."""
+  flash_out = engine.output(flash, case)
+  base_out = engine.output(baseline, case)
+  gold = engine.golden(case)
+  rows = [
+    {
+      "comparison": "flash_vs_baseline",
+      **deviation_fields(base_out, flash_out),
+    },
+    {"comparison": "flash_vs_golden", **deviation_fields(gold, flash_out)},
+  ]
+  if with_baseline_vs_golden:
+    rows.append(
+      {"comparison": "baseline_vs_golden", **deviation_fields(gold, base_out)}
+    )
+  return rows
+
+
 def _ratio(a: float, b: float) -> float:
   if b == 0:
     return 0.0 if a == 0 else float("inf")
@@ -136,14 +161,12 @@ class FormatSweep(Study):
 
   def measure(self, engine, s, p, seed):
     case = Case(p["distribution"], s.shape(), p["format"], seed)
-    flash = engine.output(_flash(p["policy"], s.block_q, s.block_k), case)
-    base = engine.output(_baseline(p["policy"]), case)
-    gold = engine.golden(case)
-    return [
-      {"comparison": "flash_vs_baseline", **deviation_fields(base, flash)},
-      {"comparison": "flash_vs_golden", **deviation_fields(gold, flash)},
-      {"comparison": "baseline_vs_golden", **deviation_fields(gold, base)},
-    ]
+    return _pairwise(
+      engine,
+      _flash(p["policy"], s.block_q, s.block_k),
+      _baseline(p["policy"]),
+      case,
+    )
 
 
 class AgainstGolden(Study):
@@ -202,14 +225,12 @@ class SequenceLength(Study):
   def measure(self, engine, s, p, seed):
     fmt = Precision.from_name(p["policy"]).inputs
     case = Case(p["distribution"], s.shape(p["seq_len"]), fmt, seed)
-    flash = engine.output(_flash(p["policy"], s.block_q, s.block_k), case)
-    base = engine.output(_baseline(p["policy"]), case)
-    gold = engine.golden(case)
-    return [
-      {"comparison": "flash_vs_baseline", **deviation_fields(base, flash)},
-      {"comparison": "flash_vs_golden", **deviation_fields(gold, flash)},
-      {"comparison": "baseline_vs_golden", **deviation_fields(gold, base)},
-    ]
+    return _pairwise(
+      engine,
+      _flash(p["policy"], s.block_q, s.block_k),
+      _baseline(p["policy"]),
+      case,
+    )
 
 
 class Tiles(Study):
@@ -250,14 +271,10 @@ class Tiles(Study):
 
   def measure(self, engine, s, p, seed):
     case = Case(p["distribution"], s.shape(p["seq_len"]), p["format"], seed)
-    policy = p["format"]
-    flash = engine.output(_flash(policy, p["block_q"], p["block_k"]), case)
-    base = engine.output(_baseline(policy), case)
-    gold = engine.golden(case)
-    return [
-      {"comparison": "flash_vs_baseline", **deviation_fields(base, flash)},
-      {"comparison": "flash_vs_golden", **deviation_fields(gold, flash)},
-    ]
+    flash = _flash(p["format"], p["block_q"], p["block_k"])
+    return _pairwise(
+      engine, flash, _baseline(p["format"]), case, with_baseline_vs_golden=False
+    )
 
 
 def attribution_variants(fmt: str) -> dict[str, Precision]:

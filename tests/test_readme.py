@@ -1,0 +1,67 @@
+"""Every README code block marked for testing runs as written."""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def _blocks(marker: str) -> list[str]:
+  pattern = rf"<!-- test: {marker} -->\n```\w+\n(.*?)```"
+  return re.findall(pattern, README, flags=re.DOTALL)
+
+
+def test_quickstart_has_the_two_commands():
+  block = re.search(
+    r"<!-- quickstart -->\n```bash\n(.*?)```", README, flags=re.DOTALL
+  ).group(1)
+  lines = [line for line in block.splitlines() if line.strip()]
+  assert len(lines) == 2
+  assert "launch/forward_deviation.py" in lines[0]
+  assert lines[1].endswith("python -m pytest -n 2")
+  ci = (REPO / ".ci" / "run").read_text()
+  assert "python -m pytest -n 2" in ci
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_blocks_run(index):
+  code = _blocks("python")[index]
+  subprocess.run(
+    [sys.executable, "-c", code], check=True, cwd=REPO, timeout=300
+  )
+
+
+def test_shell_commands_run(tmp_path):
+  commands = [
+    line
+    for block in _blocks("shell")
+    for line in block.splitlines()
+    if line.strip()
+  ]
+  assert len(commands) >= 3
+  env = dict(os.environ)
+  env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
+  try:
+    for command in commands:
+      subprocess.run(
+        command,
+        shell=True,
+        check=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+        capture_output=True,
+      )
+      workdir = re.search(r"--workdir=(\S+)", command).group(1)
+      assert (REPO / workdir / "report.md").exists(), command
+  finally:
+    for command in commands:
+      workdir = re.search(r"--workdir=(\S+)", command).group(1)
+      shutil.rmtree(REPO / workdir, ignore_errors=True)
