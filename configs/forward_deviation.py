@@ -7,7 +7,7 @@ Run:
   python launch/forward_deviation.py --workdir=runs/x \
       --config.studies=seq_len --config.seq_lens=256,1024
 
-Variants: default (about a minute on a laptop CPU), `paper` (lengths to
+Variants: default (about two minutes on 2 CPU cores), `paper` (lengths to
 8192, more tiles; under 10 minutes on 2 CPU cores), `smoke` (seconds; tests).
 
 Expected outcome: deviation falls with mantissa bits; Flash vs golden is
