@@ -108,7 +108,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6)
-    return (normed * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class SelfAttention(nnx.Module):
@@ -193,7 +193,7 @@ class Transformer(nnx.Module):
         f"{self.spec.max_len}."
       )
     x = self.embed(tokens_BxT)
-    x = x + self.positions.value[:length].astype(x.dtype)
+    x = x + self.positions[:length].astype(x.dtype)
     layer_stats = []
     for block in self.blocks:
       x, stats = block(x, collect_stats)

@@ -196,7 +196,7 @@ class Trainer:
       good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
     metrics = {
       "loss": loss,
-      "grad_norm": optax.global_norm(grads),
+      "grad_norm": optax.tree.norm(grads),
       "finite_grads": finite,
       "loss_scale": state.loss_scale,
     }
