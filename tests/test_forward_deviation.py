@@ -118,3 +118,20 @@ def test_bad_config_fails_fast():
     forward_deviation.run(config, "/nonexistent/never/written")
   with pytest.raises(ValueError, match="variant 'papers'"):
     forward_config.get_config("papers")
+
+
+def test_overflow_is_recorded_and_named_not_hidden(tmp_path):
+  config = forward_config.get_config("smoke")
+  config.studies = "format_sweep"
+  config.formats = "fp32,fp16"
+  config.distributions = "scaled"
+  config.scale = 200.0  # scores overflow fp16 when stored in it
+  config.seeds = 1
+  result = forward_deviation.run(config, tmp_path)
+  assert result["nonfinite_rows"] > 0
+  rows = _rows(tmp_path)
+  bad = [r for r in rows if r["n_nan"] or r["n_inf"]]
+  assert bad and all(r["policy"] == "fp16" for r in bad)
+  report = (tmp_path / "report.md").read_text()
+  section = report.split("## Non-finite values", 1)[1]
+  assert '"policy": "fp16"' in section and "NaN" in section

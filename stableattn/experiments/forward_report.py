@@ -119,7 +119,11 @@ def _format_sweep(run_dir, s, summary, headline):
       f"{family} policies: Flash-vs-Baseline max deviation "
       + ", ".join(f"{r['format']} {num(r['max_abs_mean'])}" for r in fam)
       + (
-        " — it falls with every added mantissa bit, as in the paper's Fig. 3."
+        " — NaN/Inf appeared (see 'Non-finite values'), so there is no "
+        "trend to read."
+        if not all(math.isfinite(v) for v in values)
+        else " — it falls with every added mantissa bit, as in the paper's "
+        "Fig. 3."
         if monotone
         else " — not monotone in mantissa bits, unlike the paper's Fig. 3."
       )
