@@ -18,6 +18,12 @@ class Series:
   y: list
   y_err: list | None = None  # symmetric spread (e.g. std over seeds)
 
+  @classmethod
+  def from_points(cls, label: str, points) -> Series:
+    """A series from (x, y) pairs, sorted by x."""
+    points = sorted(points)
+    return cls(label, [x for x, _ in points], [y for _, y in points])
+
 
 def _positive(values):
   return [v if v is not None and v > 0 else float("nan") for v in values]

@@ -368,15 +368,14 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
       "",
     ]
     for name in s.implementations:
-      pts = sorted(
-        (r["seq_len"], r["tflops"])
-        for r in group
-        if r["implementation"] == name
-      )
       series.append(
-        Series(
+        Series.from_points(
           f"{name} {mode[:3]} {'c' if causal else 'nc'} d{head_dim}",
-          *map(list, zip(*pts)),
+          [
+            (r["seq_len"], r["tflops"])
+            for r in group
+            if r["implementation"] == name
+          ],
         )
       )
   target_len = 2048 if 2048 in s.seq_lens else max(s.seq_lens)
@@ -427,18 +426,13 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
         "flash attention never stores the length x length score matrix."
       )
     mem_series = [
-      Series(
+      Series.from_points(
         n,
-        *map(
-          list,
-          zip(
-            *sorted(
-              (r["seq_len"], r["peak_bytes"] / 2**20)
-              for r in memory
-              if r["implementation"] == n
-            )
-          ),
-        ),
+        [
+          (r["seq_len"], r["peak_bytes"] / 2**20)
+          for r in memory
+          if r["implementation"] == n
+        ],
       )
       for n in sorted(names)
     ]

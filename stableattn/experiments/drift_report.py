@@ -206,15 +206,13 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
   names = []
   if "flash_vs_baseline" in pairs:
     series = [
-      Series(
+      Series.from_points(
         metric,
-        *zip(
-          *sorted(
-            (s, v)
-            for s, v in model_drift(rows, "flash_vs_baseline", metric).items()
-            if s > 0
-          )
-        ),
+        [
+          (step, v)
+          for step, v in model_drift(rows, "flash_vs_baseline", metric).items()
+          if step > 0
+        ],
       )
       for metric in ("max_abs", "wasserstein")
     ]
@@ -230,9 +228,9 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
     )
   series = []
   for pair in pairs:
-    points = sorted((s, v) for s, v in model_drift(rows, pair).items() if s > 0)
+    points = [(s, v) for s, v in model_drift(rows, pair).items() if s > 0]
     if points:
-      series.append(Series(pair, *map(list, zip(*points))))
+      series.append(Series.from_points(pair, points))
   names.append(
     line_plot(
       run_dir.path / "fig8_all_pairs.png",
@@ -248,10 +246,10 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
   layers = sorted({r["layer"] for r in shadow})
   series = []
   for layer in layers:
-    points = sorted(
+    points = [
       (r["step"], r["shadow_max_abs"]) for r in shadow if r["layer"] == layer
-    )
-    series.append(Series(f"layer {layer}", *map(list, zip(*points))))
+    ]
+    series.append(Series.from_points(f"layer {layer}", points))
   if series:
     names.append(
       line_plot(
@@ -265,13 +263,13 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
     )
   series = []
   for run in settings.physical_runs:
-    points = sorted(
+    points = [
       (r["step"], r["eval_loss"])
       for r in rows
       if r.get("kind") == "run" and r["run"] == run
-    )
+    ]
     if points:
-      series.append(Series(run, *map(list, zip(*points))))
+      series.append(Series.from_points(run, points))
   names.append(
     line_plot(
       run_dir.path / "loss.png",
