@@ -27,6 +27,20 @@ def test_notebook_executes_without_errors(tmp_path):
     if c.cell_type == "code"
     for o in c.get("outputs", [])
   )
+  markdown = "".join(
+    o.get("data", {}).get("text/markdown", "")
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+  )
+  images = sum(
+    "image/png" in o.get("data", {})
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+  )
+  assert "| format | flash policy |" in markdown  # the headline table
+  assert images >= 4  # three forward plots and the drift plot
   assert "Running on CPU" in outputs
   assert "FlashAttention rule at bf16-fa2" in outputs
   assert (tmp_path / "forward" / "report.md").exists()

@@ -56,7 +56,7 @@ def settings_from_config(config) -> Settings:
     raise ValueError(f"Unknown studies {unknown}; valid: {list(STUDIES)}.")
   distributions = _as_tuple(config.distributions, str)
   bad = [d for d in distributions if d not in DISTRIBUTIONS]
-  if bad:
+  if bad or not distributions:
     raise ValueError(
       f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
     )
