@@ -70,6 +70,29 @@ def validate_inputs(q, k, v) -> None:
     )
 
 
+def gpu_unsupported_reason(policy: Precision) -> str | None:
+  """Why the compiled GPU (Triton) kernel cannot run `policy`, or None."""
+  if policy.uses_fp64:
+    return (
+      f"Precision {policy.name!r} has FP64 stages, which the GPU (Triton) "
+      "kernel does not support; use interpret=True for FP64."
+    )
+  half_arithmetic = [
+    stage
+    for stage in ARITHMETIC_STAGES
+    if getattr(policy, stage) in ("fp16", "bf16")
+  ]
+  if half_arithmetic:
+    return (
+      f"Precision {policy.name!r} does arithmetic in half precision at "
+      f"stages {half_arithmetic}, which the Triton lowering cannot "
+      "compile (it only casts to fp16/bf16 and multiplies them in matrix "
+      "units). Run this policy with interpret=True, or on a GPU use a "
+      "policy whose arithmetic stages are fp32 (e.g. 'bf16-fa2')."
+    )
+  return None
+
+
 def kernel_config(
   q_shape,
   kv_shape,
@@ -101,25 +124,10 @@ def kernel_config(
     block_k if bwd_block_k is None else bwd_block_k,
     for_gpu=for_gpu,
   )
-  if for_gpu and policy.uses_fp64:
-    raise ValueError(
-      f"Precision {policy.name!r} has FP64 stages, which the GPU (Triton) "
-      "kernel does not support; use interpret=True for FP64."
-    )
   if for_gpu:
-    half_arithmetic = [
-      stage
-      for stage in ARITHMETIC_STAGES
-      if getattr(policy, stage) in ("fp16", "bf16")
-    ]
-    if half_arithmetic:
-      raise ValueError(
-        f"Precision {policy.name!r} does arithmetic in half precision at "
-        f"stages {half_arithmetic}, which the Triton lowering cannot "
-        "compile (it only casts to fp16/bf16 and multiplies them in matrix "
-        "units). Run this policy with interpret=True, or on a GPU use a "
-        "policy whose arithmetic stages are fp32 (e.g. 'bf16-fa2')."
-      )
+    reason = gpu_unsupported_reason(policy)
+    if reason:
+      raise ValueError(reason)
   return KernelConfig(
     policy=policy,
     block_q=block_q,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.dispatch import attention
+from stableattn.dispatch import attention, gpu_unsupported_reason
 from stableattn.golden import golden_attention, golden_attention_vjp
 from stableattn.inputs import Shape, make_inputs, round_to
 from stableattn.precision import Precision
@@ -94,6 +94,10 @@ class Engine:
     )
 
   def _kwargs(self, kernel: Kernel, case: Case):
+    # Emulation policies (FP64 or half-precision arithmetic) run in interpret
+    # mode even on a GPU, whose Triton kernel cannot compile them; the
+    # others compile there.
+    interpret = True if gpu_unsupported_reason(kernel.policy) else None
     return dict(
       implementation=kernel.implementation,
       precision=kernel.policy,
@@ -101,6 +105,7 @@ class Engine:
       block_k=kernel.block_k,
       scheme=kernel.scheme,
       causal=case.causal,
+      interpret=interpret,
     )
 
   def output(self, kernel: Kernel, case: Case) -> np.ndarray:

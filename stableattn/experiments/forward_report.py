@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import numpy as np
 
 from stableattn.experiments.forward_studies import (
@@ -877,13 +878,23 @@ def _nonfinite_section(summary) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _where_flash_ran() -> str:
+  device = jax.devices()[0]
+  if device.platform == "gpu":
+    return (
+      f"compiled for {device.device_kind} where the policy allows, "
+      "interpret mode for FP64 and half-precision-arithmetic policies"
+    )
+  return f"interpret mode on {device.platform.upper()}"
+
+
 def write_report(run_dir: RunDir, s: Settings, summary: list[dict]) -> dict:
   """Writes report.md and the plots; returns the headline numbers."""
   headline: dict = {}
   parts = [
     "# Forward deviation of flash attention",
     "",
-    "Flash = our Pallas kernel (interpret mode on CPU); Baseline = "
+    f"Flash = our Pallas kernel ({_where_flash_ran()}); Baseline = "
     "materialized softmax(QK^T/sqrt(d))V; golden = Baseline in NumPy FP64 "
     "on the same (already rounded) inputs. Errors are max |difference| "
     "unless a column says otherwise; numbers are means over seeds with the "
