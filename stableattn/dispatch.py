@@ -236,8 +236,3 @@ def _compute(
   if implementation == "reference":
     return reference_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)
   return xla_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)
-
-
-def jit_attention(**static_kwargs):
-  """A jitted `attention` with its keyword arguments fixed."""
-  return jax.jit(lambda q, k, v: attention(q, k, v, **static_kwargs))

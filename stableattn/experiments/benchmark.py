@@ -26,6 +26,7 @@ from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 from tqdm.auto import tqdm
 
 from stableattn.dispatch import attention
+from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.forward_report import num, table
 from stableattn.experiments.rundir import RunDir
 from stableattn.plotting import Series, line_plot
@@ -130,15 +131,9 @@ class Settings:
   tile_search: bool
 
 
-def _split(value, kind=str) -> tuple:
-  if isinstance(value, str):
-    return tuple(kind(v.strip()) for v in value.split(",") if v.strip())
-  return tuple(kind(v) for v in value)
-
-
 def settings_from_config(c) -> Settings:
   gpu = on_gpu()
-  implementations = _split(c.implementations)
+  implementations = as_tuple(c.implementations)
   if gpu:
     implementations += tuple(i for i in GPU_ONLY if i not in implementations)
   for name in implementations:
@@ -152,19 +147,19 @@ def settings_from_config(c) -> Settings:
   g = c.gpu if gpu else c.cpu
   return Settings(
     implementations=implementations,
-    modes=_split(c.modes),
+    modes=as_tuple(c.modes),
     causal=tuple(bool(x) for x in c.causal),
-    dtypes=_split(g.dtypes),
-    head_dims=_split(c.head_dims, int),
-    seq_lens=_split(g.seq_lens, int),
+    dtypes=as_tuple(g.dtypes),
+    head_dims=as_tuple(c.head_dims, int),
+    seq_lens=as_tuple(g.seq_lens, int),
     batch=int(g.batch),
     heads=int(g.heads),
     block_q=int(g.block_q),
     block_k=int(g.block_k),
     warmup=int(c.warmup),
     repeats=int(c.repeats),
-    memory_seq_lens=_split(g.memory_seq_lens, int),
-    memory_implementations=_split(c.memory_implementations),
+    memory_seq_lens=as_tuple(g.memory_seq_lens, int),
+    memory_implementations=as_tuple(c.memory_implementations),
     tile_search=bool(c.tile_search) and gpu,
   )
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.engine import Engine
 from stableattn.experiments.forward_report import write_report
 from stableattn.experiments.forward_studies import STUDIES, Settings
@@ -50,22 +51,22 @@ assert set(METRICS) | set(COUNTS) >= {
 
 def settings_from_config(config) -> Settings:
   """Validates the ConfigDict and turns it into typed `Settings`."""
-  studies = _as_tuple(config.studies, str)
+  studies = as_tuple(config.studies, str)
   unknown = [name for name in studies if name not in STUDIES]
   if unknown:
     raise ValueError(f"Unknown studies {unknown}; valid: {list(STUDIES)}.")
-  distributions = _as_tuple(config.distributions, str)
+  distributions = as_tuple(config.distributions, str)
   bad = [d for d in distributions if d not in DISTRIBUTIONS]
   if bad or not distributions:
     raise ValueError(
       f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
     )
-  schemes = _as_tuple(config.schemes, str)
+  schemes = as_tuple(config.schemes, str)
   bad = [x for x in schemes if x not in SCHEMES]
   if bad or not schemes:
     raise ValueError(f"Unknown schemes {bad}; valid: {list(SCHEMES)}.")
   for field in ("seq_len_precisions", "tied_precisions", "backward_precisions"):
-    for name in _as_tuple(config[field], str):
+    for name in as_tuple(config[field], str):
       if name not in preset_names():
         raise ValueError(
           f"{field}: unknown precision {name!r}; valid: {preset_names()}."
@@ -82,37 +83,28 @@ def settings_from_config(config) -> Settings:
     seq_len=int(config.seq_len),
     block_q=int(config.block_q),
     block_k=int(config.block_k),
-    formats=tuple(format_name(f) for f in _as_tuple(config.formats, str)),
+    formats=tuple(format_name(f) for f in as_tuple(config.formats, str)),
     distributions=distributions,
     schemes=schemes,
-    seq_lens=_as_tuple(config.seq_lens, int),
-    seq_len_precisions=_as_tuple(config.seq_len_precisions, str),
+    seq_lens=as_tuple(config.seq_lens, int),
+    seq_len_precisions=as_tuple(config.seq_len_precisions, str),
     tile_seq_len=int(config.tile_seq_len),
     tile_sizes=tuple(tuple(int(b) for b in t) for t in config.tile_sizes),
     swap_tiles=tuple(int(b) for b in config.swap_tiles),
     equal_area_tiles=tuple(
       tuple(int(b) for b in t) for t in config.equal_area_tiles
     ),
-    sram_elements=_as_tuple(config.sram_elements, int),
+    sram_elements=as_tuple(config.sram_elements, int),
     attribution_formats=tuple(
-      format_name(f) for f in _as_tuple(config.attribution_formats, str)
+      format_name(f) for f in as_tuple(config.attribution_formats, str)
     ),
     fa3_shape=tuple(int(x) for x in config.fa3_shape),
-    tied_precisions=_as_tuple(config.tied_precisions, str),
+    tied_precisions=as_tuple(config.tied_precisions, str),
     tied_copies=int(config.tied_copies),
-    backward_precisions=_as_tuple(config.backward_precisions, str),
-    backward_seq_lens=_as_tuple(config.backward_seq_lens, int),
+    backward_precisions=as_tuple(config.backward_precisions, str),
+    backward_seq_lens=as_tuple(config.backward_seq_lens, int),
     scale=float(config.scale),
   )
-
-
-def _as_tuple(value, kind) -> tuple:
-  """Accepts a tuple/list or a comma-separated string (command-line use)."""
-  if isinstance(value, str):
-    value = [v for v in value.split(",") if v.strip()]
-  elif not isinstance(value, (list, tuple)):
-    value = [value]
-  return tuple(kind(v.strip() if isinstance(v, str) else v) for v in value)
 
 
 def point_key(study: str, point: dict) -> str:

@@ -144,12 +144,14 @@ def _format_sweep(run_dir, s, summary, headline):
   return body, findings, plot.name
 
 
-def _metric(summary, row, comparison, metric="max_abs_mean"):
+def _metric(summary, row, comparison, metric="max_abs_mean", **filters):
+  """A metric of the same point as `row`, from another comparison row."""
   match = one(
     summary,
     study=row["study"],
     point_key=row["point_key"],
     comparison=comparison,
+    **filters,
   )
   return match[metric] if match else None
 
@@ -757,7 +759,7 @@ def _backward(run_dir, s, summary, headline):
         r["seq_len"],
         r["grad"],
         num(r["max_abs_mean"]),
-        num(_backward_baseline(summary, r)),
+        num(_metric(summary, r, "baseline_vs_golden", grad=r["grad"])),
         rng_text(r, "ratio_max_abs"),
         num(r["ratio_rmse_mean"]),
       ]
@@ -794,17 +796,6 @@ def _backward(run_dir, s, summary, headline):
     ylabel="max |grad - golden|",
   )
   return body, findings, plot.name
-
-
-def _backward_baseline(summary, row):
-  match = one(
-    summary,
-    study="backward",
-    point_key=row["point_key"],
-    comparison="baseline_vs_golden",
-    grad=row["grad"],
-  )
-  return match["max_abs_mean"] if match else None
 
 
 SECTIONS = {

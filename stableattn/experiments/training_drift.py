@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from stableattn import data as data_lib
 from stableattn.drift import param_drift
+from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.drift_report import write_report
 from stableattn.experiments.rundir import RunDir
 from stableattn.model import AttentionSpec, ModelSpec
@@ -109,7 +110,7 @@ def settings_from_config(config) -> Settings:
         f"Unknown attention {kind!r}; valid: reference, pallas, xla, shadow."
       )
   devices = int(c.train.devices) or jax.local_device_count()
-  pairs = tuple(p.strip() for p in c.pairs.split(",") if p.strip())
+  pairs = as_tuple(c.pairs)
   unknown = [p for p in pairs if p not in PAIRS]
   if unknown:
     raise ValueError(f"Unknown pairs {unknown}; valid: {list(PAIRS)}.")
