@@ -149,7 +149,7 @@ class Trainer:
       good_steps=jnp.asarray(0, jnp.int32),
       step=jnp.asarray(0, jnp.int32),
     )
-    return jax.device_put(state, self.replicated)
+    return self.place(state)
 
   def place(self, state: TrainState) -> TrainState:
     return jax.device_put(state, self.replicated)
