@@ -28,7 +28,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.tile_search = True  # GPU only
 
   c.cpu = ml_collections.ConfigDict()
-  c.cpu.dtypes = "fp32"
+  c.cpu.dtypes = "fp32"  # each timed under its flash policy (bf16: bf16-fa2)
+  c.cpu.policies = ""  # presets to time instead, e.g. "bf16-fa2,bf16"
   c.cpu.seq_lens = "256,512,1024,2048,4096"
   c.cpu.batch = 1
   c.cpu.heads = 8
@@ -38,6 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.gpu = ml_collections.ConfigDict()
   c.gpu.dtypes = "bf16,fp16"
+  c.gpu.policies = ""
   c.gpu.seq_lens = "512,1024,2048,4096,8192,16384"
   c.gpu.batch = 4
   c.gpu.heads = 16

@@ -1,8 +1,10 @@
 """Per-block arithmetic shared by the forward and backward Pallas kernels.
 
-Every function takes 2-D tiles already loaded from refs and applies the
-precision policy at each rounding stage. Names carry shapes: `BqxD` is a
-tile of `block_q` rows and `D` columns, `BqxBk` a tile of scores.
+Every function takes 2-D tiles already loaded from refs and a
+`PolicyArithmetic`, which rounds each result to its stage (see
+`rounding.py`). Values come back in the carrier format. Names carry shapes:
+`BqxD` is a tile of `block_q` rows and `D` columns, `BqxBk` a tile of
+scores.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from stableattn.precision import Precision
+from stableattn.rounding import PolicyArithmetic
 
 # Contract the last dimension of both operands: A @ B^T.
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -18,30 +20,6 @@ NT_DIMS = (((1,), (1,)), ((), ()))
 NN_DIMS = (((1,), (0,)), ((), ()))
 # Contract the first dimension of both operands: A^T @ B.
 TN_DIMS = (((0,), (0,)), ((), ()))
-
-
-def policy_dot(a, b, dims, policy: Precision):
-  """A block matmul: operands in `matmul_operands`, sums in `matmul_accum`.
-
-  The result is returned in `matmul_accum`. FP32 operands are multiplied at
-  `Precision.HIGHEST`, because the GPU lowering would otherwise use TF32.
-  """
-  operand_dtype = policy.dtype("matmul_operands")
-  accum_dtype = policy.dtype("matmul_accum")
-  a = a.astype(operand_dtype)
-  b = b.astype(operand_dtype)
-  # A dot cannot return a narrower type than its operands on every backend:
-  # compute in the wider of the two, then round to the accumulator format.
-  wide = jnp.promote_types(operand_dtype, accum_dtype)
-  precision = (
-    lax.Precision.HIGHEST
-    if operand_dtype.itemsize >= 4
-    else lax.Precision.DEFAULT
-  )
-  out = lax.dot_general(
-    a, b, dims, precision=precision, preferred_element_type=wide
-  )
-  return out.astype(accum_dtype)
 
 
 def key_mask(
@@ -56,21 +34,32 @@ def key_mask(
   return mask
 
 
-def block_scores(q_BqxD, k_BkxD, *, policy: Precision, scale: float, mask):
-  """S = Q K^T * scale rounded to `scores`; masked pairs are -inf.
+def scaled_dot(a, b, dims, ar: PolicyArithmetic, scale: float, stage: str):
+  """(A B) * scale: the product rounded to `matmul_accum`, then to `stage`."""
+  product = ar.dot(a, b, dims)
+  return ar.round(product * jnp.asarray(scale, product.dtype), stage)
+
+
+def block_scores(q_BqxD, k_BkxD, *, ar: PolicyArithmetic, scale: float, mask):
+  """S = Q K^T * scale in `scores`, then held in `softmax_stats`.
+
+  Masked pairs are -inf.
 
   Args:
     mask: boolean [block_q, block_k] or None when every pair attends.
   """
-  s = policy_dot(q_BqxD, k_BkxD, NT_DIMS, policy)
-  s = (s * jnp.asarray(scale, s.dtype)).astype(policy.dtype("scores"))
+  s = scaled_dot(q_BqxD, k_BkxD, NT_DIMS, ar, scale, "scores")
+  s = ar.round(s, "softmax_stats")
   if mask is not None:
     s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
   return s
 
 
-def row_sum(x_BqxBk, policy: Precision):
+def stats_exp(x, ar: PolicyArithmetic):
+  """exp(x) rounded to `softmax_stats` (x already in that format)."""
+  return ar.round(jnp.exp(x), "softmax_stats")
+
+
+def row_sum(x_BqxBk, ar: PolicyArithmetic):
   """Row sum within one block, accumulated like a dot product."""
-  accum_dtype = policy.dtype("matmul_accum")
-  total = jnp.sum(x_BqxBk.astype(accum_dtype), axis=-1)
-  return total.astype(policy.dtype("softmax_stats"))
+  return ar.round(ar.sum(x_BqxBk, "matmul_accum"), "softmax_stats")

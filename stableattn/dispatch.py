@@ -11,17 +11,10 @@ from stableattn.flash_attention import flash_attention, flash_attention_with_lse
 from stableattn.pallas_forward import SCHEMES, KernelConfig
 from stableattn.precision import Precision, require_x64_if_needed, resolve
 from stableattn.reference import reference_attention, xla_attention
+from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import check_block_size, resolve_interpret
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla")
-# Stages where the kernel does elementwise arithmetic (not just a cast).
-ARITHMETIC_STAGES = (
-  "scores",
-  "softmax_stats",
-  "out_accum",
-  "delta",
-  "grad_accum",
-)
 
 
 def _check_choice(name: str, value, valid) -> None:
@@ -71,24 +64,15 @@ def validate_inputs(q, k, v) -> None:
 
 
 def gpu_unsupported_reason(policy: Precision) -> str | None:
-  """Why the compiled GPU (Triton) kernel cannot run `policy`, or None."""
+  """Why the compiled GPU (Triton) kernel cannot run `policy`, or None.
+
+  Half-precision arithmetic compiles: each op runs in FP32 and its result
+  is rounded by a cast, which is a real rounding in a Triton kernel.
+  """
   if policy.uses_fp64:
     return (
       f"Precision {policy.name!r} has FP64 stages, which the GPU (Triton) "
       "kernel does not support; use interpret=True for FP64."
-    )
-  half_arithmetic = [
-    stage
-    for stage in ARITHMETIC_STAGES
-    if getattr(policy, stage) in ("fp16", "bf16")
-  ]
-  if half_arithmetic:
-    return (
-      f"Precision {policy.name!r} does arithmetic in half precision at "
-      f"stages {half_arithmetic}, which the Triton lowering cannot "
-      "compile (it only casts to fp16/bf16 and multiplies them in matrix "
-      "units). Run this policy with interpret=True, or on a GPU use a "
-      "policy whose arithmetic stages are fp32 (e.g. 'bf16-fa2')."
     )
   return None
 
@@ -228,7 +212,10 @@ def _compute(
   q, k, v, *, implementation: str, cfg: KernelConfig, return_lse: bool
 ):
   """One compiled program per (shapes, implementation, configuration)."""
-  q, k, v = (x.astype(cfg.policy.dtype("inputs")) for x in (q, k, v))
+  # Explicit rounding: a bare cast to a half type may be skipped by XLA when
+  # the next op widens it again (see `rounding.py`).
+  ar = PolicyArithmetic(cfg.policy)
+  q, k, v = (ar.round_inputs(x) for x in (q, k, v))
   if implementation == "pallas":
     if return_lse:
       return flash_attention_with_lse(q, k, v, cfg)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from stableattn.pallas_backward import flash_backward
 from stableattn.pallas_forward import KernelConfig, flash_forward
+from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import MIN_GPU_BLOCK, next_power_of_two, round_up
 
 
@@ -74,16 +75,20 @@ def _flash_bwd(cfg: KernelConfig, residuals, d_out):
   batch, kv_len_padded, kv_heads, head_dim_padded = k_p.shape
   group = q_p.shape[2] // kv_heads
 
+  ar = PolicyArithmetic(cfg.policy)
+
   def sum_groups(g):
     # Per-query-head gradients of one shared key/value head add up, in the
     # policy's gradient-accumulator format.
+    if group == 1:
+      return g
     g = g.reshape(batch, kv_len_padded, kv_heads, group, head_dim_padded)
-    return jnp.sum(g, axis=3, dtype=g.dtype)
+    return ar.sum(g, "grad_accum", axis=3)
 
   dq = dq_p[:, : cfg.q_len, :, : cfg.head_dim]
   dk = sum_groups(dk_p)[:, : cfg.kv_len, :, : cfg.head_dim]
   dv = sum_groups(dv_p)[:, : cfg.kv_len, :, : cfg.head_dim]
-  return dq.astype(q_p.dtype), dk.astype(k_p.dtype), dv.astype(v_p.dtype)
+  return tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)

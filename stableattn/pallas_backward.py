@@ -31,33 +31,34 @@ from stableattn.block_math import (
   TN_DIMS,
   block_scores,
   key_mask,
-  policy_dot,
+  scaled_dot,
+  stats_exp,
 )
 from stableattn.pallas_forward import KernelConfig
-from stableattn.precision import Precision
+from stableattn.rounding import PolicyArithmetic
 
 
-def _delta_kernel(o_ref, do_ref, delta_ref, *, policy: Precision):
-  delta_dtype = policy.dtype("delta")
-  o_BqxD = o_ref[...].astype(delta_dtype)
-  do_BqxD = do_ref[...].astype(delta_dtype)
-  delta_ref[...] = jnp.sum(o_BqxD * do_BqxD, axis=-1).astype(delta_dtype)
+def _delta_kernel(o_ref, do_ref, delta_ref, *, ar: PolicyArithmetic):
+  o_BqxD = ar.round(o_ref[...], "delta")
+  do_BqxD = ar.round(do_ref[...], "delta")
+  products_BqxD = ar.round(o_BqxD * do_BqxD, "delta")
+  delta_ref[...] = ar.sum(products_BqxD, "delta").astype(delta_ref.dtype)
 
 
 def _probs_and_dscores(
   q_BqxD, k_BkxD, v_BkxD, do_BqxD, lse_Bq, delta_Bq, mask, *, cfg: KernelConfig
 ):
   """Recomputes P and returns (P, dS), both rounded to `probs`."""
-  policy = cfg.policy
-  stats_dtype = policy.dtype("softmax_stats")
-  s_BqxBk = block_scores(
-    q_BqxD, k_BkxD, policy=policy, scale=cfg.scale, mask=mask
-  ).astype(stats_dtype)
-  p_BqxBk = jnp.exp(s_BqxBk - lse_Bq.astype(stats_dtype)[:, None])
-  dp_BqxBk = policy_dot(do_BqxD, v_BkxD, NT_DIMS, policy).astype(stats_dtype)
-  ds_BqxBk = p_BqxBk * (dp_BqxBk - delta_Bq.astype(stats_dtype)[:, None])
-  probs_dtype = policy.dtype("probs")
-  return p_BqxBk.astype(probs_dtype), ds_BqxBk.astype(probs_dtype)
+  ar = cfg.arithmetic
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  s_BqxBk = block_scores(q_BqxD, k_BkxD, ar=ar, scale=cfg.scale, mask=mask)
+  p_BqxBk = stats_exp(stats(s_BqxBk - stats(lse_Bq)[:, None]), ar)
+  dp_BqxBk = stats(ar.dot(do_BqxD, v_BkxD, NT_DIMS))
+  ds_BqxBk = stats(p_BqxBk * stats(dp_BqxBk - stats(delta_Bq)[:, None]))
+  return ar.round(p_BqxBk, "probs"), ar.round(ds_BqxBk, "probs")
 
 
 def _dkdv_kernel(
@@ -73,9 +74,8 @@ def _dkdv_kernel(
   cfg: KernelConfig,
 ):
   """One program: one key block of one (batch, query head)."""
-  policy = cfg.policy
+  ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
-  grad_dtype = policy.dtype("grad_accum")
   q_len_padded = q_ref.shape[0]
   head_dim_padded = k_ref.shape[-1]
   k_start = pl.program_id(0) * block_k
@@ -104,20 +104,21 @@ def _dkdv_kernel(
       mask,
       cfg=cfg,
     )
-    dv_BkxD = dv_BkxD + policy_dot(p_BqxBk, do_BqxD, TN_DIMS, policy).astype(
-      grad_dtype
+    dv_step = ar.round(ar.dot(p_BqxBk, do_BqxD, TN_DIMS), "grad_accum")
+    dk_step = scaled_dot(
+      ds_BqxBk, q_BqxD, TN_DIMS, ar, cfg.scale, "matmul_accum"
     )
-    dk_step = policy_dot(ds_BqxBk, q_BqxD, TN_DIMS, policy) * cfg.scale
-    dk_BkxD = dk_BkxD + dk_step.astype(grad_dtype)
-    return dk_BkxD.astype(grad_dtype), dv_BkxD.astype(grad_dtype)
+    dk_BkxD = ar.round(dk_BkxD + ar.round(dk_step, "grad_accum"), "grad_accum")
+    dv_BkxD = ar.round(dv_BkxD + dv_step, "grad_accum")
+    return dk_BkxD, dv_BkxD
 
   num_q_blocks = q_len_padded // block_q
   # Causal: query blocks that end before this key block starts see none of
   # its keys.
   lower = lax.div(k_start, jnp.int32(block_q)) if cfg.causal else 0
   init = (
-    jnp.zeros((block_k, head_dim_padded), grad_dtype),
-    jnp.zeros((block_k, head_dim_padded), grad_dtype),
+    jnp.zeros((block_k, head_dim_padded), ar.carrier),
+    jnp.zeros((block_k, head_dim_padded), ar.carrier),
   )
   dk_BkxD, dv_BkxD = lax.fori_loop(lower, num_q_blocks, body, init)
   dk_ref[...] = dk_BkxD.astype(dk_ref.dtype)
@@ -128,9 +129,8 @@ def _dq_kernel(
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: KernelConfig
 ):
   """One program: one query block of one (batch, query head)."""
-  policy = cfg.policy
+  ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
-  grad_dtype = policy.dtype("grad_accum")
   kv_len_padded = k_ref.shape[0]
   head_dim_padded = q_ref.shape[-1]
   q_start = pl.program_id(0) * block_q
@@ -152,8 +152,10 @@ def _dq_kernel(
     _, ds_BqxBk = _probs_and_dscores(
       q_BqxD, k_BkxD, v_ref[cols, :], do_BqxD, lse_Bq, delta_Bq, mask, cfg=cfg
     )
-    dq_step = policy_dot(ds_BqxBk, k_BkxD, NN_DIMS, policy) * cfg.scale
-    return (dq_BqxD + dq_step.astype(grad_dtype)).astype(grad_dtype)
+    dq_step = scaled_dot(
+      ds_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum"
+    )
+    return ar.round(dq_BqxD + ar.round(dq_step, "grad_accum"), "grad_accum")
 
   num_k_blocks = kv_len_padded // block_k
   if cfg.causal:
@@ -162,7 +164,7 @@ def _dq_kernel(
     )
   else:
     upper = num_k_blocks
-  init = jnp.zeros((block_q, head_dim_padded), grad_dtype)
+  init = jnp.zeros((block_q, head_dim_padded), ar.carrier)
   dq_BqxD = lax.fori_loop(0, upper, body, init)
   dq_ref[...] = dq_BqxD.astype(dq_ref.dtype)
 
@@ -195,7 +197,7 @@ def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
     return pl.BlockSpec((None, None, block), index_map)
 
   delta = pl.pallas_call(
-    functools.partial(_delta_kernel, policy=policy),
+    functools.partial(_delta_kernel, ar=cfg.arithmetic),
     grid=(q_len_padded // block_q, batch, heads),
     in_specs=[rows_spec(block_q, lambda i, b, h: (b, i, h, 0))] * 2,
     out_specs=vec_spec(block_q, lambda i, b, h: (b, h, i)),

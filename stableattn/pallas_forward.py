@@ -28,10 +28,11 @@ from stableattn.block_math import (
   NN_DIMS,
   block_scores,
   key_mask,
-  policy_dot,
   row_sum,
+  stats_exp,
 )
 from stableattn.precision import Precision
+from stableattn.rounding import PolicyArithmetic
 
 SCHEMES = ("fa2", "fa1")
 
@@ -58,6 +59,11 @@ class KernelConfig:
   def scale(self) -> float:
     return self.head_dim**-0.5
 
+  @property
+  def arithmetic(self) -> PolicyArithmetic:
+    """The policy's arithmetic; a compiled kernel's casts are roundings."""
+    return PolicyArithmetic(self.policy, casts_round=not self.interpret)
+
   def compiler_params(self, block_area: int):
     """Triton compiler parameters; passing them selects the Triton lowering."""
     num_warps = self.num_warps
@@ -68,13 +74,21 @@ class KernelConfig:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
-  """One program: one query block of one (batch, head), all key blocks."""
-  policy = cfg.policy
+  """One program: one query block of one (batch, head), all key blocks.
+
+  Every line below is one operation of the documented algorithm; its
+  result is rounded to the stage named beside it (see `rounding.py`).
+  """
+  ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
-  stats_dtype = policy.dtype("softmax_stats")
-  acc_dtype = policy.dtype("out_accum")
   kv_len_padded = k_ref.shape[0]
   head_dim_padded = q_ref.shape[-1]
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  def accum(x):
+    return ar.round(x, "out_accum")
 
   q_index = pl.program_id(0)
   q_start = q_index * block_q
@@ -91,33 +105,33 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
       mask = key_mask(
         q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
       )
-    s_BqxBk = block_scores(
-      q_BqxD, k_BkxD, policy=policy, scale=cfg.scale, mask=mask
-    ).astype(stats_dtype)
+    s_BqxBk = block_scores(q_BqxD, k_BkxD, ar=ar, scale=cfg.scale, mask=mask)
     m_block_Bq = jnp.max(s_BqxBk, axis=-1)
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
-    alpha_Bq = jnp.exp(m_Bq - m_new_Bq)
+    alpha_Bq = stats_exp(stats(m_Bq - m_new_Bq), ar)
     if cfg.scheme == "fa2":
-      p_BqxBk = jnp.exp(s_BqxBk - m_new_Bq[:, None])
-      l_new_Bq = alpha_Bq * l_Bq + row_sum(p_BqxBk, policy)
-      pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, policy)
-      acc_BqxD = alpha_Bq.astype(acc_dtype)[:, None] * acc_BqxD + pv_BqxD
+      p_BqxBk = stats_exp(stats(s_BqxBk - m_new_Bq[:, None]), ar)
+      l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
+      pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, ar)
+      acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
     else:
       # Probabilities against the block's own max (Dao et al. 2022, Alg. 1
       # line 10), then two rescale factors bring old and new to m_new.
       # A causal row can have no key in this block (max -inf); measuring it
       # against m_new keeps its zero weight instead of exp(-inf + inf).
       m_ref_Bq = jnp.where(m_block_Bq == -jnp.inf, m_new_Bq, m_block_Bq)
-      p_BqxBk = jnp.exp(s_BqxBk - m_ref_Bq[:, None])
-      beta_Bq = jnp.exp(m_ref_Bq - m_new_Bq)
-      l_new_Bq = alpha_Bq * l_Bq + beta_Bq * row_sum(p_BqxBk, policy)
-      pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, policy)
-      old_weight_Bq = (alpha_Bq * l_Bq / l_new_Bq).astype(acc_dtype)
-      new_weight_Bq = (beta_Bq / l_new_Bq).astype(acc_dtype)
-      acc_BqxD = (
-        old_weight_Bq[:, None] * acc_BqxD + new_weight_Bq[:, None] * pv_BqxD
+      p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar)
+      beta_Bq = stats_exp(stats(m_ref_Bq - m_new_Bq), ar)
+      old_sum_Bq = stats(alpha_Bq * l_Bq)
+      l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
+      pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, ar)
+      old_weight_Bq = accum(stats(old_sum_Bq / l_new_Bq))
+      new_weight_Bq = accum(stats(beta_Bq / l_new_Bq))
+      acc_BqxD = accum(
+        accum(old_weight_Bq[:, None] * acc_BqxD)
+        + accum(new_weight_Bq[:, None] * pv_BqxD)
       )
-    return acc_BqxD.astype(acc_dtype), m_new_Bq, l_new_Bq
+    return acc_BqxD, m_new_Bq, l_new_Bq
 
   num_k_blocks = kv_len_padded // block_k
   if cfg.causal:
@@ -127,23 +141,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
     upper = jnp.minimum(last_needed, num_k_blocks)
   else:
     upper = num_k_blocks
+  carrier = ar.carrier
   init = (
-    jnp.zeros((block_q, head_dim_padded), acc_dtype),
-    jnp.full((block_q,), -jnp.inf, stats_dtype),
-    jnp.zeros((block_q,), stats_dtype),
+    jnp.zeros((block_q, head_dim_padded), carrier),
+    jnp.full((block_q,), -jnp.inf, carrier),
+    jnp.zeros((block_q,), carrier),
   )
   acc_BqxD, m_Bq, l_Bq = lax.fori_loop(0, upper, body, init)
   if cfg.scheme == "fa2":
-    acc_BqxD = acc_BqxD / l_Bq.astype(acc_dtype)[:, None]
-  o_ref[...] = acc_BqxD.astype(o_ref.dtype)
-  lse_ref[...] = (m_Bq + jnp.log(l_Bq)).astype(lse_ref.dtype)
+    acc_BqxD = accum(acc_BqxD * accum(stats(1.0 / l_Bq))[:, None])
+  o_ref[...] = ar.stored(acc_BqxD, "output")
+  lse_ref[...] = ar.stored(m_Bq + stats(jnp.log(l_Bq)), "softmax_stats")
 
 
-def _probs_times_values(p_BqxBk, v_BkxD, policy: Precision):
+def _probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic):
   """P V with P rounded to `probs` first; result in `out_accum`."""
-  p_BqxBk = p_BqxBk.astype(policy.dtype("probs"))
-  pv_BqxD = policy_dot(p_BqxBk, v_BkxD, NN_DIMS, policy)
-  return pv_BqxD.astype(policy.dtype("out_accum"))
+  pv_BqxD = ar.dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS)
+  return ar.round(pv_BqxD, "out_accum")
 
 
 def flash_forward(q, k, v, cfg: KernelConfig):

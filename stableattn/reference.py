@@ -15,44 +15,35 @@ import jax.numpy as jnp
 from jax import lax
 
 from stableattn.precision import Precision
-
-
-def _einsum(spec, a, b, policy: Precision):
-  operand_dtype = policy.dtype("matmul_operands")
-  accum_dtype = policy.dtype("matmul_accum")
-  wide = jnp.promote_types(operand_dtype, accum_dtype)
-  out = jnp.einsum(
-    spec,
-    a.astype(operand_dtype),
-    b.astype(operand_dtype),
-    precision=lax.Precision.HIGHEST,
-    preferred_element_type=wide,
-  )
-  return out.astype(accum_dtype)
+from stableattn.rounding import PolicyArithmetic
 
 
 def reference_attention(q, k, v, *, policy: Precision, causal: bool):
-  """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`."""
+  """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`.
+
+  Each operation's result is rounded to its stage (see `rounding.py`).
+  """
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  stats_dtype = policy.dtype("softmax_stats")
-  q_BxTxKxGxD = q.reshape(batch, q_len, kv_heads, group, head_dim)
+  ar = PolicyArithmetic(policy)
 
-  s = _einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k, policy)
-  s = (s * jnp.asarray(head_dim**-0.5, s.dtype)).astype(policy.dtype("scores"))
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  q_BxTxKxGxD = q.reshape(batch, q_len, kv_heads, group, head_dim)
+  s = ar.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k)
+  s = stats(ar.round(s * jnp.asarray(head_dim**-0.5, s.dtype), "scores"))
   if causal:
     allowed_TxS = jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))
     s = jnp.where(allowed_TxS, s, jnp.asarray(-jnp.inf, s.dtype))
-  s = s.astype(stats_dtype)
   m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  p = jnp.exp(s - m)
-  accum_dtype = policy.dtype("matmul_accum")
-  l_sum = jnp.sum(p.astype(accum_dtype), axis=-1, keepdims=True)
-  p = (p / l_sum.astype(stats_dtype)).astype(policy.dtype("probs"))
+  p = stats(jnp.exp(stats(s - m)))
+  l_sum = stats(ar.sum(p, "matmul_accum", keepdims=True))
+  p = ar.round(stats(p * stats(1.0 / l_sum)), "probs")
 
-  o = _einsum("bkgts,bskd->btkgd", p, v, policy)
-  o = o.astype(policy.dtype("out_accum")).astype(policy.dtype("output"))
+  o = ar.einsum("bkgts,bskd->btkgd", p, v)
+  o = ar.stored(ar.round(o, "out_accum"), "output")
   return o.reshape(batch, q_len, heads, head_dim)
 
 

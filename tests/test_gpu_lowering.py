@@ -15,17 +15,10 @@ from helpers import random_qkv, value_and_grads
 
 import stableattn as sa
 
-CONFIGS = [
-  (precision, tiles, head_dim)
-  for precision, tiles, head_dim in itertools.product(
-    ["bf16-fa2", "fp16-fa2", "fp32"], [(64, 64), (128, 64)], [64, 128]
-  )
-]
-DTYPES = {
-  "bf16-fa2": jnp.bfloat16,
-  "fp16-fa2": jnp.float16,
-  "fp32": jnp.float32,
-}
+GPU_PRESETS = [p for p in sa.preset_names() if p != "fp64"]
+# Every preset except FP64 compiles: half-precision arithmetic runs in FP32
+# and each result is rounded by a cast, a real rounding in a Triton kernel.
+CONFIGS = list(itertools.product(GPU_PRESETS, [(64, 64), (128, 64)], [64, 128]))
 
 
 def _loss_and_grads(precision, tiles, causal, interpret):
@@ -47,7 +40,7 @@ def _loss_and_grads(precision, tiles, causal, interpret):
 
 @pytest.mark.parametrize("precision, tiles, head_dim", CONFIGS)
 def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
-  dtype = DTYPES[precision]
+  dtype = sa.Precision.from_name(precision).dtype("inputs")
   q = jax.ShapeDtypeStruct((2, 200, 4, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((2, 200, 2, head_dim), dtype)
   for causal in (False, True):
@@ -73,6 +66,7 @@ def test_odd_head_dim_lowers_padded_to_power_of_two():
 def test_compiled_kernel_passes_fa_rule_on_gpu(precision, tiles, head_dim):
   q, k, v = random_qkv(0, batch=2, q_len=256, head_dim=head_dim)
   d_out = np.random.default_rng(1).standard_normal(q.shape)
+  fmt = sa.Precision.from_name(precision).output
   for causal in (False, True):
     golden = sa.golden_attention(q, k, v, causal)
     golden_grads = sa.golden_attention_vjp(q, k, v, d_out, causal)
@@ -84,7 +78,6 @@ def test_compiled_kernel_passes_fa_rule_on_gpu(precision, tiles, head_dim):
     base, base_grads = value_and_grads(
       *f32, d_out, implementation="reference", **kwargs
     )
-    fmt = {"bf16-fa2": "bf16", "fp16-fa2": "fp16", "fp32": "fp32"}[precision]
     assert sa.passes_fa_rule(
       golden, out, base, factor=2.0, floor=sa.rounding_floor(golden, fmt)
     )
@@ -92,3 +85,29 @@ def test_compiled_kernel_passes_fa_rule_on_gpu(precision, tiles, head_dim):
       assert sa.passes_fa_rule(
         gg, g, b, factor=3.0, floor=sa.rounding_floor(gg, fmt)
       )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", GPU_PRESETS)
+def test_compiled_kernel_rounds_like_interpret_mode(precision):
+  """Compiled (casts) and interpreted (reduce_precision) roundings agree."""
+  q, k, v = (
+    np.clip(np.round(x * 16) / 16, -4, 4).astype(np.float32)
+    for x in random_qkv(2, batch=1, q_len=256, head_dim=64)
+  )
+  outs = [
+    np.asarray(
+      sa.attention(
+        q,
+        k,
+        v,
+        precision=precision,
+        block_q=64,
+        block_k=64,
+        interpret=interpret,
+      ).astype(jnp.float64)
+    )
+    for interpret in (False, True)
+  ]
+  same = float(np.mean(outs[0] == outs[1]))
+  assert same >= 0.995, f"only {same:.4f} bit-identical"

@@ -72,11 +72,6 @@ def test_non_power_of_two_tile_for_gpu_raises_our_error():
     sa.attention(Q, KV, KV, precision="bf16-fa2", block_k=48, interpret=False)
 
 
-def test_half_precision_arithmetic_for_gpu_raises_our_error():
-  with pytest.raises(ValueError, match=r"'bf16'.*interpret=True"):
-    sa.attention(Q, KV, KV, precision="bf16", interpret=False)
-
-
 def test_fp64_for_gpu_raises_our_error():
   with pytest.raises(ValueError, match=r"FP64.*interpret=True"):
     sa.attention(Q, KV, KV, precision="fp64", interpret=False)

@@ -30,10 +30,10 @@ from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.forward_report import num, table
 from stableattn.experiments.rundir import RunDir
 from stableattn.plotting import Series, line_plot
+from stableattn.precision import Precision
 
 CPU_IMPLEMENTATIONS = ("pallas", "reference", "xla")
 GPU_ONLY = ("cudnn", "jax_mha")
-_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 def on_gpu() -> bool:
@@ -117,7 +117,7 @@ class Settings:
   implementations: tuple[str, ...]
   modes: tuple[str, ...]
   causal: tuple[bool, ...]
-  dtypes: tuple[str, ...]
+  precisions: tuple[str, ...]  # presets timed; inputs in each's format
   head_dims: tuple[int, ...]
   seq_lens: tuple[int, ...]
   batch: int
@@ -149,7 +149,7 @@ def settings_from_config(c) -> Settings:
     implementations=implementations,
     modes=as_tuple(c.modes),
     causal=tuple(bool(x) for x in c.causal),
-    dtypes=as_tuple(g.dtypes),
+    precisions=_precisions(g),
     head_dims=as_tuple(c.head_dims, int),
     seq_lens=as_tuple(g.seq_lens, int),
     batch=int(g.batch),
@@ -164,18 +164,31 @@ def settings_from_config(c) -> Settings:
   )
 
 
-def _precision(dtype: str) -> str:
-  return "fp32" if dtype == "fp32" else f"{dtype}-fa2"
+def _precisions(g) -> tuple[str, ...]:
+  """`policies` if given, else each dtype's flash-kernel policy."""
+  policies = as_tuple(g.get("policies", ()))
+  if not policies:
+    policies = tuple(
+      "fp32" if dtype == "fp32" else f"{dtype}-fa2"
+      for dtype in as_tuple(g.dtypes)
+    )
+  for name in policies:
+    Precision.from_name(name)  # a clear error naming the valid presets
+  return policies
 
 
-def _time_point(s: Settings, mode, causal, dtype, head_dim, seq_len):
+def _random_inputs(key, shape, precision: str):
+  dtype = Precision.from_name(precision).dtype("inputs")
+  return (jax.random.normal(k, shape, dtype) for k in jax.random.split(key, 3))
+
+
+def _time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
   shape = (s.batch, seq_len, s.heads, head_dim)
-  keys = jax.random.split(jax.random.key(seq_len), 3)
-  q, k, v = (jax.random.normal(key, shape, _DTYPES[dtype]) for key in keys)
+  q, k, v = _random_inputs(jax.random.key(seq_len), shape, precision)
   fns = {}
   for name in s.implementations:
     fn = _timed(
-      attention_fn(name, _precision(dtype), causal, s.block_q, s.block_k), mode
+      attention_fn(name, precision, causal, s.block_q, s.block_k), mode
     )
     for _ in range(s.warmup):
       jax.block_until_ready(fn(q, k, v))
@@ -197,7 +210,7 @@ def _time_point(s: Settings, mode, causal, dtype, head_dim, seq_len):
         "implementation": name,
         "mode": mode,
         "causal": causal,
-        "dtype": dtype,
+        "precision": precision,
         "head_dim": head_dim,
         "seq_len": seq_len,
         "batch": s.batch,
@@ -227,7 +240,7 @@ def _memory(s: Settings, implementation: str, seq_len: int) -> dict:
     f"--seq_len={seq_len}",
     f"--heads={s.heads}",
     f"--head_dim={s.head_dims[0]}",
-    f"--precision={_precision(s.dtypes[0])}",
+    f"--precision={s.precisions[0]}",
     f"--block_q={s.block_q}",
     f"--block_k={s.block_k}",
   ]
@@ -237,26 +250,23 @@ def _memory(s: Settings, implementation: str, seq_len: int) -> dict:
   return {
     "kind": "memory",
     "head_dim": s.head_dims[0],
-    "dtype": s.dtypes[0],
+    "precision": s.precisions[0],
     **json.loads(out.strip().splitlines()[-1]),
   }
 
 
 def tile_search(
-  s: Settings, dtype: str, head_dim: int, causal: bool, seq_len: int
+  s: Settings, precision: str, head_dim: int, causal: bool, seq_len: int
 ) -> dict:
   """Fastest (block_q, block_k, num_warps, num_stages) for one setting."""
   shape = (s.batch, seq_len, s.heads, head_dim)
-  keys = jax.random.split(jax.random.key(1), 3)
-  q, k, v = (jax.random.normal(key, shape, _DTYPES[dtype]) for key in keys)
+  q, k, v = _random_inputs(jax.random.key(1), shape, precision)
   best = None
   for block_q, block_k, warps, stages in itertools.product(
     (64, 128), (32, 64, 128), (4, 8), (2, 3)
   ):
     fn = jax.jit(
-      attention_fn(
-        "pallas", _precision(dtype), causal, block_q, block_k, warps, stages
-      )
+      attention_fn("pallas", precision, causal, block_q, block_k, warps, stages)
     )
     try:
       jax.block_until_ready(fn(q, k, v))
@@ -278,7 +288,7 @@ def tile_search(
       }
   return {
     "kind": "tile_search",
-    "dtype": dtype,
+    "precision": precision,
     "head_dim": head_dim,
     "causal": causal,
     "seq_len": seq_len,
@@ -292,7 +302,7 @@ def run(config, workdir) -> dict:
   run_dir.write_config(config.to_dict())
   run_dir.rewrite_metrics([])  # timings are re-measured, never resumed
   points = list(
-    itertools.product(s.modes, s.causal, s.dtypes, s.head_dims, s.seq_lens)
+    itertools.product(s.modes, s.causal, s.precisions, s.head_dims, s.seq_lens)
   )
   rows = []
   for point in tqdm(points, desc="benchmark", unit="point"):
@@ -308,10 +318,10 @@ def run(config, workdir) -> dict:
     run_dir.append_metrics([new])
     rows.append(new)
   if s.tile_search:
-    for dtype, head_dim, causal in itertools.product(
-      s.dtypes, s.head_dims, s.causal
+    for precision, head_dim, causal in itertools.product(
+      s.precisions, s.head_dims, s.causal
     ):
-      new = tile_search(s, dtype, head_dim, causal, max(s.seq_lens))
+      new = tile_search(s, precision, head_dim, causal, max(s.seq_lens))
       run_dir.append_metrics([new])
       rows.append(new)
   return _report(run_dir, s, rows)
@@ -334,14 +344,14 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
   ]
   headline = {}
   series = []
-  for mode, causal, dtype, head_dim in itertools.product(
-    s.modes, s.causal, s.dtypes, s.head_dims
+  for mode, causal, precision, head_dim in itertools.product(
+    s.modes, s.causal, s.precisions, s.head_dims
   ):
     group = [
       r
       for r in timings
-      if (r["mode"], r["causal"], r["dtype"], r["head_dim"])
-      == (mode, causal, dtype, head_dim)
+      if (r["mode"], r["causal"], r["precision"], r["head_dim"])
+      == (mode, causal, precision, head_dim)
     ]
     header = ["length"] + [f"{i} ms (TFLOP/s)" for i in s.implementations]
     others = [i for i in s.implementations if i != "pallas"]
@@ -356,7 +366,7 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
       cells += [num(by["pallas"][f"time_ratio_vs_{o}"]) for o in others]
       body.append(cells)
     parts += [
-      f"## {mode}, {'causal' if causal else 'non-causal'}, {dtype}, "
+      f"## {mode}, {'causal' if causal else 'non-causal'}, {precision}, "
       f"head dim {head_dim}",
       "",
       table(header, body),
@@ -381,13 +391,13 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
     and not r["causal"]
     and r["seq_len"] == target_len
     and r["head_dim"] == s.head_dims[0]
-    and r["dtype"] == s.dtypes[0]
+    and r["precision"] == s.precisions[0]
   }
   if "pallas" in fwd and "reference" in fwd:
     ratio = fwd["pallas"]["median_ms"] / fwd["reference"]["median_ms"]
     headline["forward_time_ratio_vs_reference"] = ratio
     parts.append(
-      f"**Finding.** Forward, non-causal, {s.dtypes[0]}, head dim "
+      f"**Finding.** Forward, non-causal, {s.precisions[0]}, head dim "
       f"{s.head_dims[0]}, length {target_len}: ours "
       f"{num(fwd['pallas']['median_ms'])} ms vs reference "
       f"{num(fwd['reference']['median_ms'])} ms ({ratio:.2f}x the "
@@ -446,7 +456,7 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
       "",
       table(
         [
-          "dtype",
+          "precision",
           "head dim",
           "causal",
           "block_q",
@@ -457,7 +467,7 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
         ],
         [
           [
-            r["dtype"],
+            r["precision"],
             r["head_dim"],
             r["causal"],
             r.get("block_q"),

@@ -1,0 +1,218 @@
+"""Explicit rounding: the precision policy as arithmetic no compiler can skip.
+
+This module is the one definition of what a `Precision` policy computes:
+
+* Every value is held in a *carrier* format: FP32, or FP64 when the policy
+  has an FP64 stage. Arrays of a half-precision stage hold only values that
+  format can represent.
+* Each elementwise operation is computed in the carrier and its result is
+  rounded to the format of the stage it belongs to (round to nearest, ties
+  to even, subnormals kept, overflow to infinity), as eager frameworks do
+  for half-precision tensors.
+* A dot product multiplies operands already rounded to `matmul_operands`,
+  sums them in the carrier (FP32, as tensor cores and CPU matmuls do) and
+  rounds the sum once to `matmul_accum`. A row sum (softmax denominator,
+  delta, the GQA sum of gradients) likewise sums in the carrier and rounds
+  once.
+* Normalizing by the softmax sum l multiplies by its reciprocal 1/l,
+  rounded like the statistics, as FlashAttention-2 and framework softmax
+  kernels do. (XLA rewrites `x / l[:, None]` into `x * (1 / l)` anyway; a
+  written-out reciprocal makes that the documented, not an accidental,
+  semantics.)
+* A maximum, a comparison, a mask or a cast of an already rounded value
+  needs no rounding.
+
+Why explicit: with default flags (`xla_allow_excess_precision=true`) XLA
+removes a convert pair such as f32 -> bf16 -> f32 inside a fusion, so a
+cast to a half type is *not* a rounding one can count on. Inside an XLA
+program (the reference, and the Pallas kernels in interpret mode) each
+rounding is therefore `lax.reduce_precision`, which XLA keeps, plus an
+exact rounding of the subnormal range that `reduce_precision` flushes to
+zero. In a compiled Triton kernel body no XLA pass runs and a cast is a
+real rounding instruction, so there a cast round trip is used (Triton has
+no `reduce_precision`); both give the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from stableattn.precision import Precision, format_name, to_dtype
+
+# (exponent bits, explicit mantissa bits) of each format.
+FORMAT_BITS = {
+  "bf16": (8, 7),
+  "fp16": (5, 10),
+  "fp32": (8, 23),
+  "fp64": (11, 52),
+}
+
+
+def carrier_dtype(policy: Precision) -> np.dtype:
+  """The format every value of `policy` is held and computed in."""
+  return jnp.dtype(jnp.float64 if policy.uses_fp64 else jnp.float32)
+
+
+def _format_of(dtype) -> str:
+  return format_name(jnp.dtype(dtype))
+
+
+def _needs_rounding(value_fmt: str, fmt: str) -> bool:
+  e_value, m_value = FORMAT_BITS[value_fmt]
+  e_fmt, m_fmt = FORMAT_BITS[fmt]
+  return e_fmt < e_value or m_fmt < m_value
+
+
+def _round_subnormals_too(x, fmt: str):
+  """Nearest-even rounding of x to `fmt`, in x's dtype, subnormals exact."""
+  exponent_bits, mantissa_bits = FORMAT_BITS[fmt]
+  rounded = lax.reduce_precision(
+    x, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits
+  )
+  info = jnp.finfo(to_dtype(fmt))
+  if jnp.finfo(x.dtype).tiny >= info.tiny:
+    # The target's subnormals are the carrier's too: reduce_precision
+    # rounds them exactly (bf16 from fp32).
+    return rounded
+  # reduce_precision flushes the target's subnormals to zero. Below the
+  # smallest normal they are multiples of the smallest subnormal, so
+  # scaling by a power of two and rounding to an integer is exact.
+  spacing = float(info.smallest_subnormal)
+  scaled = lax.round(
+    x * jnp.asarray(1.0 / spacing, x.dtype), lax.RoundingMethod.TO_NEAREST_EVEN
+  ) * jnp.asarray(spacing, x.dtype)
+  is_subnormal = jnp.abs(x) < jnp.asarray(info.tiny, x.dtype)
+  return jnp.where(is_subnormal, scaled, rounded)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _round_in_xla(x, fmt: str):
+  return _round_subnormals_too(x, fmt)
+
+
+@_round_in_xla.defjvp
+def _round_in_xla_jvp(fmt, primals, tangents):
+  # Autodiff rounds a cotangent where the forward rounded its value (the
+  # transpose of a cast); reduce_precision is linear, so it transposes.
+  (x,), (t,) = primals, tangents
+  exponent_bits, mantissa_bits = FORMAT_BITS[fmt]
+  return _round_in_xla(x, fmt), lax.reduce_precision(
+    t, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits
+  )
+
+
+def round_to(x, fmt: str, *, casts_round: bool = False):
+  """x rounded to format `fmt`, returned in x's dtype (FP32 if x is half).
+
+  Args:
+    x: a floating array.
+    fmt: a format name ('bf16', 'fp16', 'fp32', 'fp64').
+    casts_round: True inside a compiled Triton kernel body, where a cast
+      round trip is a real rounding; False inside an XLA program.
+  """
+  fmt = format_name(fmt)
+  if jnp.dtype(x.dtype).itemsize < 4:
+    x = x.astype(jnp.float32)
+  if not _needs_rounding(_format_of(x.dtype), fmt):
+    return x
+  if casts_round:
+    return x.astype(to_dtype(fmt)).astype(x.dtype)
+  return _round_in_xla(x, fmt)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyArithmetic:
+  """The arithmetic of one policy: carrier-format ops, explicit roundings.
+
+  Attributes:
+    policy: the precision policy.
+    casts_round: True in a compiled Triton kernel body (see `round_to`).
+  """
+
+  policy: Precision
+  casts_round: bool = False
+
+  @property
+  def carrier(self) -> np.dtype:
+    return carrier_dtype(self.policy)
+
+  def lift(self, x):
+    """x in the carrier format (exact: every stage fits in the carrier)."""
+    return x.astype(self.carrier)
+
+  def round(self, x, stage: str):
+    """x (any float dtype) rounded to `stage`'s format, in the carrier.
+
+    A value wider than the carrier (FP64 user input) is rounded from its
+    own format, not through the carrier: one rounding, not two.
+    """
+    fmt = getattr(self.policy, stage)
+    return round_to(x, fmt, casts_round=self.casts_round).astype(self.carrier)
+
+  def round_inputs(self, x):
+    """x rounded to `inputs` and stored in that dtype, for the user's arrays.
+
+    Its gradient passes through unchanged: the gradients that reach it are
+    already in the inputs format, and a fp16 gradient must keep its
+    subnormals (the JVP of `round` flushes them, as reduce_precision does).
+    """
+    x = jnp.asarray(x)
+    wide = x if jnp.dtype(x.dtype).itemsize >= 4 else x.astype(jnp.float32)
+    rounded = lax.stop_gradient(
+      round_to(wide, self.policy.inputs, casts_round=self.casts_round)
+    )
+    # wide + (rounded - wide) is exactly `rounded`; +-inf would give NaN.
+    through = wide + lax.stop_gradient(rounded - wide)
+    out = jnp.where(jnp.isfinite(wide), through, rounded)
+    return out.astype(self.policy.dtype("inputs"))
+
+  def stored(self, x, stage: str):
+    """x rounded to `stage` and cast to that stage's dtype (for refs)."""
+    return self.round(x, stage).astype(self.policy.dtype(stage))
+
+  def dot(self, a, b, dims):
+    """A block matmul: operands in `matmul_operands`, one rounding of the sum.
+
+    FP32 operands are multiplied at `Precision.HIGHEST`, because the GPU
+    lowering would otherwise use TF32.
+    """
+    operand_dtype = self.policy.dtype("matmul_operands")
+    a = self.stored(a, "matmul_operands")
+    b = self.stored(b, "matmul_operands")
+    precision = (
+      lax.Precision.HIGHEST
+      if operand_dtype.itemsize >= 4
+      else lax.Precision.DEFAULT
+    )
+    out = lax.dot_general(
+      a, b, dims, precision=precision, preferred_element_type=self.carrier
+    )
+    return self.round(out, "matmul_accum")
+
+  def einsum(self, spec: str, a, b):
+    """`dot` for an einsum spec (the reference implementation's matmuls)."""
+    operand_dtype = self.policy.dtype("matmul_operands")
+    precision = (
+      lax.Precision.HIGHEST
+      if operand_dtype.itemsize >= 4
+      else lax.Precision.DEFAULT
+    )
+    out = jnp.einsum(
+      spec,
+      self.stored(a, "matmul_operands"),
+      self.stored(b, "matmul_operands"),
+      precision=precision,
+      preferred_element_type=self.carrier,
+    )
+    return self.round(out, "matmul_accum")
+
+  def sum(self, x, stage: str, *, axis=-1, keepdims: bool = False):
+    """A sum accumulated in the carrier and rounded once to `stage`."""
+    total = jnp.sum(self.lift(x), axis=axis, keepdims=keepdims)
+    return self.round(total, stage)

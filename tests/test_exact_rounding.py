@@ -1,0 +1,228 @@
+"""The precision policy is what runs: bit for bit against an independent
+NumPy + ml_dtypes emulator (`policy_emulator.py`), under any XLA flags.
+
+CI runs this file twice: with default flags and with
+`XLA_FLAGS=--xla_allow_excess_precision=false`.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import policy_emulator as emu
+import pytest
+from helpers import random_qkv
+
+import stableattn as sa
+from stableattn.rounding import round_to
+
+PRESETS = sa.preset_names()
+HALF_OUTPUT = [p for p in PRESETS if not p.startswith("fp32") and p != "fp64"]
+# (q_len, kv_len, heads, kv_heads, head_dim, block_q, block_k, causal):
+# ragged last blocks both ways, GQA, cross attention, causal.
+SHAPES = [
+  (70, 70, 2, 1, 16, 16, 32, False),
+  (48, 80, 2, 2, 32, 32, 16, False),
+  (64, 64, 4, 2, 16, 16, 16, True),
+  (50, 50, 2, 1, 24, 32, 32, True),
+]
+
+
+def _inputs(seed, shape, scale=1.0):
+  q_len, kv_len, heads, kv_heads, head_dim = shape[:5]
+  q, k, v = random_qkv(
+    seed,
+    batch=1,
+    q_len=q_len,
+    kv_len=kv_len,
+    heads=heads,
+    kv_heads=kv_heads,
+    head_dim=head_dim,
+  )
+  return [on_grid(x * scale) for x in (q, k, v)]
+
+
+def on_grid(x):
+  """FP32 values on a 1/16 grid in [-4, 4]: every sum of their products
+  over a head dim <= 64 is exact in FP32, so QK^T and dO V^T do not depend
+  on summation order, and a difference from the emulator can come only
+  from a rounding the policy names, FP32 exp, or the order of the sums
+  over P."""
+  return np.clip(np.round(x * 16) / 16, -4, 4).astype(np.float32)
+
+
+def _stages(preset):
+  return sa.Precision.from_name(preset).stages()
+
+
+def identical_share(expected, actual):
+  expected, actual = np.asarray(expected), np.asarray(actual)
+  same = (expected == actual) | (np.isnan(expected) & np.isnan(actual))
+  return float(same.mean())
+
+
+def _format(preset):
+  return sa.Precision.from_name(preset).output
+
+
+def ulps_at_largest(expected, actual, fmt):
+  """Largest difference in units of `fmt`'s last place at max |expected|."""
+  info = ml_dtypes.finfo(emu.FORMATS[fmt])
+  largest = max(float(np.max(np.abs(expected))), float(info.tiny))
+  ulp = 2.0 ** (np.floor(np.log2(largest)) - info.nmant)
+  return float(np.max(np.abs(np.asarray(actual) - expected))) / ulp
+
+
+def _check(expected, actual, preset, what):
+  """The share of bit-identical elements, and the size of the rest.
+
+  Half-format outputs: >= 99.5% bit-identical. The rest may differ only
+  where FP32 exp (NumPy's vs XLA's) or an FP32 sum over P changes one
+  rounding, which moves a row by a few ulps of its largest value. FP32
+  and FP64 outputs show every such difference, so they are held to a few
+  ulps at the largest value instead.
+  """
+  share = identical_share(expected, actual)
+  ulps = ulps_at_largest(expected, actual, _format(preset))
+  if preset in HALF_OUTPUT:
+    assert share >= 0.995, f"{what}: only {share:.4f} bit-identical"
+    assert ulps <= 4.0, f"{what}: {ulps} ulps apart"
+  else:
+    assert ulps <= 64.0, f"{what}: {ulps} ulps apart"
+  return share
+
+
+FORWARD_CASES = [
+  (preset, scheme, SHAPES[i % len(SHAPES)])
+  for i, (preset, scheme) in enumerate(
+    itertools.product(PRESETS, ["fa2", "fa1"])
+  )
+]
+
+
+def _case_id(case):
+  preset, scheme, shape = case
+  return f"{preset}-{scheme}-T{shape[0]}S{shape[1]}-{shape[5]}x{shape[6]}" + (
+    "-causal" if shape[7] else ""
+  )
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=_case_id)
+def test_pallas_forward_matches_emulator(case):
+  preset, scheme, shape = case
+  q, k, v = _inputs(FORWARD_CASES.index(case), shape)
+  *_, block_q, block_k, causal = shape
+  out = sa.attention(
+    q,
+    k,
+    v,
+    precision=preset,
+    block_q=block_q,
+    block_k=block_k,
+    scheme=scheme,
+    causal=causal,
+  )
+  want, _ = emu.forward(
+    q,
+    k,
+    v,
+    _stages(preset),
+    block_q=block_q,
+    block_k=block_k,
+    scheme=scheme,
+    causal=causal,
+  )
+  _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_reference_matches_emulator(preset):
+  shape = SHAPES[PRESETS.index(preset) % len(SHAPES)]
+  q, k, v = _inputs(7, shape)
+  causal = shape[7]
+  out = sa.attention(
+    q, k, v, implementation="reference", precision=preset, causal=causal
+  )
+  want = emu.reference(q, k, v, _stages(preset), causal=causal)
+  _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
+
+
+BACKWARD_CASES = [
+  (preset, scheme, SHAPES[i % len(SHAPES)])
+  for i, (preset, scheme) in enumerate(
+    itertools.product(["bf16", "bf16-fa2", "fp16", "fp16-framework"], ["fa2"])
+  )
+] + [("bf16", "fa1", SHAPES[2])]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=_case_id)
+def test_pallas_backward_matches_emulator(case):
+  preset, scheme, shape = case
+  q, k, v = _inputs(11, shape)
+  d_out = on_grid(np.random.default_rng(12).standard_normal(q.shape))
+  *_, block_q, block_k, causal = shape
+  policy = sa.Precision.from_name(preset)
+
+  def fn(q, k, v):
+    return sa.attention(
+      q,
+      k,
+      v,
+      precision=preset,
+      block_q=block_q,
+      block_k=block_k,
+      scheme=scheme,
+      causal=causal,
+    )
+
+  out, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
+  grads = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))
+  want = emu.backward(
+    q,
+    k,
+    v,
+    d_out,
+    _stages(preset),
+    block_q=block_q,
+    block_k=block_k,
+    scheme=scheme,
+    causal=causal,
+  )
+  for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+    _check(w, np.asarray(g, np.float64), preset, name)
+
+
+def test_fused_bf16_chain_is_rounded_at_every_op():
+  """The minimal case XLA used to get wrong: exp(bf16(x) - m) under jit."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.uniform(0.1, 3.0, (64, 64)), jnp.float32)
+  m = jnp.asarray(rng.uniform(0.0, 1.0, (64, 1)), jnp.float32)
+
+  @jax.jit
+  def chain(x, m):
+    d = round_to(round_to(x, "bf16") - round_to(m, "bf16"), "bf16")
+    return round_to(jnp.exp(d), "bf16")
+
+  bf16 = ml_dtypes.bfloat16
+  xr = np.asarray(x).astype(bf16).astype(np.float32)
+  mr = np.asarray(m).astype(bf16).astype(np.float32)
+  want = np.exp((xr - mr).astype(bf16).astype(np.float32)).astype(bf16)
+  assert identical_share(want, np.asarray(chain(x, m)).astype(bf16)) == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("casts_round", [False, True])
+def test_round_to_equals_a_true_cast_including_subnormals(fmt, casts_round):
+  rng = np.random.default_rng(1)
+  x = (rng.standard_normal(20000) * 10.0 ** rng.integers(-12, 6, 20000)).astype(
+    np.float32
+  )
+  x[:4] = [np.inf, -np.inf, 0.0, 7e4]
+  got = np.asarray(
+    jax.jit(lambda x: round_to(x, fmt, casts_round=casts_round))(x)
+  )
+  with np.errstate(over="ignore"):
+    want = x.astype(emu.FORMATS[fmt]).astype(np.float32)
+  np.testing.assert_array_equal(got, want)
