@@ -7,7 +7,8 @@ no block reads out of bounds; padded keys are masked by index.
 
 Two rescaling schemes:
   * `fa2` (FlashAttention-2): the output accumulator stays unnormalized and
-    is divided by the softmax sum once, after the last key block.
+    is scaled by the reciprocal of the softmax sum once, after the last key
+    block.
   * `fa1` (FlashAttention-1, Algorithm 1 of Dao et al. 2022; also jax's TPU
     kernel): each key block's probabilities are computed against the block's
     own maximum, and the accumulator is renormalized after every key block.

@@ -94,9 +94,8 @@ class Engine:
     )
 
   def _kwargs(self, kernel: Kernel, case: Case):
-    # Emulation policies (FP64 or half-precision arithmetic) run in interpret
-    # mode even on a GPU, whose Triton kernel cannot compile them; the
-    # others compile there.
+    # FP64 policies run in interpret mode even on a GPU, whose Triton kernel
+    # cannot compile them; every other policy compiles there.
     interpret = True if gpu_unsupported_reason(kernel.policy) else None
     return dict(
       implementation=kernel.implementation,
