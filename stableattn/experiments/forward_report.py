@@ -873,8 +873,7 @@ def _where_flash_ran() -> str:
   device = jax.devices()[0]
   if device.platform == "gpu":
     return (
-      f"compiled for {device.device_kind}, interpret mode for FP64 "
-      "policies"
+      f"compiled for {device.device_kind}, interpret mode for FP64 policies"
     )
   return f"interpret mode on {device.platform.upper()}"
 
