@@ -49,8 +49,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sram_elements = (16384, 49152)  # 64 KiB and 192 KiB (A100) of fp32
   c.attribution_formats = "bf16"  # :paper adds fp16
   c.fa3_shape = (1, 512, 4, 128)  # batch, seq_len, heads, head_dim
-  c.tied_precisions = "bf16-fa2,bf16"
-  c.tied_copies = 4  # identical copies of the winning key per row
+  # Qiu & Yao's biased rounding: the policies it is measured under (every
+  # stage BF16; their regime, FP32 statistics with a BF16 O accumulator;
+  # real kernels), their fix's beta values (no fix is always measured), and
+  # the conditions: bit-identical keys tied at each row's maximum, in one
+  # tile or spread one per tile, V of one sign or zero-mean, and the untied
+  # probability mass relative to the tied mass.
+  c.tied_precisions = "bf16,bf16-fa2+out_accum=bf16,bf16-fa2"
+  c.tied_betas = "2,7"
+  c.tied_counts = "1,2,3,4"
+  c.tied_placements = "same_tile,different_tiles"
+  c.tied_values = "one_sign,zero_mean"
+  c.tied_margins = "1e-1,1e-4,1e-7"
+  c.tied_q_len = 64
+  c.tied_kv_len = 256  # room for 4 ties in 4 tiles of 64
+  c.tied_seeds = 1  # each condition already averages 64 x 256 x 2 heads
   c.backward_precisions = "fp32,bf16-fa2,bf16"  # :paper adds fp16-fa2
   c.backward_seq_lens = (256,)
   c.scale = 8.0  # multiplier of the `scaled` input distribution
@@ -63,6 +76,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.fa3_shape = (2, 1024, 8, 128)
     c.backward_precisions = "fp32,fp16-fa2,bf16-fa2,bf16"
     c.backward_seq_lens = (128, 512, 1024)
+    c.tied_counts = "1,2,3,4,8"
+    c.tied_margins = "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9"
+    c.tied_kv_len = 512
   elif arg == "smoke":
     c.seeds = 2
     c.heads = 1
@@ -83,7 +99,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sram_elements = (1024,)
     c.attribution_formats = "bf16"
     c.fa3_shape = (1, 64, 1, 32)
-    c.tied_precisions = "bf16-fa2"
+    c.tied_precisions = "bf16-fa2+out_accum=bf16"
+    c.tied_betas = "2"
+    c.tied_counts = "2"
+    c.tied_margins = "1e-4"
+    c.tied_q_len = 32
+    c.tied_kv_len = 32
     c.backward_precisions = "bf16-fa2"
     c.backward_seq_lens = (48,)
   elif arg not in (None, "", "default"):

@@ -9,6 +9,8 @@ scores.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -63,3 +65,55 @@ def stats_exp(x, ar: PolicyArithmetic):
 def row_sum(x_BqxBk, ar: PolicyArithmetic):
   """Row sum within one block, accumulated like a dot product."""
   return ar.round(ar.sum(x_BqxBk, "matmul_accum"), "softmax_stats")
+
+
+def tie_cap(ar: PolicyArithmetic) -> float:
+  """The largest shift of the maximum that keeps exp of the tie normal.
+
+  Half the natural-log range of the statistics format's normal numbers
+  (43.7 for FP32 and BF16, 4.9 for FP16): exp(r_m - m) of the row's largest
+  entries then stays a normal number, so the softmax sum cannot underflow
+  to zero (Qiu & Yao's beta = 7 does once the row maximum exceeds about
+  14.6 in FP32).
+  """
+  tiny = float(jnp.finfo(ar.policy.dtype("softmax_stats")).tiny)
+  return -0.5 * math.log(tiny)
+
+
+def tie_safe_max(s, r_m, ar: PolicyArithmetic, tie_beta: float | None):
+  """The maximum to subtract before exp, with Qiu & Yao's fix (Alg. 1).
+
+  Qiu & Yao (arXiv 2510.04212): where several scores of a row tie at its
+  maximum r_m, those probabilities are exactly 1 and PV rounds with a
+  bias. With r_s the number of entries equal to r_m: m = beta * r_m if
+  r_m > 0 and r_s > 1, m = 0 if r_m < 0 and r_s > 1, else m = r_m, so no
+  probability is exactly 1.
+
+  Fallback: a shift m - r_m beyond `tie_cap` would underflow the sum; it
+  is wrapped into [cap - 1, cap) instead (by its fractional part). A
+  constant shift would give every row the same tied probability and so the
+  same rounding of it, a bias of its own; the wrapped shift still varies
+  from row to row, and every probability stays below 1.
+
+  Args:
+    s: scores [..., n] in the statistics format; -inf where masked.
+    r_m: s.max(-1), shape [...].
+    tie_beta: beta > 1, or None for the standard safe softmax (m = r_m).
+  """
+  if tie_beta is None:
+    return r_m
+  stats = lambda x: ar.round(x, "softmax_stats")  # noqa: E731
+  one, zero = jnp.asarray(1.0, s.dtype), jnp.asarray(0.0, s.dtype)
+  tied = jnp.sum(jnp.where(s == r_m[..., None], one, zero), axis=-1) > 1
+  finite = jnp.isfinite(r_m)
+  r_safe = jnp.where(finite, r_m, zero)
+  shift = jnp.where(
+    tied & (r_safe > 0),
+    jnp.asarray(tie_beta - 1.0, s.dtype) * r_safe,
+    jnp.where(tied & (r_safe < 0), -r_safe, zero),
+  )
+  cap = jnp.asarray(tie_cap(ar), s.dtype)
+  wrapped = cap - one + (shift - jnp.floor(shift))
+  shift = jnp.where(shift > cap, wrapped, shift)
+  # A row with no key here (r_m = -inf) keeps r_m.
+  return jnp.where(finite, stats(r_safe + shift), r_m)

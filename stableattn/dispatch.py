@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from stableattn.flash_attention import flash_attention, flash_attention_with_lse
 from stableattn.pallas_forward import SCHEMES, KernelConfig
@@ -63,6 +65,26 @@ def validate_inputs(q, k, v) -> None:
     )
 
 
+def check_tie_beta(tie_beta) -> float | None:
+  """Validates Qiu & Yao's beta: None, or a finite number > 1."""
+  if tie_beta is None:
+    return None
+  if isinstance(tie_beta, bool) or not isinstance(
+    tie_beta, (int, float, np.floating, np.integer)
+  ):
+    raise ValueError(
+      f"tie_beta must be None or a number > 1 (Qiu & Yao use 2 to 8), got "
+      f"{type(tie_beta).__name__} {tie_beta!r}."
+    )
+  beta = float(tie_beta)
+  if not math.isfinite(beta) or beta <= 1.0:
+    raise ValueError(
+      f"tie_beta must be a finite number > 1 (Qiu & Yao use 2 to 8), got "
+      f"{tie_beta!r}; None disables the fix."
+    )
+  return beta
+
+
 def gpu_unsupported_reason(policy: Precision) -> str | None:
   """Why the compiled GPU (Triton) kernel cannot run `policy`, or None.
 
@@ -91,9 +113,11 @@ def kernel_config(
   num_stages=None,
   bwd_block_q=None,
   bwd_block_k=None,
+  tie_beta=None,
 ) -> KernelConfig:
   """Validated static configuration of the Pallas kernels."""
   _check_choice("scheme", scheme, SCHEMES)
+  tie_beta = check_tie_beta(tie_beta)
   interpret = resolve_interpret(interpret)
   for_gpu = not interpret
   block_q = check_block_size("block_q", block_q, for_gpu=for_gpu)
@@ -126,6 +150,7 @@ def kernel_config(
     num_stages=num_stages,
     bwd_block_q=bwd_block_q,
     bwd_block_k=bwd_block_k,
+    tie_beta=tie_beta,
   )
 
 
@@ -145,6 +170,7 @@ def attention(
   num_stages: int | None = None,
   bwd_block_q: int | None = None,
   bwd_block_k: int | None = None,
+  tie_beta: float | None = None,
   return_lse: bool = False,
 ):
   """Scaled dot-product attention under a precision policy.
@@ -165,6 +191,12 @@ def attention(
       default backend is the CPU".
     num_warps, num_stages: Triton compiler parameters (GPU only).
     bwd_block_q, bwd_block_k: backward tile sizes; default to the forward's.
+    tie_beta: None for the standard safe softmax, or beta > 1 for Qiu &
+      Yao's fix (arXiv 2510.04212, Alg. 1): where scores tie at a row's
+      maximum r_m, subtract beta * r_m (or 0 if r_m < 0) instead of r_m, so
+      no probability is exactly 1. The kernel applies it per tile, the
+      reference per row; "xla" does not support it. The gradient is exact
+      (the backward uses the log-sum-exp).
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
       only; not differentiable).
 
@@ -197,7 +229,14 @@ def attention(
     num_stages=num_stages,
     bwd_block_q=bwd_block_q,
     bwd_block_k=bwd_block_k,
+    tie_beta=tie_beta,
   )
+  if cfg.tie_beta is not None and implementation == "xla":
+    raise ValueError(
+      "tie_beta is not supported by implementation='xla' "
+      "(jax.nn.dot_product_attention has no such option); use 'pallas' or "
+      "'reference'."
+    )
   if return_lse and implementation != "pallas":
     raise ValueError("return_lse=True is only available for 'pallas'.")
   return _compute(
@@ -221,5 +260,7 @@ def _compute(
       return flash_attention_with_lse(q, k, v, cfg)
     return flash_attention(q, k, v, cfg)
   if implementation == "reference":
-    return reference_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)
+    return reference_attention(
+      q, k, v, policy=cfg.policy, causal=cfg.causal, tie_beta=cfg.tie_beta
+    )
   return xla_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)

@@ -18,7 +18,7 @@ DESCRIPTIONS = {
   "normal": "standard normal N(0, 1)",
   "uniform": "uniform [0, 1), what torch.rand gives",
   "outliers": "N(0,1) + N(0,100) * Bernoulli(0.001) (FlashAttention-3)",
-  "tied_maxima": "rows with several keys tied at the row maximum",
+  "tied_maxima": "rows won by bit-identical keys, one-sign V (Qiu & Yao)",
   "scaled": "N(0, 1) times a scale, to stress fp16 range",
 }
 
@@ -41,32 +41,94 @@ class Shape:
     return (self.batch, self.kv_len, self.kv_heads, self.head_dim)
 
 
-def _tied_maxima(rng, shape: Shape, copies: int):
-  """Keys holding `copies` identical copies of one key that wins most rows.
+@dataclasses.dataclass(frozen=True)
+class TiedMaximaSpec:
+  """Inputs that meet Qiu & Yao's conditions for biased BF16 rounding.
 
-  Queries lean along a direction u; the key a*u is placed at `copies`
-  random positions, so its score is bit-identical at every copy. The length
-  a is set so that this key has the row's largest score in about 90% of
-  rows; those rows then hold several softmax entries exactly at the
-  maximum, where Qiu & Yao (arXiv 2510.04212) locate biased BF16 rounding.
-  `tied_row_fraction` measures the share of such rows.
+  Qiu & Yao (arXiv 2510.04212): where `ties` scores of a row are exactly
+  equal at its maximum, flash attention's unnormalized probabilities there
+  are exactly 1; adding the tied values of V (one sign) carries into a new
+  binade, the dropped bit is often a half-ulp tie, and the small same-sign
+  terms break it away from zero. The bias needs exact ties in one tile,
+  one sign in V, and an untied probability mass (`margin`, relative to the
+  tied mass) below about half a BF16 ulp (~1e-3) but above FP32
+  resolution (~2e-8).
+
+  Attributes:
+    ties: number of bit-identical keys that hold every row's maximum.
+    same_tile: put them in the first key tile; else one in each of the
+      first `ties` tiles (needs kv_len >= ties * block_k).
+    block_k: key tile width the positions refer to.
+    margin: untied probability mass over tied mass, per row (nominal).
+    v_mean, v_spread: V ~ v_mean + v_spread * N(0, 1), for every key;
+      v_mean = 0 is zero-mean V.
   """
-  d = shape.head_dim
+
+  ties: int = 2
+  same_tile: bool = True
+  block_k: int = 64
+  margin: float = 1e-4
+  v_mean: float = -1.5
+  v_spread: float = 0.2
+
+  def __post_init__(self):
+    if not isinstance(self.ties, int) or self.ties < 1:
+      raise ValueError(f"ties must be a positive integer, got {self.ties!r}.")
+    if not self.margin > 0:
+      raise ValueError(f"margin must be > 0, got {self.margin!r}.")
+    if self.block_k < 1 or self.v_spread < 0:
+      raise ValueError(
+        f"block_k must be >= 1 and v_spread >= 0, got {self.block_k!r} and "
+        f"{self.v_spread!r}."
+      )
+
+
+def _tied_maxima(rng, shape: Shape, spec: TiedMaximaSpec):
+  """q, k, v whose rows are won by `spec.ties` bit-identical keys.
+
+  Queries are z + t u with z orthogonal to a unit direction u; untied keys
+  are orthogonal to u, so their scores are about N(0, 1); the tied key is
+  sqrt(d) u, so its score is t. t = T + U(-1/2, 1/2) per row, with T set
+  so the untied mass (S - n) e^(1/2 - T) is `margin` times the tied mass
+  n; the spread keeps the rounding of each row's statistics independent.
+  """
+  d, kv_len, n = shape.head_dim, shape.kv_len, spec.ties
+  if spec.same_tile and n > min(spec.block_k, kv_len):
+    raise ValueError(
+      f"ties={n} keys do not fit in one tile of {min(spec.block_k, kv_len)}."
+    )
+  if not spec.same_tile and n * spec.block_k > kv_len:
+    raise ValueError(
+      f"ties={n} in different tiles of {spec.block_k} keys need kv_len >= "
+      f"{n * spec.block_k}, got {kv_len}."
+    )
   u = rng.standard_normal(d)
   u /= np.linalg.norm(u)
-  q = rng.standard_normal(shape.q_shape) + 4.0 * u
-  k = rng.standard_normal(shape.kv_shape)
-  v = rng.standard_normal(shape.kv_shape)
-  positions = rng.choice(
-    shape.kv_len, size=min(copies, shape.kv_len), replace=False
-  )
-  k[:, positions] = 0.0
-  rowmax = _grouped_scores(q, k).max(axis=-1)  # [B, Hkv, G, T]
-  along_u = np.einsum("bthd,d->bht", q, u)
-  along_u = along_u.reshape(rowmax.shape[0], shape.kv_heads, -1, shape.q_len)
-  ratio = rowmax / np.maximum(along_u, 1e-3)
-  k[:, positions] = 1.05 * np.quantile(ratio, 0.9) * u
+
+  def orthogonal(x):
+    return x - np.einsum("...d,d->...", x, u)[..., None] * u
+
+  level = np.log((kv_len - n) * np.exp(0.5) / (n * spec.margin))
+  t = level + rng.uniform(-0.5, 0.5, shape.q_shape[:-1])
+  q = orthogonal(rng.standard_normal(shape.q_shape)) + t[..., None] * u
+  k = orthogonal(rng.standard_normal(shape.kv_shape))
+  if spec.same_tile:
+    positions = rng.choice(min(spec.block_k, kv_len), size=n, replace=False)
+  else:
+    positions = np.arange(n) * spec.block_k + rng.integers(0, spec.block_k, n)
+  k[:, positions] = np.sqrt(d) * u
+  v = spec.v_mean + spec.v_spread * rng.standard_normal(shape.kv_shape)
   return q, k, v
+
+
+def untied_mass_ratio(q, k) -> float:
+  """Median over rows of (probability mass below the row max) / (mass at it)."""
+  s = _grouped_scores(np.asarray(q, np.float64), np.asarray(k, np.float64))
+  s = s / np.sqrt(q.shape[-1])
+  top = s.max(axis=-1, keepdims=True)
+  at_top = s == top
+  untied = np.where(at_top, 0.0, np.exp(s - top)).sum(axis=-1)
+  return float(np.median(untied / at_top.sum(axis=-1)))
 
 
 def _grouped_scores(q, k):
@@ -90,7 +152,7 @@ def make_inputs(
   shape: Shape,
   *,
   scale: float = 8.0,
-  tied_copies: int = 4,
+  tied: TiedMaximaSpec | None = None,
 ):
   """Random q, k, v (float64) from a named distribution.
 
@@ -116,7 +178,7 @@ def make_inputs(
 
     return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.kv_shape)
   if distribution == "tied_maxima":
-    return _tied_maxima(rng, shape, tied_copies)
+    return _tied_maxima(rng, shape, tied or TiedMaximaSpec())
   if distribution == "scaled":
     return tuple(
       scale * rng.standard_normal(s)

@@ -28,6 +28,11 @@ class Deviation:
   max_ulp: float  # max |actual - expected| in units in the last place
   ulp_format: str  # the format max_ulp counts in
   mean_signed: float  # mean(actual - expected): bias
+  # mean(err * sign(expected)) / mean(|err|): +1 when every error points
+  # away from zero, -1 toward it; Qiu & Yao's biased rounding shows here
+  # and cancels in `mean_signed` when the values have both signs. 0 if no
+  # error.
+  signed_share: float
   n_nan: int  # NaNs in actual
   n_inf: int  # infinities in actual
   argmax: tuple[int, ...]  # index of the largest |actual - expected|
@@ -111,11 +116,27 @@ def compare(expected, actual, *, ulp_format: str | None = None) -> Deviation:
     max_ulp=max_ulp,
     ulp_format=ulp_format,
     mean_signed=float(np.mean(diff)),
+    signed_share=signed_share(expected, actual),
     n_nan=int(np.isnan(a).sum()),
     n_inf=int(np.isinf(a).sum()),
     argmax=tuple(int(i) for i in argmax),
     size=int(e.size),
   )
+
+
+def signed_share(expected, actual) -> float:
+  """mean((actual - expected) * sign(expected)) / mean(|actual - expected|).
+
+  +1: every error points away from zero; -1: toward zero; 0 for unbiased
+  errors or none. Measured relative to the sign of the true value, so a
+  bias of magnitude does not cancel between positive and negative values.
+  """
+  e, a = _float64(expected), _float64(actual)
+  diff = a - e
+  scale = float(np.mean(np.abs(diff)))
+  if scale == 0 or not np.isfinite(scale):
+    return 0.0 if scale == 0 else float("nan")
+  return float(np.mean(diff * np.sign(e)) / scale)
 
 
 def error_ratio(golden, candidate, baseline, *, metric: str = "max_abs"):

@@ -31,6 +31,7 @@ from stableattn.block_math import (
   key_mask,
   row_sum,
   stats_exp,
+  tie_safe_max,
 )
 from stableattn.precision import Precision
 from stableattn.rounding import PolicyArithmetic
@@ -55,6 +56,7 @@ class KernelConfig:
   num_stages: int | None = None
   bwd_block_q: int | None = None
   bwd_block_k: int | None = None
+  tie_beta: float | None = None  # Qiu & Yao's fix; see `tie_safe_max`
 
   @property
   def scale(self) -> float:
@@ -107,7 +109,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
         q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
       )
     s_BqxBk = block_scores(q_BqxD, k_BkxD, ar=ar, scale=cfg.scale, mask=mask)
-    m_block_Bq = jnp.max(s_BqxBk, axis=-1)
+    m_block_Bq = tie_safe_max(
+      s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.tie_beta
+    )
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
     alpha_Bq = stats_exp(stats(m_Bq - m_new_Bq), ar)
     if cfg.scheme == "fa2":

@@ -92,3 +92,39 @@ def bar_plot(
   fig.savefig(path)
   plt.close(fig)
   return pathlib.Path(path)
+
+
+def signed_share_panels(
+  path: str | pathlib.Path,
+  panels: dict[str, tuple[list[str], dict[str, list[float]]]],
+  *,
+  title: str,
+) -> pathlib.Path:
+  """Grouped bars of a share in [-1, 1], one panel per title, stacked."""
+  n = max(1, len(panels))
+  width_in = max(
+    6.4, 0.5 * max((len(lbl) for lbl, _ in panels.values()), default=0) + 2
+  )
+  fig, axes = plt.subplots(
+    n, 1, figsize=(width_in, 2.6 * n + 0.8), dpi=110, sharey=True, squeeze=False
+  )
+  for ax, (panel, (labels, groups)) in zip(axes[:, 0], panels.items()):
+    width = 0.8 / max(1, len(groups))
+    for i, (name, values) in enumerate(groups.items()):
+      xs = [j + i * width for j in range(len(labels))]
+      ax.bar(xs, values, width, label=name)
+    ax.set_xticks(
+      [j + width * (len(groups) - 1) / 2 for j in range(len(labels))]
+    )
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_title(panel, fontsize=9)
+    ax.set_ylabel("signed share")
+    ax.grid(True, axis="y", alpha=0.3)
+  axes[0, 0].legend(fontsize=7, loc="lower left")
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return pathlib.Path(path)

@@ -123,6 +123,10 @@ class Precision:
   def from_name(cls, name: str | Precision) -> Precision:
     """The preset called `name` (a `Precision` is returned unchanged).
 
+    A name may add stage changes as `with_stage` labels them:
+    "bf16-fa2+out_accum=bf16" is `from_name("bf16-fa2").with_stage(
+    out_accum="bf16")`, so every policy's `name` reads back.
+
     Raises:
       ValueError: for an unknown name; the message lists the valid ones.
     """
@@ -133,12 +137,25 @@ class Precision:
         f"precision must be a preset name or a stableattn.Precision, got "
         f"{type(name).__name__} {name!r}; valid presets: {preset_names()}."
       )
-    key = name.strip().lower()
-    if key not in _PRESETS:
+    preset, *changes = name.strip().lower().split("+")
+    if preset not in _PRESETS:
       raise ValueError(
-        f"Unknown precision preset {name!r}; valid presets: {preset_names()}."
+        f"Unknown precision preset {preset!r} in {name!r}; valid presets: "
+        f"{preset_names()}, optionally followed by '+stage=format' changes "
+        "(e.g. 'bf16-fa2+out_accum=bf16')."
       )
-    return _PRESETS[key]
+    stages = {}
+    for change in changes:
+      stage, sep, fmt = change.partition("=")
+      if not sep:
+        raise ValueError(
+          f"Bad stage change {change!r} in precision {name!r}: write "
+          "'stage=format', e.g. 'bf16-fa2+out_accum=bf16'."
+        )
+      stages[stage.strip()] = fmt.strip()
+    if not stages:
+      return _PRESETS[preset]
+    return _PRESETS[preset].with_stage(**stages)
 
   def with_stage(self, **stages: DtypeLike) -> Precision:
     """A copy with the given stages set to other formats.

@@ -14,14 +14,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from stableattn.block_math import tie_safe_max
 from stableattn.precision import Precision
 from stableattn.rounding import PolicyArithmetic
 
 
-def reference_attention(q, k, v, *, policy: Precision, causal: bool):
+def reference_attention(
+  q, k, v, *, policy: Precision, causal: bool, tie_beta: float | None = None
+):
   """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`.
 
   Each operation's result is rounded to its stage (see `rounding.py`).
+  `tie_beta` applies Qiu & Yao's safe softmax to each whole row.
   """
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -37,7 +41,8 @@ def reference_attention(q, k, v, *, policy: Precision, causal: bool):
   if causal:
     allowed_TxS = jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))
     s = jnp.where(allowed_TxS, s, jnp.asarray(-jnp.inf, s.dtype))
-  m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = tie_safe_max(s, jnp.max(s, axis=-1), ar, tie_beta)
+  m = lax.stop_gradient(m)[..., None]
   p = stats(jnp.exp(stats(s - m)))
   l_sum = stats(ar.sum(p, "matmul_accum", keepdims=True))
   p = ar.round(stats(p * stats(1.0 / l_sum)), "probs")

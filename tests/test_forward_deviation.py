@@ -45,7 +45,7 @@ def test_writes_every_file(smoke_run):
 
 
 def test_rows_carry_identity_and_every_deviation_field(smoke_run):
-  workdir, _, _ = smoke_run
+  workdir, _, config = smoke_run
   rows = _rows(workdir)
   fields = set(Deviation.__dataclass_fields__)
   for row in rows:
@@ -55,7 +55,22 @@ def test_rows_carry_identity_and_every_deviation_field(smoke_run):
   with open(workdir / "summary.csv") as f:
     summary = list(csv.DictReader(f))
   assert summary and "max_abs_mean" in summary[0]
-  assert all(int(r["n_seeds"]) == 2 for r in summary)
+  settings = forward_deviation.settings_from_config(config)
+  for r in summary:
+    assert int(r["n_seeds"]) == STUDIES[r["study"]].seeds(settings)
+
+
+def test_tied_study_shows_the_bias_and_its_removal_first(smoke_run):
+  workdir, result, config = smoke_run
+  regime = config.tied_precisions
+  assert result[f"tied_share_{regime}_no fix"] >= 0.9
+  assert abs(result[f"tied_share_{regime}_beta=2"]) <= 0.1
+  section = (workdir / "report.md").read_text().split("(Qiu & Yao)", 1)[1]
+  first_table = section.split("| policy | fix | Flash O |", 1)[1]
+  no_fix, fixed = first_table.splitlines()[2:4]
+  assert "no fix" in no_fix and "beta=2" in fixed
+  assert float(no_fix.split("|")[3]) >= 0.9
+  assert abs(float(fixed.split("|")[3])) <= 0.1
 
 
 def test_invariants(smoke_run):

@@ -52,6 +52,22 @@ def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
+def test_tie_fix_lowers_for_cuda():
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = sa.attention(
+      q, k, v, precision="bf16", tie_beta=2.0, causal=True, interpret=False
+    )
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  text = (
+    jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  )
+  assert text.count("__gpu$xla.gpu.triton") == 4
+
+
 def test_odd_head_dim_lowers_padded_to_power_of_two():
   q = jax.ShapeDtypeStruct((1, 97, 2, 72), jnp.bfloat16)
   fn = _loss_and_grads("bf16-fa2", (64, 64), True, interpret=False)

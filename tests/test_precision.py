@@ -87,3 +87,26 @@ def test_fp64_policy_without_x64_raises_clear_error():
       sa.attention(q, q, q, precision="fp64", implementation="reference")
   finally:
     jax.config.update("jax_enable_x64", True)
+
+
+def test_a_policy_name_with_stage_changes_reads_back():
+  changed = sa.Precision.from_name("bf16-fa2").with_stage(
+    out_accum="bf16", scores="bf16"
+  )
+  again = sa.Precision.from_name(changed.name)
+  assert again == changed
+  assert again.out_accum == "bf16" and again.softmax_stats == "fp32"
+
+
+@pytest.mark.parametrize(
+  "name, message",
+  [
+    ("bf16-fa2+out_accum", "stage=format"),
+    ("bf16-fa2+accumulator=bf16", "valid stages"),
+    ("bf16-fa2+out_accum=bf8", "valid formats"),
+    ("bf17+out_accum=bf16", "valid presets"),
+  ],
+)
+def test_bad_stage_changes_in_a_name_say_what_is_valid(name, message):
+  with pytest.raises(ValueError, match=message):
+    sa.Precision.from_name(name)

@@ -15,7 +15,7 @@ import numpy as np
 
 from stableattn.dispatch import attention, gpu_unsupported_reason
 from stableattn.golden import golden_attention, golden_attention_vjp
-from stableattn.inputs import Shape, make_inputs, round_to
+from stableattn.inputs import Shape, TiedMaximaSpec, make_inputs, round_to
 from stableattn.precision import Precision
 
 
@@ -28,6 +28,7 @@ class Case:
   fmt: str  # inputs are rounded to this format before anything runs
   seed: int
   causal: bool = False
+  tied: TiedMaximaSpec | None = None  # the "tied_maxima" construction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +40,12 @@ class Kernel:
   block_q: int = 64
   block_k: int = 64
   scheme: str = "fa2"
+  tie_beta: float | None = None  # Qiu & Yao's safe-softmax fix
 
 
 class Engine:
-  def __init__(self, *, scale: float = 8.0, tied_copies: int = 4):
+  def __init__(self, *, scale: float = 8.0):
     self._scale = scale
-    self._tied_copies = tied_copies
     self._cache: dict = {}
 
   def clear(self) -> None:
@@ -62,22 +63,30 @@ class Engine:
         case.seed,
         case.shape,
         scale=self._scale,
-        tied_copies=self._tied_copies,
+        tied=case.tied,
       )
       return tuple(round_to(x, case.fmt) for x in qkv)
 
-    return self._memo(
-      ("inputs", case.distribution, case.shape, case.fmt, case.seed), compute
-    )
+    key = (case.distribution, case.shape, case.fmt, case.seed, case.tied)
+    return self._memo(("inputs", *key), compute)
 
-  def d_out(self, case: Case):
-    """A standard-normal output cotangent, rounded to the case format."""
+  def d_out(self, case: Case, sign: str = "random"):
+    """An output cotangent rounded to the case format.
+
+    sign: "random" for N(0, 1); "positive" for |N(0, 1)| + 1/2, a gradient
+    of one sign, under which a biased O biases delta = rowsum(dO * O).
+    """
+    if sign not in ("random", "positive"):
+      raise ValueError(f"sign must be 'random' or 'positive', got {sign!r}.")
 
     def compute():
       rng = np.random.default_rng([case.seed, 7919])
-      return round_to(rng.standard_normal(case.shape.q_shape), case.fmt)
+      d_out = rng.standard_normal(case.shape.q_shape)
+      if sign == "positive":
+        d_out = np.abs(d_out) + 0.5
+      return round_to(d_out, case.fmt)
 
-    return self._memo(("d_out", case), compute)
+    return self._memo(("d_out", case, sign), compute)
 
   def golden(self, case: Case):
     return self._memo(
@@ -85,11 +94,11 @@ class Engine:
       lambda: golden_attention(*self.inputs(case), causal=case.causal),
     )
 
-  def golden_grads(self, case: Case):
+  def golden_grads(self, case: Case, sign: str = "random"):
     return self._memo(
-      ("golden_grads", case),
+      ("golden_grads", case, sign),
       lambda: golden_attention_vjp(
-        *self.inputs(case), self.d_out(case), causal=case.causal
+        *self.inputs(case), self.d_out(case, sign), causal=case.causal
       ),
     )
 
@@ -105,6 +114,7 @@ class Engine:
       scheme=kernel.scheme,
       causal=case.causal,
       interpret=interpret,
+      tie_beta=kernel.tie_beta,
     )
 
   def output(self, kernel: Kernel, case: Case) -> np.ndarray:
@@ -116,7 +126,7 @@ class Engine:
 
     return self._memo(("output", kernel, case), compute)
 
-  def grads(self, kernel: Kernel, case: Case):
+  def grads(self, kernel: Kernel, case: Case, sign: str = "random"):
     """(dq, dk, dv) for the case's output cotangent, as float64."""
 
     def compute():
@@ -124,7 +134,7 @@ class Engine:
       out, vjp = jax.vjp(
         lambda q, k, v: attention(q, k, v, **kwargs), *self.inputs(case)
       )
-      grads = vjp(jnp.asarray(self.d_out(case)).astype(out.dtype))
-      return tuple(np.asarray(g.astype(jnp.float64)) for g in grads)
+      d_out = jnp.asarray(self.d_out(case, sign)).astype(out.dtype)
+      return tuple(np.asarray(g.astype(jnp.float64)) for g in vjp(d_out))
 
-    return self._memo(("grads", kernel, case), compute)
+    return self._memo(("grads", kernel, case, sign), compute)

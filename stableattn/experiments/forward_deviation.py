@@ -17,15 +17,21 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from stableattn.dispatch import check_tie_beta
 from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.engine import Engine
 from stableattn.experiments.forward_report import write_report
-from stableattn.experiments.forward_studies import STUDIES, Settings
+from stableattn.experiments.forward_studies import (
+  STUDIES,
+  TIED_PLACEMENTS,
+  TIED_VALUES,
+  Settings,
+)
 from stableattn.experiments.rundir import RunDir
 from stableattn.inputs import DISTRIBUTIONS
 from stableattn.metrics import Deviation
 from stableattn.pallas_forward import SCHEMES
-from stableattn.precision import format_name, preset_names
+from stableattn.precision import Precision, format_name
 
 # Per-seed quantities that the summary averages; everything else in a row
 # except `seed` and `argmax` identifies what was measured.
@@ -40,7 +46,8 @@ METRICS = (
   "mean_signed",
   "ratio_max_abs",
   "ratio_rmse",
-  "tied_row_fraction",
+  "realized_margin",
+  "signed_share",
 )
 COUNTS = ("n_nan", "n_inf", "size")
 _NOT_IDENTITY = set(METRICS) | set(COUNTS) | {"seed", "argmax", "rows_in_group"}
@@ -67,10 +74,19 @@ def settings_from_config(config) -> Settings:
     raise ValueError(f"Unknown schemes {bad}; valid: {list(SCHEMES)}.")
   for field in ("seq_len_precisions", "tied_precisions", "backward_precisions"):
     for name in as_tuple(config[field], str):
-      if name not in preset_names():
-        raise ValueError(
-          f"{field}: unknown precision {name!r}; valid: {preset_names()}."
-        )
+      try:
+        Precision.from_name(name)
+      except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+  for field, valid in (
+    ("tied_placements", TIED_PLACEMENTS),
+    ("tied_values", tuple(TIED_VALUES)),
+  ):
+    bad = [x for x in as_tuple(config[field], str) if x not in valid]
+    if bad:
+      raise ValueError(f"{field}: unknown {bad}; valid: {list(valid)}.")
+  for beta in as_tuple(config.tied_betas, float):
+    check_tie_beta(beta)
   if int(config.seeds) < 1:
     raise ValueError(f"seeds must be >= 1, got {config.seeds}.")
   return Settings(
@@ -100,7 +116,14 @@ def settings_from_config(config) -> Settings:
     ),
     fa3_shape=tuple(int(x) for x in config.fa3_shape),
     tied_precisions=as_tuple(config.tied_precisions, str),
-    tied_copies=int(config.tied_copies),
+    tied_betas=as_tuple(config.tied_betas, float),
+    tied_counts=as_tuple(config.tied_counts, int),
+    tied_placements=as_tuple(config.tied_placements, str),
+    tied_values=as_tuple(config.tied_values, str),
+    tied_margins=as_tuple(config.tied_margins, float),
+    tied_q_len=int(config.tied_q_len),
+    tied_kv_len=int(config.tied_kv_len),
+    tied_seeds=int(config.tied_seeds),
     backward_precisions=as_tuple(config.backward_precisions, str),
     backward_seq_lens=as_tuple(config.backward_seq_lens, int),
     scale=float(config.scale),
@@ -169,13 +192,13 @@ def run(config, workdir) -> dict:
   run_dir.write_config(config.to_dict())
   rows = _complete_groups(run_dir)
   done = {(r["point_key"], r["seed"]) for r in rows}
-  engine = Engine(scale=settings.scale, tied_copies=settings.tied_copies)
+  engine = Engine(scale=settings.scale)
 
   work = [
     (STUDIES[name], point, seed)
     for name in settings.studies
     for point in STUDIES[name].points(settings)
-    for seed in range(settings.seeds)
+    for seed in range(STUDIES[name].seeds(settings))
   ]
   todo = [w for w in work if (point_key(w[0].name, w[1]), w[2]) not in done]
   started = time.time()

@@ -16,10 +16,16 @@ from stableattn.experiments.forward_studies import (
   STUDIES,
   Settings,
   attribution_variants,
+  tied_headline,
 )
 from stableattn.experiments.rundir import RunDir
-from stableattn.plotting import Series, bar_plot, line_plot
-from stableattn.precision import MANTISSA_BITS
+from stableattn.plotting import (
+  Series,
+  bar_plot,
+  line_plot,
+  signed_share_panels,
+)
+from stableattn.precision import MANTISSA_BITS, Precision
 
 # Figures quoted from the papers (see PAPER.md); only used as comparisons.
 PAPER_BF16_RATIO = 10.0  # Golden et al. Fig. 4: Flash ~10x Baseline at BF16
@@ -646,94 +652,308 @@ def _fa3(run_dir, s, summary, headline):
   return body, findings, plot.name
 
 
+# Signed share (see `metrics.signed_share`) from which errors are called
+# biased away from zero, and below which (in magnitude) a fix removed it.
+BIASED_SHARE = 0.5
+UNBIASED_SHARE = 0.1
+
+
+def _fix_label(beta) -> str:
+  return "no fix" if beta is None else f"beta={beta:g}"
+
+
+def spaced(name: str) -> str:
+  return name.replace("_", " ")
+
+
+def _axis_counts(conditions, biased, axis: str, label) -> str:
+  """'axis value: biased of all' for each value of one condition axis."""
+  values = sorted({c[axis] for c in conditions})
+  parts = []
+  for v in values:
+    n_all = sum(1 for c in conditions if c[axis] == v)
+    n_biased = sum(1 for c in biased if c[axis] == v)
+    parts.append(f"{label(v)} {n_biased}/{n_all}")
+  return ", ".join(parts)
+
+
 def _tied(run_dir, s, summary, headline):
   rows = select(summary, study="tied_maxima")
   if not rows:
     return None
-  rows.sort(
-    key=lambda r: (
-      r["policy"],
-      r["distribution"],
-      r["quantity"],
-      r["implementation"],
-    )
-  )
-  body = table(
+  share = lambda r: r["signed_share_mean"]  # noqa: E731
+  betas = [None, *s.tied_betas]
+  head = [r for r in rows if r["headline"]]
+  cond = tied_headline(s)
+
+  def cell(pool, **filters):
+    r = one(pool, **filters)
+    return f"{share(r):+.2f}" if r else "-"
+
+  first = table(
     [
       "policy",
-      "inputs",
-      "tied rows",
-      "quantity",
-      "implementation",
-      "mean signed error (range)",
-      "mean |error|",
+      "fix",
+      "Flash O",
+      "delta, dO > 0",
+      "delta, random dO",
+      "dQ",
+      "dK",
+      "dV",
+      "Baseline O",
     ],
     [
       [
-        r["policy"],
-        r["distribution"],
-        f"{100 * r['tied_row_fraction_mean']:.0f}%",
-        r["quantity"],
-        r["implementation"],
-        rng_text(r, "mean_signed"),
-        num(r["mean_abs_mean"]),
+        policy,
+        _fix_label(beta),
+        *(
+          cell(
+            head,
+            policy=policy,
+            tie_beta=beta,
+            implementation="flash",
+            quantity=q,
+          )
+          for q in (
+            "O",
+            "delta(dO positive)",
+            "delta(dO random)",
+            "dq",
+            "dk",
+            "dv",
+          )
+        ),
+        cell(
+          head,
+          policy=policy,
+          tie_beta=beta,
+          implementation="baseline",
+          quantity="O",
+        ),
       ]
-      for r in rows
+      for policy in s.tied_precisions
+      for beta in betas
     ],
   )
+  margins = sorted({r["margin"] for r in rows}, reverse=True)
+  maps = []
   findings = []
-  for policy in sorted({r["policy"] for r in rows}):
-    for quantity in ("O", "delta(dO=O)"):
-      vals = {
-        (r["distribution"], r["implementation"]): r
-        for r in rows
-        if r["policy"] == policy and r["quantity"] == quantity
-      }
-      if len(vals) < 4:
-        continue
-
-      def rel(key, vals=vals):
-        r = vals[key]
-        return (
-          r["mean_signed_mean"] / r["mean_abs_mean"]
-          if r["mean_abs_mean"]
-          else 0.0
-        )
-
+  for policy in s.tied_precisions:
+    flash_o = [
+      r
+      for r in rows
+      if r["policy"] == policy
+      and r["implementation"] == "flash"
+      and r["quantity"] == "O"
+    ]
+    conditions = sorted(
+      {(r["ties"], r["placement"], r["values"]) for r in flash_o}
+    )
+    map_rows = []
+    for ties, placement, values in conditions:
+      cells = []
+      for margin in margins:
+        at = dict(ties=ties, placement=placement, values=values, margin=margin)
+        cells.append(" / ".join(cell(flash_o, tie_beta=b, **at) for b in betas))
+      map_rows.append([ties, placement.replace("_", " "), values, *cells])
+    maps.append(
+      f"Flash O under `{policy}`, share "
+      f"{' / '.join(_fix_label(b) for b in betas)}:\n\n"
+      + table(
+        ["ties", "placement", "V", *(f"margin {m:g}" for m in margins)],
+        map_rows,
+      )
+    )
+    unfixed = [r for r in flash_o if r["tie_beta"] is None]
+    biased = [r for r in unfixed if share(r) >= BIASED_SHARE]
+    if not unfixed:
+      continue
+    if not biased:
       findings.append(
-        f"{policy}, {quantity}: mean signed error with tied maxima — Flash "
-        f"{num(vals[('tied_maxima', 'flash')]['mean_signed_mean'])}, "
-        f"Baseline {num(vals[('tied_maxima', 'baseline')]['mean_signed_mean'])}"
-        f"; with normal inputs — Flash "
-        f"{num(vals[('normal', 'flash')]['mean_signed_mean'])}, Baseline "
-        f"{num(vals[('normal', 'baseline')]['mean_signed_mean'])}. As a share "
-        f"of the mean |error| (1 = every error has the same sign): Flash "
-        f"{rel(('tied_maxima', 'flash')):+.2f} tied vs "
-        f"{rel(('normal', 'flash')):+.2f} normal; "
+        f"Under `{policy}`, Flash's O is never biased away from zero "
+        f"(share < {BIASED_SHARE}) in the {len(unfixed)} conditions measured "
+        f"(largest share {max(share(r) for r in unfixed):+.2f})."
+      )
+      continue
+    # Qiu & Yao's mechanism is the bias their fix removes; what stays
+    # biased under every fix has another cause.
+    removed, kept = [], []
+    for r in biased:
+      fixed = [
+        one(
+          flash_o,
+          tie_beta=beta,
+          ties=r["ties"],
+          placement=r["placement"],
+          values=r["values"],
+          margin=r["margin"],
+        )
+        for beta in s.tied_betas
+      ]
+      if fixed and all(
+        f is not None and abs(share(f)) <= UNBIASED_SHARE for f in fixed
+      ):
+        removed.append(r)
+      else:
+        kept.append(r)
+    text = (
+      f"Under `{policy}`, Flash's O is biased away from zero (share >= "
+      f"{BIASED_SHARE}) in {len(biased)} of {len(unfixed)} conditions."
+    )
+    if removed:
+      text += (
+        f" Every fix (beta {', '.join(f'{b:g}' for b in s.tied_betas)}) "
+        f"brings {len(removed)} of them to |share| <= {UNBIASED_SHARE}: "
+        f"Qiu & Yao's mechanism, found at untied mass "
+        f"{min(r['margin'] for r in removed):g} to "
+        f"{max(r['margin'] for r in removed):g} of the tied mass; "
+        f"biased-and-fixed/all by axis: ties "
+        f"{_axis_counts(unfixed, removed, 'ties', str)}; "
+        f"{_axis_counts(unfixed, removed, 'placement', spaced)}; V "
+        f"{_axis_counts(unfixed, removed, 'values', str)}."
+      )
+    else:
+      text += f" No fix brings any of them to |share| <= {UNBIASED_SHARE}."
+    outside = [
+      r for r in kept if r["ties"] < 2 or r["placement"] != "same_tile"
+    ]
+    within = [r for r in kept if r not in outside]
+
+    def listed(pool):
+      return "; ".join(
+        f"{r['ties']} tie(s), {spaced(r['placement'])}, {r['values']}, "
+        f"margin {r['margin']:g}"
+        for r in pool
+      )
+
+    if outside:
+      text += (
+        f" {len(outside)} stay biased with one key or keys in different "
+        f"tiles, which the fix does not act on ({listed(outside)}): the "
+        "untied mass lost to rounding pulls O from the other keys' mean "
+        "toward the winning value."
+      )
+    if within:
+      stats = Precision.from_name(policy).softmax_stats
+      text += (
+        f" {len(within)} with ties in one tile stay biased under some fix "
+        f"({listed(within)})"
         + (
-          "a systematic sign: the errors are biased."
-          if abs(rel(("tied_maxima", "flash"))) >= 0.2
-          else "no systematic sign, so no bias is detected with these inputs "
-          "(zero-mean V; Qiu & Yao observed it in trained GPT-2 weights)."
+          f"; this policy keeps the softmax statistics in {stats}, where the "
+          "shifted tied probabilities meet the same rounding in the sum l."
+          if stats in ("bf16", "fp16")
+          else "."
         )
       )
-      headline[f"tied_bias_share_{policy}_{quantity}"] = rel(
-        ("tied_maxima", "flash")
+    findings.append(text)
+  for policy in s.tied_precisions:
+    base = [
+      r
+      for r in rows
+      if r["policy"] == policy
+      and r["implementation"] == "baseline"
+      and r["quantity"] == "O"
+      and r["tie_beta"] is None
+    ]
+    if base:
+      at_head = [
+        one(
+          head,
+          policy=policy,
+          tie_beta=beta,
+          implementation="baseline",
+          quantity="O",
+        )
+        for beta in betas
+      ]
+      findings.append(
+        f"Baseline under `{policy}` is biased in "
+        f"{sum(1 for r in base if share(r) >= BIASED_SHARE)} of {len(base)} "
+        "conditions; at the headline condition its share is "
+        + ", ".join(
+          f"{share(r):+.2f} ({_fix_label(beta)})"
+          for beta, r in zip(betas, at_head)
+          if r is not None
+        )
+        + ". It normalizes P before PV: the tied entries enter PV as p / l, "
+        "1/2 for two ties up to the rounding of l, whatever the shift."
       )
-  labels = [
-    f"{r['policy']} {r['distribution'][:4]} {r['quantity']} "
-    f"{r['implementation']}"
-    for r in rows
-  ]
-  plot = bar_plot(
+    for beta in betas:
+      r = one(
+        head, policy=policy, tie_beta=beta, implementation="flash", quantity="O"
+      )
+      if r is not None:
+        headline[f"tied_share_{policy}_{_fix_label(beta)}"] = share(r)
+  delta = one(
+    head,
+    policy=s.tied_precisions[0],
+    tie_beta=None,
+    implementation="flash",
+    quantity="delta(dO positive)",
+  )
+  noise = one(
+    head,
+    policy=s.tied_precisions[0],
+    tie_beta=None,
+    implementation="flash",
+    quantity="delta(dO random)",
+  )
+  if delta and noise:
+    findings.append(
+      f"The bias reaches the backward pass through delta = rowsum(dO * O): "
+      f"under `{s.tied_precisions[0]}` at the headline condition its share "
+      f"is {share(delta):+.2f} for a one-sign dO and {share(noise):+.2f} "
+      "for a random-sign dO."
+    )
+  condition_text = (
+    f"{cond['ties']} ties in one tile, "
+    f"{cond['values'].replace('_', '-')} V, untied mass {cond['margin']:g} "
+    "of the tied mass"
+  )
+  body = (
+    f"Share of errors pointing away from zero, mean(err * sign(golden)) / "
+    f"mean(|err|): +1 all away, -1 all toward, 0 unbiased. Headline "
+    f"condition ({condition_text}):\n\n"
+    + first
+    + "\n\nEvery condition (cells: "
+    + " / ".join(_fix_label(b) for b in betas)
+    + "):\n\n"
+    + "\n\n".join(maps)
+  )
+  panels = {}
+  for policy in s.tied_precisions:
+    pool = [
+      r
+      for r in rows
+      if r["policy"] == policy
+      and r["implementation"] == "flash"
+      and r["quantity"] == "O"
+      and r["margin"] == cond["margin"]
+    ]
+    conditions = sorted(
+      {(r["ties"], r["placement"], r["values"]) for r in pool}
+    )
+    labels = [
+      f"{t} tied, {'one tile' if p == 'same_tile' else 'spread'}, "
+      f"V {'one sign' if v == 'one_sign' else 'zero mean'}"
+      for t, p, v in conditions
+    ]
+    groups = {
+      _fix_label(b): [
+        share(
+          one(pool, tie_beta=b, ties=t, placement=p, values=v)
+          or {"signed_share_mean": float("nan")}
+        )
+        for t, p, v in conditions
+      ]
+      for b in betas
+    }
+    panels[f"Flash O, {policy}"] = (labels, groups)
+  plot = signed_share_panels(
     run_dir.path / "tied_maxima.png",
-    labels,
-    {
-      "|mean signed error|": [abs(r["mean_signed_mean"]) for r in rows],
-      "mean |error|": [r["mean_abs_mean"] for r in rows],
-    },
-    title="Bias (signed error) vs magnitude",
-    ylabel="error vs FP64",
+    panels,
+    title=f"Signed error share per condition (ties, placement, V), margin "
+    f"{cond['margin']:g}",
   )
   return body, findings, plot.name
 
@@ -836,9 +1056,14 @@ def _ran_text(s: Settings, name: str) -> str:
     f"Baseline runs under the same policy; {seeds}.",
     "fa3_table3": f"outlier inputs, shape (batch, length, heads, head dim) "
     f"= {s.fa3_shape}, tiles {s.block_q}x{s.block_k}, {seeds}.",
-    "tied_maxima": f"length {s.seq_len}, {shape}, {s.tied_copies} tied "
-    f"copies of the winning key, policies {list(s.tied_precisions)}, "
-    f"delta = rowsum(dO * O) computed in FP64 from the stored O; {seeds}.",
+    "tied_maxima": f"{s.tied_q_len} queries over {s.tied_kv_len} keys, "
+    f"{shape}, tiles {s.block_q}x{s.block_k} (fa2), inputs rounded to BF16; "
+    f"ties {list(s.tied_counts)}, placements {list(s.tied_placements)}, V "
+    f"{list(s.tied_values)}, untied mass {list(s.tied_margins)} of the tied "
+    f"mass; policies {list(s.tied_precisions)}, fixes: none and beta "
+    f"{list(s.tied_betas)}; delta = rowsum(dO * O) in FP64 from the stored "
+    f"O; dQ, dK, dV for a one-sign dO at the headline condition; "
+    f"{s.tied_seeds} seed(s).",
     "backward": f"lengths {list(s.backward_seq_lens)}, tiles {s.block_q}x"
     f"{s.block_k}, {shape}, policies {list(s.backward_precisions)}, "
     f"standard-normal dO; Baseline gradients by autodiff; {seeds}.",

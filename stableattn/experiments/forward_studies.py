@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from stableattn.experiments.engine import Case, Engine, Kernel
-from stableattn.inputs import Shape, tied_row_fraction
+from stableattn.inputs import Shape, TiedMaximaSpec, untied_mass_ratio
 from stableattn.metrics import compare
 from stableattn.precision import MANTISSA_BITS, Precision
 from stableattn.tiling import tiles_from_sram
@@ -47,7 +47,14 @@ class Settings:
   attribution_formats: tuple[str, ...]
   fa3_shape: tuple[int, int, int, int]  # batch, seq_len, heads, head_dim
   tied_precisions: tuple[str, ...]
-  tied_copies: int
+  tied_betas: tuple[float, ...]
+  tied_counts: tuple[int, ...]
+  tied_placements: tuple[str, ...]
+  tied_values: tuple[str, ...]
+  tied_margins: tuple[float, ...]
+  tied_q_len: int
+  tied_kv_len: int
+  tied_seeds: int
   backward_precisions: tuple[str, ...]
   backward_seq_lens: tuple[int, ...]
   scale: float
@@ -130,6 +137,9 @@ class Study:
 
   def points(self, s: Settings) -> list[dict]:
     raise NotImplementedError
+
+  def seeds(self, s: Settings) -> int:
+    return s.seeds
 
   def measure(
     self, engine: Engine, s: Settings, point: dict, seed: int
@@ -345,53 +355,119 @@ class FA3Table3(Study):
     return _against_golden(engine, flash, _baseline(p["baseline_policy"]), case)
 
 
+# V for Qiu & Yao's conditions: one sign in one binade, or zero-mean.
+TIED_VALUES = {"one_sign": (-1.5, 0.2), "zero_mean": (0.0, 1.0)}
+TIED_PLACEMENTS = ("same_tile", "different_tiles")
+# The condition their mechanism needs (Qiu & Yao, arXiv 2510.04212): two
+# exact ties in one tile, one-sign V, an untied mass within the window.
+HEADLINE_TIES, HEADLINE_MARGIN = 2, 1e-4
+
+
+def tied_headline(s: Settings) -> dict:
+  """The condition the study's first table reports (nearest in the grid)."""
+  ties = min(s.tied_counts, key=lambda n: (abs(n - HEADLINE_TIES), -n))
+  margin = min(
+    s.tied_margins,
+    key=lambda m: abs(np.log10(m) - np.log10(HEADLINE_MARGIN)),
+  )
+  return {
+    "ties": ties,
+    "placement": TIED_PLACEMENTS[0],
+    "values": "one_sign" if "one_sign" in s.tied_values else s.tied_values[0],
+    "margin": margin,
+  }
+
+
 class TiedMaxima(Study):
   name = "tied_maxima"
-  title = "Signed error with tied row maxima (Qiu & Yao)"
+  title = "Biased rounding with tied row maxima (Qiu & Yao)"
+
+  def seeds(self, s):
+    # Each condition averages every element of every row already.
+    return s.tied_seeds
 
   def points(self, s):
-    return [
-      {"policy": policy, "distribution": dist}
-      for policy in s.tied_precisions
-      for dist in ("tied_maxima", "normal")
-    ]
+    headline = tied_headline(s)
+    points = []
+    for ties in s.tied_counts:
+      for placement in s.tied_placements:
+        if ties == 1 and placement != "same_tile":
+          continue  # one key is in one tile either way
+        for values in s.tied_values:
+          for margin in s.tied_margins:
+            condition = {
+              "ties": ties,
+              "placement": placement,
+              "values": values,
+              "margin": margin,
+            }
+            points.append(
+              {
+                **condition,
+                "q_len": s.tied_q_len,
+                "kv_len": s.tied_kv_len,
+                "headline": condition == headline,
+              }
+            )
+    return points
 
   def measure(self, engine, s, p, seed):
-    fmt = Precision.from_name(p["policy"]).inputs
-    case = Case(p["distribution"], s.shape(), fmt, seed)
-    q, k, _ = engine.inputs(case)
-    tied = tied_row_fraction(q, k)
-    gold = engine.golden(case)
-    d_out_random = engine.d_out(case)
+    v_mean, v_spread = TIED_VALUES[p["values"]]
+    spec = TiedMaximaSpec(
+      ties=p["ties"],
+      same_tile=p["placement"] == "same_tile",
+      block_k=s.block_k,
+      margin=p["margin"],
+      v_mean=v_mean,
+      v_spread=v_spread,
+    )
+    shape = Shape(
+      s.batch, p["q_len"], p["kv_len"], s.heads, s.kv_heads, s.head_dim
+    )
     rows = []
-    kernels = {
-      "flash": _flash(p["policy"], s.block_q, s.block_k),
-      "baseline": _baseline(p["policy"]),
-    }
-    for name, kernel in kernels.items():
-      out = engine.output(kernel, case)
-      extra = {"implementation": name, "tied_row_fraction": tied}
-      rows.append(
-        {
-          "comparison": f"{name}_output_vs_golden",
-          "quantity": "O",
-          **extra,
-          **deviation_fields(gold, out),
+    for name in s.tied_precisions:
+      policy = Precision.from_name(name)
+      case = Case("tied_maxima", shape, policy.inputs, seed, tied=spec)
+      q, k, _ = engine.inputs(case)
+      gold = engine.golden(case)
+      extra = {"realized_margin": untied_mass_ratio(q, k)}
+      for beta in (None, *s.tied_betas):
+        kernels = {
+          "flash": Kernel(
+            "pallas", policy, s.block_q, s.block_k, "fa2", tie_beta=beta
+          ),
+          "baseline": Kernel("reference", policy, tie_beta=beta),
         }
-      )
-      # delta = rowsum(dO * O) from the stored O, for a random dO and for
-      # dO = O (a gradient aligned with the output, as in training).
-      for d_out_name, d_out in (("random", d_out_random), ("O", gold)):
-        gold_delta = np.sum(d_out * gold, axis=-1)
-        delta = np.sum(d_out * out, axis=-1)
-        rows.append(
-          {
-            "comparison": f"{name}_delta_vs_golden",
-            "quantity": f"delta(dO={d_out_name})",
+        for implementation, kernel in kernels.items():
+          ident = {
+            "comparison": f"{implementation}_vs_golden",
+            "implementation": implementation,
+            "policy": name,
+            "tie_beta": beta,
             **extra,
-            **deviation_fields(gold_delta, delta),
           }
-        )
+          out = engine.output(kernel, case)
+          rows.append({"quantity": "O", **ident, **deviation_fields(gold, out)})
+          # delta = rowsum(dO * O) carries a biased O into every gradient
+          # when dO has one sign; with a random-sign dO it averages out.
+          for sign in ("positive", "random"):
+            d_out = engine.d_out(case, sign)
+            rows.append(
+              {
+                "quantity": f"delta(dO {sign})",
+                **ident,
+                **deviation_fields(
+                  np.sum(d_out * gold, -1), np.sum(d_out * out, -1)
+                ),
+              }
+            )
+          if p["headline"] and implementation == "flash":
+            golden_grads = engine.golden_grads(case, "positive")
+            grads = engine.grads(kernel, case, "positive")
+            for grad, g, gg in zip(("dq", "dk", "dv"), grads, golden_grads):
+              rows.append(
+                {"quantity": grad, **ident, **deviation_fields(gg, g)}
+              )
     return rows
 
 
