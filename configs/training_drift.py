@@ -40,6 +40,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.attention.block_q = 64
   c.attention.block_k = 32
   c.attention.scheme = "fa2"
+  c.attention.tie_beta = 0.0  # Qiu & Yao's fix in the flash run; 0: none
+  c.attention.fix_beta = 2.0  # the fix in flash_fixed (flash_fix_vs_flash)
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # compute format of the base run
@@ -53,6 +55,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 100
   c.train.devices = 0  # 0: every local device
   c.train.stop_at_step = 0  # >0: stop after this step's checkpoint (tests)
+  # At each log: flash attention-gradient error vs FP32 attention, its
+  # cosine with the previous log's error and its top singular value share.
+  c.train.grad_error = True
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # '' = generated corpus; else .npy, .bin (uint16) or text
@@ -61,7 +66,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.pairs = (
     "flash_vs_baseline,different_seed,bf16_vs_fp32,fp16_vs_fp32,"
-    "identical_rerun,one_vs_n_devices"
+    "identical_rerun,one_vs_n_devices,flash_fix_vs_flash"
   )
 
   if arg == "paper":

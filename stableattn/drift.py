@@ -61,3 +61,52 @@ def param_drift(params_a, params_b) -> list[dict]:
   all_b = np.concatenate([b[n].ravel() for n in a])
   rows.append({"scope": "model", "name": "model", **_drift(all_a, all_b)})
   return rows
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+  """Cosine similarity of two arrays taken as vectors (0 if either is 0)."""
+  norm = float(np.linalg.norm(a) * np.linalg.norm(b))
+  return float(np.sum(a * b) / norm) if norm else 0.0
+
+
+def top_singular_share(matrix: np.ndarray) -> float:
+  """sigma_1^2 / sum sigma_i^2: the energy of a matrix's top direction.
+
+  1 for a rank-one matrix; about 4/n for an n x n Gaussian one.
+  """
+  sigma = np.linalg.svd(np.asarray(matrix, np.float64), compute_uv=False)
+  energy = float(np.sum(sigma**2))
+  return float(sigma[0] ** 2 / energy) if energy else 0.0
+
+
+def attention_grad_error_rows(
+  run: str, step: int, errors: dict, exact: dict, previous: dict | None
+) -> list[dict]:
+  """One row per attention weight: the flash run's gradient error.
+
+  Qiu & Yao (arXiv 2510.04212) trace failing BF16 training to gradient
+  errors that point the same way step after step and are low-rank, so they
+  accumulate instead of averaging out. Per weight: the error's size
+  relative to the exact gradient, its cosine with the previous logged
+  error (None at the first), and its top singular value's energy share.
+  """
+  rows = []
+  for weight, error in errors.items():
+    norm = float(np.linalg.norm(exact[weight]))
+    rows.append(
+      {
+        "kind": "grad_error",
+        "run": run,
+        "step": step,
+        "weight": weight,
+        "shape": list(error.shape),
+        "rel_error": float(np.linalg.norm(error)) / norm if norm else 0.0,
+        "cos_previous": (
+          cosine(error, previous[weight])
+          if previous is not None and weight in previous
+          else None
+        ),
+        "top_singular_share": top_singular_share(error),
+      }
+    )
+  return rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stableattn.dispatch import attention
+from stableattn.dispatch import attention, check_tie_beta
 from stableattn.precision import Precision
 
 
@@ -41,12 +41,13 @@ def make_attention_fn(
   scheme: str = "fa2",
   causal: bool = False,
   interpret: bool | None = None,
+  tie_beta: float | None = None,
 ):
   """An `attention_fn` for `flax.nnx.MultiHeadAttention`.
 
   Args:
-    implementation, precision, block_q, block_k, scheme, interpret: as for
-      `stableattn.attention`.
+    implementation, precision, block_q, block_k, scheme, interpret,
+      tie_beta: as for `stableattn.attention`.
     causal: always apply the causal mask (also applied when Flax passes
       `is_causal=True` or a concrete lower-triangular `mask`).
 
@@ -113,8 +114,10 @@ def make_attention_fn(
       scheme=scheme,
       causal=apply_causal,
       interpret=interpret,
+      tie_beta=tie_beta,
     )
     return out.astype(query.dtype)
 
   policy = Precision.from_name(precision)
+  tie_beta = check_tie_beta(tie_beta)
   return attention_fn

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stableattn.dispatch import attention
+from stableattn.dispatch import attention, check_tie_beta
 from stableattn.precision import Precision
 
 ATTENTION_KINDS = ("reference", "pallas", "xla", "shadow")
@@ -38,6 +38,7 @@ class AttentionSpec:
   block_k: int = 64
   scheme: str = "fa2"
   shadow_downstream: str = "reference"  # which output "shadow" passes on
+  tie_beta: float | None = None  # Qiu & Yao's fix in the flash kernel
 
   def __post_init__(self):
     if self.kind not in ATTENTION_KINDS:
@@ -51,6 +52,7 @@ class AttentionSpec:
       )
     Precision.from_name(self.flash_precision)
     Precision.from_name(self.baseline_precision)
+    object.__setattr__(self, "tie_beta", check_tie_beta(self.tie_beta))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,7 @@ def _flash(q, k, v, spec: AttentionSpec):
     block_k=spec.block_k,
     scheme=spec.scheme,
     causal=True,
+    tie_beta=spec.tie_beta,
   )
 
 

@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from stableattn.model import AttentionSpec, ModelSpec, Transformer
 
+# The projection matrices of each SelfAttention layer.
+ATTENTION_WEIGHTS = ("query", "key", "value", "out")
+
 COMPUTE_DTYPES = {
   "fp32": jnp.float32,
   "bf16": jnp.bfloat16,
@@ -136,6 +139,15 @@ class Trainer:
       self.eval_graphdef = nnx.split(
         Transformer(model_spec, shadow, rngs=nnx.Rngs(0)), nnx.Param
       )[0]
+      # The same model with FP32 Baseline attention: the yardstick of the
+      # flash run's attention-gradient error.
+      exact = dataclasses.replace(
+        run.attention, kind="reference", baseline_precision="fp32"
+      )
+      self.exact_graphdef = nnx.split(
+        Transformer(model_spec, exact, rngs=nnx.Rngs(0)), nnx.Param
+      )[0]
+      self._grad_error = jax.jit(self._grad_error_impl)
 
   def init_state(self) -> TrainState:
     params = self._initial_params
@@ -215,6 +227,40 @@ class Trainer:
       logits, batch[:, 1:]
     ).mean()
     return logits, loss, stats
+
+  def _grads(self, graphdef, params, batch):
+    def loss(params):
+      logits, _ = self._apply(graphdef, params, batch[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch[:, 1:]
+      ).mean()
+
+    return jax.grad(loss)(params)
+
+  def _grad_error_impl(self, params, batch):
+    flash = self._grads(self.graphdef, params, batch)
+    exact = self._grads(self.exact_graphdef, params, batch)
+    return {
+      f"layer{i}.{name}": (
+        getattr(flash_block.attention, name).kernel[...],
+        getattr(exact_block.attention, name).kernel[...],
+      )
+      for i, (flash_block, exact_block) in enumerate(
+        zip(flash["blocks"].values(), exact["blocks"].values())
+      )
+      for name in ATTENTION_WEIGHTS
+    }
+
+  def attention_grad_error(self, state: TrainState, batch: jax.Array):
+    """{"layer{i}.{query,key,value,out}": (flash grad, FP32-attention grad)}.
+
+    Both gradients are of the unscaled loss at the same parameters and
+    batch, in the run's compute format; only the attention differs (the
+    run's flash kernel vs FP32 Baseline attention). Flash runs only.
+    """
+    if self.run.attention.kind != "pallas":
+      raise ValueError("attention_grad_error is measured for flash runs only.")
+    return self._grad_error(state.params, batch)
 
   def evaluate(self, state: TrainState, batch: jax.Array):
     """Logits and loss on a batch, and per-layer attention statistics.

@@ -118,3 +118,19 @@ def test_concrete_causal_mask_equals_is_causal():
   np.testing.assert_array_equal(
     attention_fn(x, x, x, mask=mask), attention_fn(x, x, x, is_causal=True)
   )
+
+
+def test_tie_fix_passes_through_and_is_validated_up_front():
+  x = jnp.asarray(
+    np.random.default_rng(1).standard_normal((1, 16, 2, 16)), jnp.float32
+  )
+  fixed = sa.make_attention_fn(precision="fp32", tie_beta=2.0, block_k=8)
+  plain = sa.make_attention_fn(precision="fp32", block_k=8)
+  # Without ties the fix changes nothing; with them only roundings.
+  np.testing.assert_allclose(
+    fixed(x, x, x, is_causal=True), plain(x, x, x, is_causal=True), atol=1e-6
+  )
+  with pytest.raises(ValueError, match="finite number > 1"):
+    sa.make_attention_fn(tie_beta=1.0)
+  with pytest.raises(ValueError, match="finite number > 1"):
+    sa.model.AttentionSpec(kind="pallas", tie_beta=0.5)

@@ -76,3 +76,16 @@ def test_rounding_floor_is_a_few_ulps():
   golden = np.linspace(-1, 1, 101)
   floor = sa.rounding_floor(golden, "bf16")
   assert 0 < floor <= 4 * 2.0**-7
+
+
+def test_gradient_error_shape_measures():
+  from stableattn.drift import cosine, top_singular_share
+
+  u, v = np.arange(1.0, 5.0), np.arange(2.0, 5.0)
+  assert top_singular_share(np.outer(u, v)) == pytest.approx(1.0)
+  assert top_singular_share(np.eye(8)) == pytest.approx(1 / 8)
+  assert top_singular_share(np.zeros((3, 3))) == 0.0
+  a = np.random.default_rng(0).standard_normal((4, 4))
+  assert cosine(a, 3 * a) == pytest.approx(1.0)
+  assert cosine(a, -a) == pytest.approx(-1.0)
+  assert cosine(a, np.zeros_like(a)) == 0.0

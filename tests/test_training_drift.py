@@ -81,6 +81,46 @@ def test_controls_and_pairs(smoke_run):
   assert all(r["shadow_max_abs"] > 0 for r in shadow)
 
 
+def test_fix_pair_and_attention_gradient_error(smoke_run):
+  workdir, result = smoke_run
+  rows = _rows(workdir)
+  errors = [r for r in rows if r["kind"] == "grad_error"]
+  logged = sorted({r["step"] for r in rows if r["kind"] == "drift"})
+  for run in ("flash", "flash_fixed"):
+    mine = [r for r in errors if r["run"] == run]
+    # Every attention projection of both layers, at every logging step.
+    assert len(mine) == 8 * len(logged)
+    assert all(r["rel_error"] > 0 for r in mine)
+    assert all(0 < r["top_singular_share"] <= 1 for r in mine)
+    first = [r for r in mine if r["step"] == logged[0]]
+    assert all(r["cos_previous"] is None for r in first)
+    later = [r["cos_previous"] for r in mine if r["step"] > logged[0]]
+    assert later and all(-1 <= c <= 1 for c in later)
+  assert result["grad_error_cosine_flash"] == pytest.approx(
+    float(
+      np.median(
+        [
+          r["cos_previous"]
+          for r in errors
+          if r["run"] == "flash" and r["cos_previous"] is not None
+        ]
+      )
+    )
+  )
+  fix = [
+    r
+    for r in rows
+    if r["kind"] == "drift"
+    and r["scope"] == "model"
+    and r["pair"] == "flash_fix_vs_flash"
+  ]
+  assert len(fix) == len(logged)
+  assert result["flash_fix_vs_flash_max_abs"] == max(r["max_abs"] for r in fix)
+  report = (workdir / "report.md").read_text()
+  assert "Attention-gradient error of the flash runs" in report
+  assert "Flash with Qiu & Yao's fix vs without" in report
+
+
 def test_report_ratio_is_recomputed_from_metrics(smoke_run):
   workdir, result = smoke_run
   ratios = drift_ratios(_rows(workdir), "flash_vs_baseline", "fp16_vs_fp32")
@@ -148,6 +188,7 @@ def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
     (("train", "precision", "fp8"), "Unknown training precision 'fp8'"),
     (("attention", "flash_precision", "bf17"), "Unknown attention precision"),
     (("train", "batch_size", 7), "not divisible by the device count"),
+    (("attention", "fix_beta", 1.0), "fix_beta.*finite number > 1"),
   ],
 )
 def test_bad_configs_fail_fast(override, message, tmp_path):

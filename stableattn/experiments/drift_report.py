@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stableattn.drift import top_singular_share
 from stableattn.experiments.forward_report import num, power_law, table
 from stableattn.experiments.rundir import RunDir
 from stableattn.plotting import Series, line_plot
@@ -174,6 +175,27 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     ],
   )
 
+  grad_section = _grad_error_section(rows, headline)
+  if "flash_fix_vs_flash" in pairs:
+    fix_drift = model_drift(rows, "flash_fix_vs_flash", "max_abs")
+    worst = max(fix_drift.values()) if fix_drift else 0.0
+    headline["flash_fix_vs_flash_max_abs"] = worst
+    findings.append(
+      "Flash with Qiu & Yao's fix vs without: "
+      + (
+        "the weights are identical at every logging step: no tile of this "
+        "run ever had exact ties at its maximum, so the fix never changed "
+        "a computation."
+        if worst == 0
+        else f"max |Δw| {num(worst)} at the end, "
+        + _ratio_phrase(
+          drift_ratios(rows, "flash_fix_vs_flash", "flash_vs_baseline"),
+          "the flash_vs_baseline pair",
+        )
+        + " (Wasserstein): the fix changed what was computed."
+      )
+    )
+
   plots = _plots(run_dir, settings, rows, pairs)
   runs = "; ".join(
     f"{name}: {_attention_label(spec.attention)}, {spec.precision} "
@@ -196,10 +218,106 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     "",
   ]
   parts += [f"**Finding.** {f}" for f in findings]
+  parts += grad_section
   parts += ["", "## Plots", ""]
   parts += [f"![{p}]({p})" for p in plots]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return headline
+
+
+def random_top_share(shape, samples: int = 8) -> float:
+  """Mean top-singular-value energy share of Gaussian matrices of a shape."""
+  rng = np.random.default_rng(0)
+  return float(
+    np.mean(
+      [top_singular_share(rng.standard_normal(shape)) for _ in range(samples)]
+    )
+  )
+
+
+# Median cosine from which successive gradient errors count as aligned.
+ALIGNED_COSINE = 0.5
+
+
+def _spread(values) -> str:
+  if not values:
+    return "-"
+  return (
+    f"{num(float(np.median(values)))} "
+    f"({num(float(np.min(values)))}-{num(float(np.max(values)))})"
+  )
+
+
+def _grad_error_section(rows, headline) -> list[str]:
+  """Qiu & Yao's second ingredient: aligned, low-rank gradient errors."""
+  errors = [r for r in rows if r.get("kind") == "grad_error"]
+  if not errors:
+    return []
+  shapes = {tuple(r["shape"]) for r in errors}
+  random_share = {shape: random_top_share(shape) for shape in shapes}
+  table_rows, findings = [], []
+  for run in sorted({r["run"] for r in errors}):
+    mine = [r for r in errors if r["run"] == run]
+    cos = [r["cos_previous"] for r in mine if r["cos_previous"] is not None]
+    share = [r["top_singular_share"] for r in mine]
+    excess = [
+      r["top_singular_share"] / random_share[tuple(r["shape"])] for r in mine
+    ]
+    table_rows.append(
+      [
+        run,
+        _spread([r["rel_error"] for r in mine]),
+        _spread(cos),
+        _spread(share),
+        _spread(excess),
+      ]
+    )
+    headline[f"grad_error_top_share_{run}"] = float(np.median(share))
+    if not cos:
+      continue
+    median_cos = float(np.median(cos))
+    headline[f"grad_error_cosine_{run}"] = median_cos
+    findings.append(
+      f"`{run}`: successive attention-gradient errors have median cosine "
+      f"{median_cos:.2f} over {len(cos)} (weight, step) pairs — "
+      + (
+        "they point the same way from one logged step to the next"
+        if median_cos >= ALIGNED_COSINE
+        else "they do not keep one direction"
+      )
+      + f"; the top singular value carries {np.median(share):.2f} of the "
+      f"error's energy, {np.median(excess):.1f}x a Gaussian matrix of the "
+      "same shape"
+      + (
+        " (low-rank)."
+        if np.median(excess) >= 2
+        else " (no more low-rank than noise)."
+      )
+    )
+  return [
+    "",
+    "## Attention-gradient error of the flash runs (Qiu & Yao)",
+    "",
+    "At each logging step: the gradient of every attention projection "
+    "under the run's flash kernel minus the same gradient with FP32 "
+    "attention (same parameters, the next training batch). Errors that "
+    "point the same way step after step and are low-rank accumulate in "
+    "the weights; random ones average out. Medians over layers and steps, "
+    "range in parentheses:",
+    "",
+    table(
+      [
+        "run",
+        "error norm / gradient norm",
+        "cosine with previous error",
+        "top singular share",
+        "share / Gaussian's",
+      ],
+      table_rows,
+    ),
+    "",
+    *(f"**Finding.** {f}" for f in findings),
+  ]
 
 
 def _plots(run_dir, settings, rows, pairs) -> list[str]:

@@ -7,6 +7,7 @@ drifted apart:
   * different_seed — another initialization (the accepted lower reference);
   * bf16_vs_fp32, fp16_vs_fp32 — low-precision training (the upper one);
   * identical_rerun — the same run twice: a control that must be 0;
+  * flash_fix_vs_flash — Flash with and without Qiu & Yao's tie fix;
   * one_vs_n_devices — 1 device vs N (reduction order), when N > 1.
 Runs that coincide (the base run *is* the bf16 run when training in BF16)
 are trained once. All runs are checkpointed together with Orbax; a
@@ -25,7 +26,8 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from stableattn import data as data_lib
-from stableattn.drift import param_drift
+from stableattn.dispatch import check_tie_beta
+from stableattn.drift import attention_grad_error_rows, param_drift
 from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.drift_report import write_report
 from stableattn.experiments.rundir import RunDir
@@ -46,6 +48,7 @@ PAIRS = {
   "fp16_vs_fp32": ("fp32", "fp16"),
   "identical_rerun": ("base", "rerun"),
   "one_vs_n_devices": ("base", "one_device"),
+  "flash_fix_vs_flash": ("flash", "flash_fixed"),
 }
 
 
@@ -63,6 +66,7 @@ class Settings:
   data_seed: int
   data_path: str
   corpus_tokens: int
+  grad_error: bool  # measure flash runs' attention-gradient error
 
   @property
   def physical_runs(self) -> dict[str, RunSpec]:
@@ -137,7 +141,15 @@ def settings_from_config(config) -> Settings:
       f"model.heads {model.heads}."
     )
 
-  def run(implementation, run_precision, **kwargs) -> RunSpec:
+  flash_beta = float(c.attention.tie_beta) or None
+  fix_beta = float(c.attention.fix_beta)
+  try:
+    check_tie_beta(flash_beta)
+    check_tie_beta(fix_beta)
+  except ValueError as e:
+    raise ValueError(f"attention.tie_beta / attention.fix_beta: {e}") from None
+
+  def run(implementation, run_precision, tie_beta=None, **kwargs) -> RunSpec:
     attention = AttentionSpec(
       kind=implementation,
       flash_precision=_policy(
@@ -149,6 +161,7 @@ def settings_from_config(config) -> Settings:
       block_q=int(c.attention.block_q),
       block_k=int(c.attention.block_k),
       scheme=c.attention.scheme,
+      tie_beta=tie_beta if implementation == "pallas" else None,
     )
     return RunSpec(
       attention=attention,
@@ -160,7 +173,8 @@ def settings_from_config(config) -> Settings:
   base = c.attention.baseline
   runs = {
     "base": run(base, precision),
-    "flash": run(c.attention.flash, precision),
+    "flash": run(c.attention.flash, precision, flash_beta),
+    "flash_fixed": run(c.attention.flash, precision, fix_beta),
     "seed": run(base, precision, init_seed=1),
     "rerun": run(base, precision, replica=1),
     "fp32": run(base, "fp32"),
@@ -196,6 +210,7 @@ def settings_from_config(config) -> Settings:
     data_seed=int(c.data.seed),
     data_path=str(c.data.path),
     corpus_tokens=int(c.data.corpus_tokens),
+    grad_error=bool(c.train.grad_error),
   )
 
 
@@ -290,6 +305,10 @@ def run(config, workdir) -> dict:
   )
   eval_batches = {n: t.shard_batch(eval_tokens) for n, t in trainers.items()}
   last_train = {}
+  flash_runs = [
+    n for n, spec in physical.items() if spec.attention.kind == "pallas"
+  ]
+  previous_errors: dict = {}  # run -> the last logged gradient errors
 
   def log(step: int):
     evals = {
@@ -307,6 +326,31 @@ def run(config, workdir) -> dict:
         }
       )
       new += _stats_rows(name, step, layer_stats)
+    # Qiu & Yao's second ingredient: is the attention-gradient error of a
+    # flash run aligned from one step to the next, and low-rank? Measured
+    # on the batch the next update trains on.
+    next_batch = data_lib.batch_at(
+      tokens,
+      seed=settings.data_seed,
+      step=step + 1,
+      batch_size=settings.batch_size,
+      seq_len=settings.seq_len,
+    )
+    for name in flash_runs if settings.grad_error else ():
+      grads = jax.device_get(
+        trainers[name].attention_grad_error(
+          states[name], trainers[name].shard_batch(next_batch)
+        )
+      )
+      exact = {w: np.asarray(g, np.float64) for w, (_, g) in grads.items()}
+      errors = {
+        w: np.asarray(flash, np.float64) - exact[w]
+        for w, (flash, _) in grads.items()
+      }
+      new += attention_grad_error_rows(
+        name, step, errors, exact, previous_errors.get(name)
+      )
+      previous_errors[name] = errors
     params = {n: jax.device_get(s.params) for n, s in states.items()}
     for pair in settings.pairs:
       a, b = (settings.physical_name(r) for r in PAIRS[pair])
