@@ -7,13 +7,13 @@ r"""Forward-deviation experiment launcher.
 Kept short so that Colab and tests call the same `run`.
 """
 
-import json
 import pathlib
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from stableattn.experiments import forward_deviation
+from stableattn.experiments.cli import run_and_print
 
 _CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / "configs"
 config_flags.DEFINE_config_file(
@@ -27,11 +27,21 @@ flags.DEFINE_string(
   "Directory for config.json, metrics.jsonl and the report.",
 )
 
+flags.DEFINE_bool(
+  "restart",
+  False,
+  "Delete the results of an earlier run in --workdir before running.",
+)
+
 
 def main(argv):
   del argv
-  result = forward_deviation.run(flags.FLAGS.config, flags.FLAGS.workdir)
-  print(json.dumps(result, indent=2, default=str))
+  return run_and_print(
+    forward_deviation.run,
+    flags.FLAGS.config,
+    flags.FLAGS.workdir,
+    restart=flags.FLAGS.restart,
+  )
 
 
 if __name__ == "__main__":

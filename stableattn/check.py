@@ -14,7 +14,7 @@ import numpy as np
 
 from stableattn.dispatch import attention
 from stableattn.golden import golden_attention
-from stableattn.inputs import Shape, make_inputs, round_to
+from stableattn.inputs import DISTRIBUTIONS, Shape, make_inputs, round_to
 from stableattn.metrics import compare, rounding_floor
 from stableattn.precision import Precision
 
@@ -98,8 +98,26 @@ def check(
 
   Returns:
     A `CheckReport`; `str(report)` is a table, `report.passed` the verdict.
+
+  Raises:
+    ValueError: for settings that would check nothing (no seeds, shapes or
+      distributions) or an unknown distribution.
   """
   policy = Precision.from_name(precision)
+  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+    raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}.")
+  distributions = tuple(distributions)
+  if not distributions:
+    raise ValueError(
+      f"distributions is empty; give at least one of {list(DISTRIBUTIONS)}."
+    )
+  bad = [d for d in distributions if d not in DISTRIBUTIONS]
+  if bad:
+    raise ValueError(
+      f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
+    )
+  if shapes is not None and not len(shapes):
+    raise ValueError("shapes is empty; give at least one shape, or None.")
   fmt = policy.inputs
   rows = []
   for spec in shapes or DEFAULT_SHAPES:

@@ -85,6 +85,20 @@ def check_tie_beta(tie_beta) -> float | None:
   return beta
 
 
+def xla_unsupported_reason(policy: Precision) -> str | None:
+  """Why implementation="xla" cannot run `policy` here, or None."""
+  if policy.inputs == "fp16" and jax.default_backend() == "cpu":
+    return (
+      f"implementation='xla' (jax.nn.dot_product_attention) cannot run "
+      f"FP16 inputs (precision {policy.name!r}) on the CPU: XLA:CPU has no "
+      "FP16 x FP16 -> FP32 dot ('F16_F16_F32' is not supported by "
+      "dot_general on CPU), so calling it directly fails the same way. On "
+      "the CPU use implementation='reference' (or 'pallas') with this "
+      "policy, or a policy with BF16/FP32 inputs; on a GPU 'xla' works."
+    )
+  return None
+
+
 def gpu_unsupported_reason(policy: Precision) -> str | None:
   """Why the compiled GPU (Triton) kernel cannot run `policy`, or None.
 
@@ -231,6 +245,8 @@ def attention(
     bwd_block_k=bwd_block_k,
     tie_beta=tie_beta,
   )
+  if implementation == "xla" and xla_unsupported_reason(policy):
+    raise ValueError(xla_unsupported_reason(policy))
   if cfg.tie_beta is not None and implementation == "xla":
     raise ValueError(
       "tie_beta is not supported by implementation='xla' "

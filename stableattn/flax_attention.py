@@ -8,27 +8,52 @@ from stableattn.dispatch import attention, check_tie_beta
 from stableattn.precision import Precision
 
 
-def _mask_as_causal_flag(mask, q_len: int, kv_len: int) -> bool:
-  """True for a causal mask, False for an all-True mask; raises otherwise."""
+def mask_as_kernel_options(
+  mask, q_len: int, kv_len: int, causal: bool
+) -> tuple[bool, int]:
+  """(causal, keys used) that reproduce `mask` (AND causal, if set).
+
+  The flash kernel represents: every key, the top-left causal mask, and a
+  key-padding mask whose valid keys are the same prefix [0, n) for every
+  example, head and query (it attends to the first n keys only), alone or
+  with causal. Anything else raises.
+  """
   try:
     mask = np.asarray(mask).astype(bool)
   except Exception as e:  # a tracer: the values are unknown at trace time
     raise ValueError(
       "make_attention_fn cannot use an attention mask computed under jit: "
-      "the flash kernel supports only 'no mask' and the causal mask. Pass "
-      "is_causal=True to the module call (or make_attention_fn(causal=True)) "
-      "instead of a mask."
+      "the flash kernel needs to know its form (none, causal, or a key "
+      "prefix) when the program is built. Pass is_causal=True to the module "
+      "call (or make_attention_fn(causal=True)), or a concrete mask."
     ) from e
   mask = np.broadcast_to(mask, mask.shape[:-2] + (q_len, kv_len))
-  if mask.all():
-    return False
-  causal = np.tril(np.ones((q_len, kv_len), dtype=bool))
-  if (mask == causal).all():
-    return True
+  causal_TxS = np.tril(np.ones((q_len, kv_len), dtype=bool))
+  if causal:
+    mask = mask & causal_TxS
+  keys = mask.any(axis=tuple(range(mask.ndim - 1)))
+  n = int(keys.sum())
+  if n == 0 or not keys[:n].all():
+    raise ValueError(
+      "make_attention_fn supports masks of the forms: all keys, causal, or "
+      "a key-padding prefix (the first n keys) shared by every example, "
+      "alone or with causal. This mask "
+      + ("masks every key." if n == 0 else "is not a key prefix.")
+      + " Per-example padding, segment and other masks are not supported "
+      "by the flash kernel."
+    )
+  for uses_causal in (False, True):
+    form = np.ones((q_len, n), dtype=bool)
+    if uses_causal:
+      form = causal_TxS[:, :n]
+    if (mask[..., :n] == form).all():
+      return uses_causal, n
   raise ValueError(
-    "make_attention_fn supports only an all-True mask or the causal "
-    "(lower-triangular) mask; this mask is neither. Padding and segment "
-    "masks are not supported by the flash kernel."
+    "make_attention_fn supports masks of the forms: all keys, causal, or a "
+    "key-padding prefix (the first n keys) shared by every example, alone "
+    "or with causal; this mask differs between examples, heads or queries "
+    "in another way. Per-example padding and segment masks are not "
+    "supported by the flash kernel."
   )
 
 
@@ -49,7 +74,9 @@ def make_attention_fn(
     implementation, precision, block_q, block_k, scheme, interpret,
       tie_beta: as for `stableattn.attention`.
     causal: always apply the causal mask (also applied when Flax passes
-      `is_causal=True` or a concrete lower-triangular `mask`).
+      `is_causal=True` or a concrete lower-triangular `mask`). A concrete
+      `mask` is combined with it; see `mask_as_kernel_options` for the
+      masks the kernel can represent.
 
   Returns:
     A function with Flax's `dot_product_attention` signature. Its output is
@@ -57,7 +84,7 @@ def make_attention_fn(
 
   Raises (when called):
     ValueError: for features the flash kernel does not have: attention bias,
-      dropout, sown attention weights, masks other than causal.
+      dropout, sown attention weights, masks it cannot represent.
   """
 
   def attention_fn(
@@ -95,9 +122,10 @@ def make_attention_fn(
       )
     apply_causal = causal or bool(is_causal)
     if mask is not None:
-      apply_causal = apply_causal or _mask_as_causal_flag(
-        mask, query.shape[-3], key.shape[-3]
+      apply_causal, keys_used = mask_as_kernel_options(
+        mask, query.shape[-3], key.shape[-3], apply_causal
       )
+      key, value = key[..., :keys_used, :, :], value[..., :keys_used, :, :]
     if query.ndim != 4:
       raise ValueError(
         "make_attention_fn needs inputs [batch, seq, heads, head_dim]; got "

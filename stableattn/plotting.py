@@ -39,6 +39,17 @@ def line_plot(
   logx: bool = True,
   logy: bool = True,
 ) -> pathlib.Path:
+  if logy:
+    # A series with no positive value (an exact-zero control) has no place
+    # on a log axis: say so in the legend instead of failing to draw it.
+    shown = [s for s in series if any(v and v > 0 for v in s.y)]
+    zero = [s.label for s in series if s not in shown]
+    if not shown:
+      logy = False
+    else:
+      series = shown
+      if zero:
+        title += f" ({', '.join(zero)}: 0 throughout, not drawn)"
   fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
   for s in series:
     y = _positive(s.y) if logy else s.y

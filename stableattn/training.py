@@ -210,6 +210,9 @@ class Trainer:
       "loss": loss,
       "grad_norm": optax.tree.norm(grads),
       "finite_grads": finite,
+      "finite_params": jnp.all(
+        jnp.asarray([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)])
+      ),
       "loss_scale": state.loss_scale,
     }
     return TrainState(

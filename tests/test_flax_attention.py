@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import stableattn as sa
+from stableattn.model import AttentionSpec
 
 VOCAB, WIDTH, HEADS, LENGTH = 32, 32, 2, 24
 
@@ -105,7 +106,7 @@ def test_unsupported_flax_features_raise():
     attention_fn(x, x, x, bias=jnp.zeros((1, 2, 8, 8)))
   with pytest.raises(ValueError, match="dropout"):
     attention_fn(x, x, x, dropout_rate=0.1, deterministic=False)
-  with pytest.raises(ValueError, match="neither"):
+  with pytest.raises(ValueError, match="supports masks of the forms"):
     attention_fn(x, x, x, mask=jnp.eye(8, dtype=bool))
 
 
@@ -133,4 +134,42 @@ def test_tie_fix_passes_through_and_is_validated_up_front():
   with pytest.raises(ValueError, match="finite number > 1"):
     sa.make_attention_fn(tie_beta=1.0)
   with pytest.raises(ValueError, match="finite number > 1"):
-    sa.model.AttentionSpec(kind="pallas", tie_beta=0.5)
+    AttentionSpec(kind="pallas", tie_beta=0.5)
+
+
+def _flax_reference(x, mask):
+  """Flax's own attention on the same inputs, FP32."""
+  return nnx.dot_product_attention(x, x, x, mask=mask)
+
+
+def test_padding_mask_with_causal_is_applied_not_dropped():
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((2, 8, 2, 16)), jnp.float32)
+  padding = jnp.asarray(np.arange(8) < 5)[None, None, None, :]  # 5 keys
+  causal = nnx.make_causal_mask(jnp.ones((2, 8)))
+  want = _flax_reference(x, jnp.logical_and(padding, causal))
+  fn = sa.make_attention_fn(precision="fp32", block_q=4, block_k=4)
+  for got in (
+    fn(x, x, x, mask=padding, is_causal=True),
+    sa.make_attention_fn(precision="fp32", causal=True, block_k=4)(
+      x, x, x, mask=padding
+    ),
+    fn(x, x, x, mask=jnp.logical_and(padding, causal)),
+  ):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  # Without causal the padding mask alone is applied too.
+  np.testing.assert_allclose(
+    fn(x, x, x, mask=padding), _flax_reference(x, padding), atol=1e-5
+  )
+
+
+def test_masks_the_kernel_cannot_represent_are_refused():
+  x = jnp.ones((2, 8, 2, 16))
+  fn = sa.make_attention_fn(precision="fp32", causal=True)
+  per_example = jnp.asarray([np.arange(8) < 5, np.arange(8) < 7])[
+    :, None, None, :
+  ]
+  with pytest.raises(ValueError, match="shared by every example"):
+    fn(x, x, x, mask=per_example)
+  with pytest.raises(ValueError, match="masks every key"):
+    fn(x, x, x, mask=jnp.zeros((1, 1, 8, 8), bool))

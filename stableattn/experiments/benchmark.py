@@ -26,7 +26,7 @@ from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 from tqdm.auto import tqdm
 
 from stableattn.dispatch import attention
-from stableattn.experiments.config_values import as_tuple
+from stableattn.experiments.config_values import as_tuple, field, field_tuple
 from stableattn.experiments.forward_report import num, table
 from stableattn.experiments.rundir import RunDir
 from stableattn.plotting import Series, line_plot
@@ -95,6 +95,9 @@ def attention_fn(
   )
 
 
+MODES = ("forward", "forward_backward")
+
+
 def _timed(fn, mode: str):
   if mode == "forward":
     return jax.jit(fn)
@@ -144,22 +147,40 @@ def settings_from_config(c) -> Settings:
       )
     if name in GPU_ONLY and not gpu:
       raise ValueError(f"Implementation {name!r} needs a GPU.")
-  g = c.gpu if gpu else c.cpu
+  g = "gpu" if gpu else "cpu"
+  modes = field_tuple(c, "modes", str)
+  bad = [m for m in modes if m not in MODES]
+  if bad:
+    raise ValueError(f"config.modes: unknown {bad}; valid: {list(MODES)}.")
+  memory = field_tuple(c, "memory_implementations", str, allow_empty=True)
+  bad = [m for m in memory if m not in CPU_IMPLEMENTATIONS]
+  if bad:
+    raise ValueError(
+      f"config.memory_implementations: unknown {bad}; valid: "
+      f"{list(CPU_IMPLEMENTATIONS)}."
+    )
+  causal = as_tuple(c.causal, lambda x: str(x).strip().lower())
+  if not causal or any(x not in ("true", "false") for x in causal):
+    raise ValueError(
+      f"config.causal must hold True/False values, got {c.causal!r}."
+    )
   return Settings(
     implementations=implementations,
-    modes=as_tuple(c.modes),
-    causal=tuple(bool(x) for x in c.causal),
-    precisions=_precisions(g),
-    head_dims=as_tuple(c.head_dims, int),
-    seq_lens=as_tuple(g.seq_lens, int),
-    batch=int(g.batch),
-    heads=int(g.heads),
-    block_q=int(g.block_q),
-    block_k=int(g.block_k),
-    warmup=int(c.warmup),
-    repeats=int(c.repeats),
-    memory_seq_lens=as_tuple(g.memory_seq_lens, int),
-    memory_implementations=as_tuple(c.memory_implementations),
+    modes=modes,
+    causal=tuple(x == "true" for x in causal),
+    precisions=_precisions(c[g]),
+    head_dims=field_tuple(c, "head_dims", int, minimum=1),
+    seq_lens=field_tuple(c, f"{g}.seq_lens", int, minimum=1),
+    batch=field(c, f"{g}.batch", minimum=1),
+    heads=field(c, f"{g}.heads", minimum=1),
+    block_q=field(c, f"{g}.block_q", minimum=1),
+    block_k=field(c, f"{g}.block_k", minimum=1),
+    warmup=field(c, "warmup", minimum=0),
+    repeats=field(c, "repeats", minimum=1),
+    memory_seq_lens=field_tuple(
+      c, f"{g}.memory_seq_lens", int, minimum=1, allow_empty=True
+    ),
+    memory_implementations=memory,
     tile_search=bool(c.tile_search) and gpu,
   )
 
@@ -296,9 +317,17 @@ def tile_search(
   }
 
 
-def run(config, workdir) -> dict:
+def run(config, workdir, *, restart: bool = False) -> dict:
+  """Times and measures every point afresh (timings are never resumed)."""
   s = settings_from_config(config)
   run_dir = RunDir(workdir)
+  with run_dir.lock():
+    if restart:
+      run_dir.clear()
+    return _run(s, config, run_dir)
+
+
+def _run(s: Settings, config, run_dir: RunDir) -> dict:
   run_dir.write_config(config.to_dict())
   run_dir.rewrite_metrics([])  # timings are re-measured, never resumed
   points = list(

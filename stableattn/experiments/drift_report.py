@@ -62,7 +62,11 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
   headline: dict = {}
   pairs = settings.pairs
   steps = sorted({r["step"] for r in rows if r.get("kind") == "drift"})
-  final = steps[-1] if steps else 0
+  if not steps:
+    raise ValueError(
+      f"No drift rows in {run_dir.path}/metrics.jsonl: nothing to report."
+    )
+  final = steps[-1]
 
   # summary.csv: one row per pair and step, whole-model drift plus gaps.
   summary = []
@@ -128,7 +132,12 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     )
   if "identical_rerun" in pairs:
     rerun = model_drift(rows, "identical_rerun", "max_abs")
-    worst = max(rerun.values()) if rerun else 0.0
+    if set(rerun) != set(steps):
+      raise ValueError(
+        f"identical_rerun has drift rows at steps {sorted(rerun)} but the "
+        f"run logged {steps}: no verdict on the control from missing rows."
+      )
+    worst = max(rerun.values())
     headline["identical_rerun_max_abs"] = worst
     if worst == 0:
       findings.append(

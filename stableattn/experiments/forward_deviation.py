@@ -18,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from stableattn.dispatch import check_tie_beta
-from stableattn.experiments.config_values import as_tuple
+from stableattn.experiments.config_values import field, field_tuple
 from stableattn.experiments.engine import Engine
 from stableattn.experiments.forward_report import write_report
 from stableattn.experiments.forward_studies import (
@@ -56,82 +56,115 @@ assert set(METRICS) | set(COUNTS) >= {
 } - {"argmax", "ulp_format"}
 
 
-def settings_from_config(config) -> Settings:
-  """Validates the ConfigDict and turns it into typed `Settings`."""
-  studies = as_tuple(config.studies, str)
-  unknown = [name for name in studies if name not in STUDIES]
-  if unknown:
-    raise ValueError(f"Unknown studies {unknown}; valid: {list(STUDIES)}.")
-  distributions = as_tuple(config.distributions, str)
-  bad = [d for d in distributions if d not in DISTRIBUTIONS]
-  if bad or not distributions:
+def _choices(config, name: str, valid) -> tuple[str, ...]:
+  values = field_tuple(config, name, str)
+  bad = [v for v in values if v not in valid]
+  if bad:
+    raise ValueError(f"config.{name}: unknown {bad}; valid: {list(valid)}.")
+  return values
+
+
+def _tiles(config, name: str) -> tuple:
+  """A pair or a list of pairs of positive tile sizes."""
+  raw = config[name]
+  try:
+    pairs = [raw] if isinstance(raw[0], int) else list(raw)
+    out = tuple((int(a), int(b)) for a, b in pairs)
+  except (TypeError, ValueError, IndexError):
     raise ValueError(
-      f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
-    )
-  schemes = as_tuple(config.schemes, str)
-  bad = [x for x in schemes if x not in SCHEMES]
-  if bad or not schemes:
-    raise ValueError(f"Unknown schemes {bad}; valid: {list(SCHEMES)}.")
-  for field in ("seq_len_precisions", "tied_precisions", "backward_precisions"):
-    for name in as_tuple(config[field], str):
+      f"config.{name} must be (block_q, block_k) pairs, got {raw!r}."
+    ) from None
+  if not out or min(min(p) for p in out) < 1:
+    raise ValueError(f"config.{name} needs positive tile sizes, got {raw!r}.")
+  return out[0] if isinstance(raw[0], int) else out
+
+
+def settings_from_config(config) -> Settings:
+  """Validates the ConfigDict and turns it into typed `Settings`.
+
+  Raises:
+    ValueError: naming the field, what it got and what is valid.
+  """
+  for name in ("seq_len_precisions", "tied_precisions", "backward_precisions"):
+    for policy in field_tuple(config, name, str):
       try:
-        Precision.from_name(name)
+        Precision.from_name(policy)
       except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
-  for field, valid in (
-    ("tied_placements", TIED_PLACEMENTS),
-    ("tied_values", tuple(TIED_VALUES)),
-  ):
-    bad = [x for x in as_tuple(config[field], str) if x not in valid]
-    if bad:
-      raise ValueError(f"{field}: unknown {bad}; valid: {list(valid)}.")
-  for beta in as_tuple(config.tied_betas, float):
-    check_tie_beta(beta)
-  if int(config.seeds) < 1:
-    raise ValueError(f"seeds must be >= 1, got {config.seeds}.")
+        raise ValueError(f"config.{name}: {e}") from None
+  tied_betas = field_tuple(config, "tied_betas", float, allow_empty=True)
+  for beta in tied_betas:
+    try:
+      check_tie_beta(beta)
+    except ValueError as e:
+      raise ValueError(f"config.tied_betas: {e}") from None
+
+  def formats(name):
+    try:
+      return tuple(format_name(f) for f in field_tuple(config, name, str))
+    except ValueError as e:
+      raise ValueError(f"config.{name}: {e}") from None
+
+  fa3_shape = field_tuple(config, "fa3_shape", int, minimum=1)
+  if len(fa3_shape) != 4:
+    raise ValueError(
+      f"config.fa3_shape must be (batch, seq_len, heads, head_dim), got "
+      f"{config.fa3_shape!r}."
+    )
   return Settings(
-    studies=studies,
-    seeds=int(config.seeds),
-    batch=int(config.batch),
-    heads=int(config.heads),
-    kv_heads=int(config.kv_heads),
-    head_dim=int(config.head_dim),
-    seq_len=int(config.seq_len),
-    block_q=int(config.block_q),
-    block_k=int(config.block_k),
-    formats=tuple(format_name(f) for f in as_tuple(config.formats, str)),
-    distributions=distributions,
-    schemes=schemes,
-    seq_lens=as_tuple(config.seq_lens, int),
-    seq_len_precisions=as_tuple(config.seq_len_precisions, str),
-    tile_seq_len=int(config.tile_seq_len),
-    tile_sizes=tuple(tuple(int(b) for b in t) for t in config.tile_sizes),
-    swap_tiles=tuple(int(b) for b in config.swap_tiles),
-    equal_area_tiles=tuple(
-      tuple(int(b) for b in t) for t in config.equal_area_tiles
-    ),
-    sram_elements=as_tuple(config.sram_elements, int),
-    attribution_formats=tuple(
-      format_name(f) for f in as_tuple(config.attribution_formats, str)
-    ),
-    fa3_shape=tuple(int(x) for x in config.fa3_shape),
-    tied_precisions=as_tuple(config.tied_precisions, str),
-    tied_betas=as_tuple(config.tied_betas, float),
-    tied_counts=as_tuple(config.tied_counts, int),
-    tied_placements=as_tuple(config.tied_placements, str),
-    tied_values=as_tuple(config.tied_values, str),
-    tied_margins=as_tuple(config.tied_margins, float),
-    tied_q_len=int(config.tied_q_len),
-    tied_kv_len=int(config.tied_kv_len),
-    tied_seeds=int(config.tied_seeds),
-    backward_precisions=as_tuple(config.backward_precisions, str),
-    backward_seq_lens=as_tuple(config.backward_seq_lens, int),
-    scale=float(config.scale),
+    studies=_choices(config, "studies", STUDIES),
+    seeds=field(config, "seeds", minimum=1),
+    batch=field(config, "batch", minimum=1),
+    heads=field(config, "heads", minimum=1),
+    kv_heads=field(config, "kv_heads", minimum=1),
+    head_dim=field(config, "head_dim", minimum=1),
+    seq_len=field(config, "seq_len", minimum=1),
+    block_q=field(config, "block_q", minimum=1),
+    block_k=field(config, "block_k", minimum=1),
+    formats=formats("formats"),
+    distributions=_choices(config, "distributions", DISTRIBUTIONS),
+    schemes=_choices(config, "schemes", SCHEMES),
+    seq_lens=field_tuple(config, "seq_lens", int, minimum=1),
+    seq_len_precisions=field_tuple(config, "seq_len_precisions", str),
+    tile_seq_len=field(config, "tile_seq_len", minimum=1),
+    tile_sizes=_tiles(config, "tile_sizes"),
+    swap_tiles=_tiles(config, "swap_tiles"),
+    equal_area_tiles=_tiles(config, "equal_area_tiles"),
+    sram_elements=field_tuple(config, "sram_elements", int, minimum=1),
+    attribution_formats=formats("attribution_formats"),
+    fa3_shape=fa3_shape,
+    tied_precisions=field_tuple(config, "tied_precisions", str),
+    tied_betas=tied_betas,
+    tied_counts=field_tuple(config, "tied_counts", int, minimum=1),
+    tied_placements=_choices(config, "tied_placements", TIED_PLACEMENTS),
+    tied_values=_choices(config, "tied_values", tuple(TIED_VALUES)),
+    tied_margins=field_tuple(config, "tied_margins", float, minimum=1e-30),
+    tied_q_len=field(config, "tied_q_len", minimum=1),
+    tied_kv_len=field(config, "tied_kv_len", minimum=1),
+    tied_seeds=field(config, "tied_seeds", minimum=1),
+    backward_precisions=field_tuple(config, "backward_precisions", str),
+    backward_seq_lens=field_tuple(config, "backward_seq_lens", int, minimum=1),
+    scale=field(config, "scale", float),
   )
 
 
-def point_key(study: str, point: dict) -> str:
-  return study + ":" + json.dumps(point, sort_keys=True)
+# Fields whose change only adds measurements to a run directory.
+EXTENDABLE = ("seeds", "studies", "tied_seeds")
+
+
+def point_key(study: str, point: dict, s: Settings) -> str:
+  """The identity of a measurement: its study, its point and every setting
+  outside the point that changes what it measures."""
+  context = {
+    "batch": s.batch,
+    "heads": s.heads,
+    "kv_heads": s.kv_heads,
+    "head_dim": s.head_dim,
+    "seq_len": s.seq_len,
+    "block_q": s.block_q,
+    "block_k": s.block_k,
+    "scale": s.scale,
+  }
+  return study + ":" + json.dumps({**context, **point}, sort_keys=True)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -183,13 +216,25 @@ def _complete_groups(run_dir: RunDir) -> list[dict]:
   return complete
 
 
-def run(config, workdir) -> dict:
-  """Runs the selected studies; returns headline numbers and file paths."""
+def run(config, workdir, *, restart: bool = False) -> dict:
+  """Runs the selected studies; returns headline numbers and file paths.
+
+  A rerun into the same workdir resumes (measured points are skipped); it
+  may add seeds or studies, but a config that would change a measured
+  result is refused unless `restart` deletes the earlier results.
+  """
   # FP64 golden kernels and the fp64 format need JAX's 64-bit mode.
   jax.config.update("jax_enable_x64", True)
   settings = settings_from_config(config)
   run_dir = RunDir(workdir)
-  run_dir.write_config(config.to_dict())
+  with run_dir.lock():
+    extended = run_dir.bind_config(
+      config.to_dict(), extendable=EXTENDABLE, restart=restart
+    )
+    return _run(settings, run_dir, extended)
+
+
+def _run(settings: Settings, run_dir: RunDir, extended: dict) -> dict:
   rows = _complete_groups(run_dir)
   done = {(r["point_key"], r["seed"]) for r in rows}
   engine = Engine(scale=settings.scale)
@@ -200,7 +245,9 @@ def run(config, workdir) -> dict:
     for point in STUDIES[name].points(settings)
     for seed in range(STUDIES[name].seeds(settings))
   ]
-  todo = [w for w in work if (point_key(w[0].name, w[1]), w[2]) not in done]
+  todo = [
+    w for w in work if (point_key(w[0].name, w[1], settings), w[2]) not in done
+  ]
   started = time.time()
   current_study = None
   for study, point, seed in tqdm(
@@ -209,7 +256,7 @@ def run(config, workdir) -> dict:
     if study.name != current_study:
       engine.clear()
       current_study = study.name
-    key = point_key(study.name, point)
+    key = point_key(study.name, point, settings)
     results = study.measure(engine, settings, point, seed)
     measured = [
       {
@@ -228,7 +275,7 @@ def run(config, workdir) -> dict:
 
   summary = summarize(rows)
   run_dir.write_csv("summary.csv", summary)
-  headline = write_report(run_dir, settings, summary)
+  headline = write_report(run_dir, settings, summary, extended)
   return {
     "workdir": str(run_dir.path),
     "points_measured": len(todo),

@@ -1103,8 +1103,22 @@ def _where_flash_ran() -> str:
   return f"interpret mode on {device.platform.upper()}"
 
 
-def write_report(run_dir: RunDir, s: Settings, summary: list[dict]) -> dict:
-  """Writes report.md and the plots; returns the headline numbers."""
+def write_report(
+  run_dir: RunDir, s: Settings, summary: list[dict], extended: dict = None
+) -> dict:
+  """Writes report.md and the plots; returns the headline numbers.
+
+  Args:
+    extended: {field: (before, now)} when this run extended an earlier one.
+
+  Raises:
+    ValueError: if there is nothing to report (no verdict from no rows).
+  """
+  if not summary:
+    raise ValueError(
+      f"No measurements in {run_dir.path} for studies {list(s.studies)}: "
+      "nothing to report."
+    )
   headline: dict = {}
   parts = [
     "# Forward deviation of flash attention",
@@ -1117,6 +1131,15 @@ def write_report(run_dir: RunDir, s: Settings, summary: list[dict]) -> dict:
     "table.",
     "",
   ]
+  if extended:
+    parts += [
+      "*Extended run:* this directory held an earlier run; "
+      + "; ".join(
+        f"{k} {old!r} -> {new!r}" for k, (old, new) in extended.items()
+      )
+      + ". Measurements made before are kept; the rest were added.",
+      "",
+    ]
   for name in s.studies:
     result = SECTIONS[name](run_dir, s, summary, headline)
     if result is None:

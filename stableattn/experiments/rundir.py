@@ -1,19 +1,37 @@
 """A run directory: config.json, metrics.jsonl, summary.csv, report.md, PNGs.
 
 `metrics.jsonl` holds one JSON object per line. Lines are appended whole
-(one write, then flush and fsync), and a line cut short by an interrupted
-run is dropped when the file is opened again, so a restarted run never
-reads or leaves a corrupt row.
+(one write, then flush and fsync); a line damaged by an interrupted run is
+dropped when the file is opened again, and every other line is kept, so a
+restarted run never reads or leaves a corrupt row and never loses a good one.
+
+A run directory is bound to its config: `bind_config` refuses a rerun whose
+config differs in a field that can change a result, and `lock` refuses a
+second process writing to the same directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import json
 import math
 import os
 import pathlib
+import shutil
 from collections.abc import Iterable
+
+# Files and folders a restart removes: everything a run wrote.
+RUN_OUTPUTS = (
+  "metrics.jsonl",
+  "summary.csv",
+  "report.md",
+  "headline.json",
+  "config.json",
+  "config_history.jsonl",
+  "checkpoints",
+)
 
 
 def _json_default(value):
@@ -44,22 +62,111 @@ class RunDir:
     )
     self.write_text("config.json", text + "\n")
 
+  @contextlib.contextmanager
+  def lock(self):
+    """Holds an exclusive lock on the directory; a second run is refused."""
+    with open(self.path / "run.lock", "w") as f:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        raise RuntimeError(
+          f"Another run is writing to {self.path} (run.lock is held). Wait "
+          "for it to finish, or use another --workdir."
+        ) from None
+      try:
+        yield self
+      finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+  def bind_config(
+    self,
+    config_dict: dict,
+    *,
+    extendable: Iterable[str] = (),
+    restart: bool = False,
+  ) -> dict[str, tuple]:
+    """Binds the directory to a config; refuses one that changes results.
+
+    Args:
+      config_dict: the run's config as a (nested) dict.
+      extendable: dotted field names whose change only adds measurements
+        (e.g. more seeds); a rerun may change them.
+      restart: remove every output of an earlier run first.
+
+    Returns:
+      {field: (stored, new)} of the extendable fields that changed (also
+      appended to config_history.jsonl), so the report can say so.
+
+    Raises:
+      ValueError: naming every differing field that can change a result,
+        and the ways out.
+    """
+    if restart:
+      self.clear()
+    stored_path = self.path / "config.json"
+    changed: dict[str, tuple] = {}
+    if stored_path.exists():
+      stored = _flatten(json.loads(stored_path.read_text()))
+      new = _flatten(json.loads(json.dumps(config_dict, default=_json_default)))
+      differing = {
+        k: (stored.get(k, "<absent>"), new.get(k, "<absent>"))
+        for k in sorted(set(stored) | set(new))
+        if stored.get(k, "<absent>") != new.get(k, "<absent>")
+      }
+      blocking = {k: v for k, v in differing.items() if k not in extendable}
+      if blocking:
+        fields = "; ".join(
+          f"{k}: {old!r} there, {now!r} now"
+          for k, (old, now) in blocking.items()
+        )
+        raise ValueError(
+          f"{self.path} holds a run with another config, which would mix "
+          f"old and new results. Differing fields: {fields}. Use a new "
+          "--workdir, or pass --restart to delete the earlier run's results"
+          + (
+            f" (only {sorted(extendable)} may change to extend a run)."
+            if extendable
+            else "."
+          )
+        )
+      changed = differing
+      if changed:
+        with open(self.path / "config_history.jsonl", "a") as f:
+          f.write(
+            to_json_line({"extended": {k: list(v) for k, v in changed.items()}})
+          )
+    self.write_config(config_dict)
+    return changed
+
+  def clear(self) -> None:
+    """Removes every output of an earlier run (not the lock)."""
+    for name in RUN_OUTPUTS:
+      target = self.path / name
+      if target.is_dir():
+        shutil.rmtree(target)
+      elif target.exists():
+        target.unlink()
+    for png in self.path.glob("*.png"):
+      png.unlink()
+
   def read_metrics(self) -> list[dict]:
-    """All complete rows; drops a trailing partial line left by a crash."""
+    """Every intact row; drops only lines an interrupted write damaged."""
     if not self.metrics_path.exists():
       return []
     raw = self.metrics_path.read_text()
-    rows, good_chars = [], 0
+    rows, kept, dropped = [], [], 0
     for line in raw.splitlines(keepends=True):
-      if not line.endswith("\n"):
-        break
       try:
-        rows.append(json.loads(line))
+        row = json.loads(line) if line.endswith("\n") else None
       except json.JSONDecodeError:
-        break
-      good_chars += len(line)
-    if good_chars != len(raw):
-      self.write_text("metrics.jsonl", raw[:good_chars])
+        row = None
+      if isinstance(row, dict):
+        rows.append(row)
+        kept.append(line)
+      else:
+        dropped += 1
+    if dropped:
+      self.write_text("metrics.jsonl", "".join(kept))
     return rows
 
   def rewrite_metrics(self, rows: Iterable[dict]) -> None:
@@ -71,6 +178,12 @@ class RunDir:
     text = "".join(to_json_line(row) for row in rows)
     if not text:
       return
+    if self.metrics_path.exists() and self.metrics_path.stat().st_size:
+      with open(self.metrics_path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+          # A cut line: end it, so this row does not fuse with its remains.
+          text = "\n" + text
     with open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(text)
       f.flush()
@@ -95,6 +208,18 @@ class RunDir:
       for row in rows:
         writer.writerow({c: _csv_value(row.get(c)) for c in columns})
     return target
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  """{'a.b': leaf} of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out
 
 
 def _csv_value(value):

@@ -18,21 +18,23 @@ identically.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from tqdm.auto import tqdm
 
 from stableattn import data as data_lib
-from stableattn.dispatch import check_tie_beta
+from stableattn.dispatch import check_tie_beta, xla_unsupported_reason
 from stableattn.drift import attention_grad_error_rows, param_drift
-from stableattn.experiments.config_values import as_tuple
+from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.drift_report import write_report
 from stableattn.experiments.rundir import RunDir
 from stableattn.model import AttentionSpec, ModelSpec
-from stableattn.precision import preset_names
+from stableattn.precision import Precision, preset_names
 from stableattn.training import (
   COMPUTE_DTYPES,
   OptimizerSpec,
@@ -113,27 +115,27 @@ def settings_from_config(config) -> Settings:
       raise ValueError(
         f"Unknown attention {kind!r}; valid: reference, pallas, xla, shadow."
       )
-  devices = int(c.train.devices) or jax.local_device_count()
+  devices = field(c, "train.devices", minimum=0) or jax.local_device_count()
   pairs = as_tuple(c.pairs)
   unknown = [p for p in pairs if p not in PAIRS]
   if unknown:
     raise ValueError(f"Unknown pairs {unknown}; valid: {list(PAIRS)}.")
   if devices == 1:
     pairs = tuple(p for p in pairs if p != "one_vs_n_devices")
-  batch_size = int(c.train.batch_size)
+  batch_size = field(c, "train.batch_size", minimum=1)
   if batch_size % devices:
     raise ValueError(
       f"train.batch_size {batch_size} is not divisible by the device count "
       f"{devices}."
     )
-  seq_len = int(c.model.seq_len)
+  seq_len = field(c, "model.seq_len", minimum=2)
   model = ModelSpec(
-    vocab_size=int(c.model.vocab_size),
-    width=int(c.model.width),
-    depth=int(c.model.depth),
-    heads=int(c.model.heads),
+    vocab_size=field(c, "model.vocab_size", minimum=2),
+    width=field(c, "model.width", minimum=1),
+    depth=field(c, "model.depth", minimum=1),
+    heads=field(c, "model.heads", minimum=1),
     max_len=seq_len,
-    mlp_ratio=int(c.model.mlp_ratio),
+    mlp_ratio=field(c, "model.mlp_ratio", minimum=1),
   )
   if model.width % model.heads:
     raise ValueError(
@@ -141,8 +143,8 @@ def settings_from_config(config) -> Settings:
       f"model.heads {model.heads}."
     )
 
-  flash_beta = float(c.attention.tie_beta) or None
-  fix_beta = float(c.attention.fix_beta)
+  flash_beta = field(c, "attention.tie_beta", float) or None
+  fix_beta = field(c, "attention.fix_beta", float)
   try:
     check_tie_beta(flash_beta)
     check_tie_beta(fix_beta)
@@ -158,8 +160,8 @@ def settings_from_config(config) -> Settings:
       baseline_precision=_policy(
         c.attention.baseline_precision, "reference", run_precision
       ),
-      block_q=int(c.attention.block_q),
-      block_k=int(c.attention.block_k),
+      block_q=field(c, "attention.block_q", minimum=1),
+      block_k=field(c, "attention.block_k", minimum=1),
       scheme=c.attention.scheme,
       tie_beta=tie_beta if implementation == "pallas" else None,
     )
@@ -184,18 +186,28 @@ def settings_from_config(config) -> Settings:
   }
   needed = {r for p in pairs for r in PAIRS[p]}
   runs = {n: s for n, s in runs.items() if n in needed}
-  total = int(c.train.total_steps)
-  if total <= int(c.train.warmup_steps):
+  for name, spec in runs.items():
+    if spec.attention.kind == "xla":
+      reason = xla_unsupported_reason(
+        Precision.from_name(spec.attention.baseline_precision)
+      )
+      if reason:
+        raise ValueError(
+          f"run {name!r} ({spec.precision} training with attention 'xla', "
+          f"needed by pairs {list(pairs)}): {reason}"
+        )
+  total = field(c, "train.total_steps", minimum=1)
+  if total <= field(c, "train.warmup_steps", minimum=0):
     raise ValueError(
       f"train.total_steps ({total}) must exceed train.warmup_steps "
       f"({c.train.warmup_steps}): the cosine decay needs at least one step."
     )
   optimizer = OptimizerSpec(
-    learning_rate=float(c.train.learning_rate),
-    warmup_steps=int(c.train.warmup_steps),
+    learning_rate=field(c, "train.learning_rate", float),
+    warmup_steps=field(c, "train.warmup_steps", minimum=0),
     total_steps=total,
-    weight_decay=float(c.train.weight_decay),
-    clip_norm=float(c.train.clip_norm),
+    weight_decay=field(c, "train.weight_decay", float),
+    clip_norm=field(c, "train.clip_norm", float),
   )
   return Settings(
     model=model,
@@ -204,12 +216,12 @@ def settings_from_config(config) -> Settings:
     pairs=pairs,
     batch_size=batch_size,
     seq_len=seq_len,
-    log_every=int(c.train.log_every),
-    checkpoint_every=int(c.train.checkpoint_every),
-    stop_at_step=int(c.train.stop_at_step),
-    data_seed=int(c.data.seed),
+    log_every=field(c, "train.log_every", minimum=1),
+    checkpoint_every=field(c, "train.checkpoint_every", minimum=1),
+    stop_at_step=field(c, "train.stop_at_step", minimum=0),
+    data_seed=field(c, "data.seed", minimum=0),
     data_path=str(c.data.path),
-    corpus_tokens=int(c.data.corpus_tokens),
+    corpus_tokens=field(c, "data.corpus_tokens", minimum=1),
     grad_error=bool(c.train.grad_error),
   )
 
@@ -272,12 +284,51 @@ def _stats_rows(run: str, step: int, layer_stats) -> list[dict]:
   ]
 
 
-def run(config, workdir) -> dict:
-  """Trains every run, logs drift, writes the report; returns headlines."""
+# Fields whose change cannot change a result: a rerun may alter them.
+EXTENDABLE = ("train.checkpoint_every", "train.stop_at_step")
+
+
+def expected_log_steps(settings: Settings, up_to: int) -> list[int]:
+  """The steps at which a run logs, up to and including `up_to`."""
+  total = settings.optimizer.total_steps
+  steps = [s for s in range(0, up_to + 1, settings.log_every)]
+  if up_to >= total and total not in steps:
+    steps.append(total)
+  return steps
+
+
+def missing_log_steps(settings: Settings, rows, up_to: int) -> list[int]:
+  """Logging steps <= up_to whose drift rows are not all in `rows`."""
+  present = {
+    (r["step"], r["pair"])
+    for r in rows
+    if r.get("kind") == "drift" and r.get("scope") == "model"
+  }
+  return [
+    step
+    for step in expected_log_steps(settings, up_to)
+    if any((step, pair) not in present for pair in settings.pairs)
+  ]
+
+
+def run(config, workdir, *, restart: bool = False) -> dict:
+  """Trains every run, logs drift, writes the report; returns headlines.
+
+  A rerun resumes from the last checkpoint. A config that would change a
+  result is refused unless `restart` deletes the earlier run. Logged rows
+  lost from metrics.jsonl are re-measured by training again from step 0.
+  """
   settings = settings_from_config(config)
   tokens = load_data(settings)
   run_dir = RunDir(workdir)
-  run_dir.write_config(config.to_dict())
+  with run_dir.lock():
+    run_dir.bind_config(
+      config.to_dict(), extendable=EXTENDABLE, restart=restart
+    )
+    return _run(settings, tokens, run_dir)
+
+
+def _run(settings: Settings, tokens, run_dir: RunDir) -> dict:
   physical = settings.physical_runs
   trainers = {
     name: Trainer(settings.model, spec, settings.optimizer, settings.batch_size)
@@ -291,6 +342,20 @@ def run(config, workdir) -> dict:
     for r in run_dir.read_metrics()
     if start is not None and r["step"] <= start
   ]
+  if start is not None:
+    missing = missing_log_steps(settings, rows, start)
+    if missing:
+      # Only the last checkpoints are kept, so the logged weights of those
+      # steps exist nowhere else: train again, deterministically.
+      logging.warning(
+        "metrics.jsonl lacks the rows of logging steps %s before the "
+        "checkpoint at step %d; re-measuring them by training again from "
+        "step 0.",
+        missing,
+        start,
+      )
+      shutil.rmtree(run_dir.path / "checkpoints", ignore_errors=True)
+      start, restored, rows = None, None, []
   run_dir.rewrite_metrics(rows)
   if restored is not None:
     states = {n: trainers[n].place(s) for n, s in restored.items()}
@@ -407,13 +472,21 @@ def run(config, workdir) -> dict:
         "loss_scale": float(metrics["loss_scale"]),
         "finite_grads": bool(metrics["finite_grads"]),
       }
-      if not np.isfinite(loss):
+      bad_params = not bool(metrics["finite_params"])
+      if not np.isfinite(loss) or bad_params:
         row = {"kind": "nonfinite", "run": name, "step": step, "loss": loss}
         run_dir.append_metrics([row])
+        what = (
+          f"training loss is {loss} at step {step}, computed with the "
+          f"parameters after step {step - 1}'s update"
+          if not np.isfinite(loss)
+          else f"the update of step {step} made the parameters non-finite "
+          f"(its loss, {loss}, was still finite)"
+        )
         raise FloatingPointError(
           f"Run {name!r} ({physical[name].precision}, attention "
-          f"{physical[name].attention.kind}): training loss is {loss} at "
-          f"step {step}. The row is in {run_dir.metrics_path}."
+          f"{physical[name].attention.kind}): {what}. The row is in "
+          f"{run_dir.metrics_path}."
         )
     if step % settings.log_every == 0 or step == total:
       log(step)

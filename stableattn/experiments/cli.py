@@ -1,0 +1,22 @@
+"""What every launcher does after parsing its flags."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def run_and_print(run, config, workdir, *, restart: bool = False) -> int:
+  """Runs an experiment and prints its result as JSON.
+
+  A bad config, a busy or mismatched run directory, or a NaN result prints
+  one line saying what was wrong and what is valid, and exits with 2 (no
+  traceback: the message is the whole answer).
+  """
+  try:
+    result = run(config, workdir, restart=restart)
+  except (ValueError, RuntimeError, FloatingPointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(json.dumps(result, indent=2, default=str))
+  return 0

@@ -1,0 +1,192 @@
+"""Each defect found by trying to break the tool on purpose, held fixed."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import stableattn as sa
+from configs import benchmark as benchmark_config
+from configs import forward_deviation as forward_config
+from configs import training_drift as drift_config
+from stableattn.experiments import benchmark, forward_deviation, training_drift
+from stableattn.experiments.rundir import RunDir
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _forward_config(**changes):
+  config = forward_config.get_config("smoke")
+  config.studies = "format_sweep"
+  config.formats = "fp32,bf16"
+  config.seeds = 1
+  for key, value in changes.items():
+    config[key] = value
+  return config
+
+
+def _rows(workdir):
+  return RunDir(workdir).read_metrics()
+
+
+def test_forward_rerun_with_another_config_is_refused_naming_the_fields(
+  tmp_path,
+):
+  forward_deviation.run(_forward_config(), tmp_path)
+  with pytest.raises(ValueError, match=r"head_dim: 16 there, 32 now"):
+    forward_deviation.run(_forward_config(head_dim=32), tmp_path)
+  # The way out: --restart measures afresh, with nothing of the old run.
+  forward_deviation.run(_forward_config(head_dim=32), tmp_path, restart=True)
+  keys = {
+    json.loads(r["point_key"].split(":", 1)[1])["head_dim"]
+    for r in _rows(tmp_path)
+  }
+  assert keys == {32}
+
+
+def test_forward_rerun_may_add_seeds_and_the_report_says_so(tmp_path):
+  first = forward_deviation.run(_forward_config(), tmp_path)
+  more = forward_deviation.run(_forward_config(seeds=2), tmp_path)
+  assert more["points_skipped"] == first["points_measured"]
+  assert more["points_measured"] == first["points_measured"]
+  report = (tmp_path / "report.md").read_text()
+  assert "*Extended run:*" in report and "seeds 1 -> 2" in report
+
+
+def test_point_identity_holds_every_setting_that_changes_a_measurement(
+  tmp_path,
+):
+  forward_deviation.run(_forward_config(), tmp_path)
+  identity = json.loads(_rows(tmp_path)[0]["point_key"].split(":", 1)[1])
+  for name in ("batch", "heads", "kv_heads", "head_dim", "block_q", "scale"):
+    assert name in identity
+
+
+def test_a_second_run_in_the_same_workdir_is_refused(tmp_path):
+  with RunDir(tmp_path).lock():
+    with pytest.raises(RuntimeError, match="Another run is writing"):
+      forward_deviation.run(_forward_config(), tmp_path)
+
+
+def test_a_line_cut_in_the_middle_loses_only_itself(tmp_path):
+  run_dir = RunDir(tmp_path)
+  run_dir.append_metrics([{"step": 1}, {"step": 2}])
+  text = run_dir.metrics_path.read_text()
+  run_dir.metrics_path.write_text(text[:-4])  # the last row cut mid-line
+  run_dir.append_metrics([{"step": 3}, {"step": 4}])  # appended after a crash
+  middle = run_dir.metrics_path.read_text().splitlines()
+  middle[0] = middle[0][:5]  # and a row damaged in the middle
+  run_dir.metrics_path.write_text("\n".join(middle) + "\n")
+  assert [r["step"] for r in run_dir.read_metrics()] == [3, 4]
+  assert [r["step"] for r in run_dir.read_metrics()] == [3, 4]  # repaired
+
+
+def _tiny_drift(pairs="identical_rerun", **train):
+  config = drift_config.get_config("smoke")
+  config.pairs = pairs
+  config.train.total_steps = 4
+  config.train.warmup_steps = 1
+  config.train.log_every = 2
+  config.train.checkpoint_every = 2
+  for key, value in train.items():
+    config.train[key] = value
+  return config
+
+
+def test_drift_with_only_the_control_pair_writes_its_report(tmp_path):
+  result = training_drift.run(_tiny_drift(), tmp_path)
+  assert result["identical_rerun_max_abs"] == 0.0
+  assert (tmp_path / "fig8_all_pairs.png").stat().st_size > 0
+  assert (
+    "exactly 0 at every logging step" in (tmp_path / "report.md").read_text()
+  )
+
+
+def test_lost_drift_metrics_are_measured_again_not_lost(tmp_path):
+  training_drift.run(_tiny_drift(), tmp_path)
+  logged = sorted({r["step"] for r in _rows(tmp_path) if r["kind"] == "drift"})
+  (tmp_path / "metrics.jsonl").unlink()  # checkpoints stay
+  training_drift.run(_tiny_drift(), tmp_path)
+  again = sorted({r["step"] for r in _rows(tmp_path) if r["kind"] == "drift"})
+  assert again == logged == [0, 2, 4]
+
+
+def test_drift_rerun_with_another_schedule_or_width_is_refused(tmp_path):
+  config = _tiny_drift(stop_at_step=2)
+  training_drift.run(config, tmp_path)
+  config.train.learning_rate = 1e-3
+  with pytest.raises(ValueError, match="train.learning_rate"):
+    training_drift.run(config, tmp_path)
+  wider = _tiny_drift(stop_at_step=2)
+  wider.model.width = 64
+  with pytest.raises(ValueError, match="model.width: 32 there, 64 now"):
+    training_drift.run(wider, tmp_path)
+  # Stopping later is not a change of result: the run resumes.
+  assert "seconds" in training_drift.run(_tiny_drift(), tmp_path)
+
+
+def test_check_refuses_to_pass_over_zero_rows():
+  fn = lambda q, k, v: q  # noqa: E731
+  with pytest.raises(ValueError, match="seeds must be an integer >= 1"):
+    sa.check(fn, seeds=0)
+  with pytest.raises(ValueError, match="distributions is empty"):
+    sa.check(fn, distributions=())
+  with pytest.raises(ValueError, match="shapes is empty"):
+    sa.check(fn, shapes=())
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-fa2", "fp16-framework"])
+def test_xla_with_fp16_inputs_on_cpu_says_why_not(precision):
+  q = np.ones((1, 8, 1, 16), np.float32)
+  with pytest.raises(ValueError, match="no FP16 x FP16 -> FP32 dot"):
+    sa.attention(q, q, q, implementation="xla", precision=precision)
+
+
+def test_drift_with_xla_attention_in_fp16_fails_before_training(tmp_path):
+  config = _tiny_drift(pairs="fp16_vs_fp32")
+  config.attention.baseline = "xla"
+  with pytest.raises(ValueError, match="run 'fp16'.*no FP16 x FP16"):
+    training_drift.run(config, tmp_path)
+
+
+def test_benchmark_refuses_an_unknown_mode():
+  config = benchmark_config.get_config("smoke")
+  config.modes = "nope"
+  with pytest.raises(ValueError, match=r"config.modes: unknown \['nope'\]"):
+    benchmark.run(config, "/nonexistent/never/written")
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    ({"studies": ""}, "config.studies is empty"),
+    ({"tied_margins": "1e-1,abc"}, "config.tied_margins must be a number"),
+    ({"seq_lens": (32, -4)}, "config.seq_lens must be >= 1"),
+    ({"distributions": "normal,cauchy"}, r"unknown \['cauchy'\]"),
+  ],
+)
+def test_bad_forward_values_name_their_field(changes, message):
+  with pytest.raises(ValueError, match=message):
+    forward_deviation.run(_forward_config(**changes), "/nonexistent/x")
+
+
+def test_launcher_prints_the_error_line_not_a_traceback(tmp_path):
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(REPO / "launch" / "forward_deviation.py"),
+      f"--workdir={tmp_path}",
+      f"--config={REPO / 'configs' / 'forward_deviation.py'}:smoke",
+      "--config.studies=format_sweep,fig9",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    cwd=REPO,
+  )
+  assert out.returncode == 2
+  assert "error: config.studies: unknown ['fig9']" in out.stderr
+  assert "Traceback" not in out.stderr
