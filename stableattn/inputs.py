@@ -139,13 +139,6 @@ def _grouped_scores(q, k):
   return np.einsum("btkgd,bskd->bkgts", q_g, k)
 
 
-def tied_row_fraction(q, k) -> float:
-  """Share of (query, head) rows whose maximum score occurs more than once."""
-  s = _grouped_scores(np.asarray(q, np.float64), np.asarray(k, np.float64))
-  ties = (s == s.max(axis=-1, keepdims=True)).sum(axis=-1)
-  return float(np.mean(ties > 1))
-
-
 def make_inputs(
   distribution: str,
   seed: int,

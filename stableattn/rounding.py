@@ -176,38 +176,30 @@ class PolicyArithmetic:
     """x rounded to `stage` and cast to that stage's dtype (for refs)."""
     return self.round(x, stage).astype(self.policy.dtype(stage))
 
-  def dot(self, a, b, dims):
-    """A block matmul: operands in `matmul_operands`, one rounding of the sum.
+  @property
+  def _matmul_precision(self):
+    # FP32 operands at HIGHEST: the GPU lowering would otherwise use TF32.
+    wide = self.policy.dtype("matmul_operands").itemsize >= 4
+    return lax.Precision.HIGHEST if wide else lax.Precision.DEFAULT
 
-    FP32 operands are multiplied at `Precision.HIGHEST`, because the GPU
-    lowering would otherwise use TF32.
-    """
-    operand_dtype = self.policy.dtype("matmul_operands")
-    a = self.stored(a, "matmul_operands")
-    b = self.stored(b, "matmul_operands")
-    precision = (
-      lax.Precision.HIGHEST
-      if operand_dtype.itemsize >= 4
-      else lax.Precision.DEFAULT
-    )
+  def dot(self, a, b, dims):
+    """A block matmul: operands in `matmul_operands`; the sum rounded once."""
     out = lax.dot_general(
-      a, b, dims, precision=precision, preferred_element_type=self.carrier
+      self.stored(a, "matmul_operands"),
+      self.stored(b, "matmul_operands"),
+      dims,
+      precision=self._matmul_precision,
+      preferred_element_type=self.carrier,
     )
     return self.round(out, "matmul_accum")
 
   def einsum(self, spec: str, a, b):
     """`dot` for an einsum spec (the reference implementation's matmuls)."""
-    operand_dtype = self.policy.dtype("matmul_operands")
-    precision = (
-      lax.Precision.HIGHEST
-      if operand_dtype.itemsize >= 4
-      else lax.Precision.DEFAULT
-    )
     out = jnp.einsum(
       spec,
       self.stored(a, "matmul_operands"),
       self.stored(b, "matmul_operands"),
-      precision=precision,
+      precision=self._matmul_precision,
       preferred_element_type=self.carrier,
     )
     return self.round(out, "matmul_accum")

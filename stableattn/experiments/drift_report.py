@@ -164,11 +164,11 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
   drift_table = table(
     [
       "pair",
-      "max |Δw| (final)",
+      "max abs Δw (final)",
       "Wasserstein (final)",
       "relative L2",
       "eval loss gap",
-      "logit max |Δ|",
+      "logit max abs Δ",
     ],
     [
       [

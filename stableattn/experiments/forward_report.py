@@ -60,8 +60,16 @@ def one(summary, **filters) -> dict | None:
 
 
 def table(header: list[str], rows: list[list]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  """A Markdown table; a '|' inside a cell (|x|) is escaped, not a column."""
+
+  def cell(value) -> str:
+    return str(value).replace("|", "\\|")
+
+  lines = [
+    "| " + " | ".join(cell(h) for h in header) + " |",
+    "|" + "---|" * len(header),
+  ]
+  lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
   return "\n".join(lines)
 
 

@@ -122,7 +122,8 @@ class RunDir:
         raise ValueError(
           f"{self.path} holds a run with another config, which would mix "
           f"old and new results. Differing fields: {fields}. Use a new "
-          "--workdir, or pass --restart to delete the earlier run's results"
+          "--workdir, or pass --restart (restart=True from Python) to "
+          "delete the earlier run's results"
           + (
             f" (only {sorted(extendable)} may change to extend a run)."
             if extendable
