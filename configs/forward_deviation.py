@@ -14,7 +14,11 @@ Expected outcome: deviation falls with mantissa bits; Flash vs golden is
 within ~1-2x of Baseline vs golden under a shared policy at length 512 (the
 paper's ~10x is not reproduced at these sizes; the report says which stage
 drives the ratio); with outlier inputs at FP16, fp16-fa2 Flash is more
-accurate than fp16-framework attention, as in FlashAttention-3.
+accurate than fp16-framework attention, as in FlashAttention-3. Tied
+maxima: with two bit-identical winning keys in one tile and one-sign V,
+Flash's O is biased away from zero (signed share about +0.98) under `bf16`
+and `bf16-fa2+out_accum=bf16`; Qiu & Yao's fix (beta 2 or 7) brings the
+latter to about 0; `bf16-fa2` (FP32 accumulator) shows no such bias.
 """
 
 import ml_collections

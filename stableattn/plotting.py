@@ -49,7 +49,7 @@ def line_plot(
     else:
       series = shown
       if zero:
-        title += f" ({', '.join(zero)}: 0 throughout, not drawn)"
+        title += f"\n({', '.join(zero)}: 0 throughout, not drawn)"
   fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
   for s in series:
     y = _positive(s.y) if logy else s.y

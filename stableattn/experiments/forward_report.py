@@ -828,6 +828,21 @@ def _tied(run_dir, s, summary, headline):
     within = [r for r in kept if r not in outside]
 
     def listed(pool):
+      if len(pool) > 6:  # by axis: which conditions, not every one
+
+        def counts(axis, label):
+          values = sorted({r[axis] for r in pool})
+          return ", ".join(
+            f"{label(v)} x{sum(1 for r in pool if r[axis] == v)}"
+            for v in values
+          )
+
+        return (
+          f"ties {counts('ties', str)}; {counts('placement', spaced)}; V "
+          f"{counts('values', str)}; margins "
+          f"{min(r['margin'] for r in pool):g} to "
+          f"{max(r['margin'] for r in pool):g}"
+        )
       return "; ".join(
         f"{r['ties']} tie(s), {spaced(r['placement'])}, {r['values']}, "
         f"margin {r['margin']:g}"
