@@ -139,3 +139,64 @@ def signed_share_panels(
   fig.savefig(path)
   plt.close(fig)
   return pathlib.Path(path)
+
+
+def ratio_heatmaps(
+  path: str | pathlib.Path,
+  panels: dict[str, tuple[list[str], list[str], list[list[float]]]],
+  *,
+  title: str,
+  mark_at: float | None = None,
+) -> pathlib.Path:
+  """One annotated heatmap (log colour scale) per panel, side by side.
+
+  Each panel is (row labels, column labels, values[row][column]); panels
+  share their rows, labelled on the first. A value >= `mark_at` is bold.
+  """
+  import numpy as np
+  from matplotlib.colors import LogNorm
+
+  values = [v for _, _, m in panels.values() for row in m for v in row if v > 0]
+  norm = LogNorm(vmin=min(values), vmax=max(values)) if values else None
+  n = max(1, len(panels))
+  rows = max((len(r) for r, _, _ in panels.values()), default=1)
+  fig, axes = plt.subplots(
+    1,
+    n,
+    figsize=(2.6 * n + 3.4, 0.45 * rows + 1.8),
+    dpi=110,
+    squeeze=False,
+    sharey=True,
+  )
+  image = None
+  for index, (ax, (panel, (row_labels, col_labels, matrix))) in enumerate(
+    zip(axes[0], panels.items())
+  ):
+    data = np.asarray(matrix, float)
+    image = ax.imshow(data, cmap="viridis", norm=norm, aspect="auto")
+    ax.set_xticks(range(len(col_labels)), col_labels, fontsize=8)
+    ax.set_xlabel("sequence length", fontsize=8)
+    ax.set_yticks(range(len(row_labels)), row_labels, fontsize=7)
+    if index:
+      ax.tick_params(axis="y", labelleft=False)
+    ax.set_title(panel, fontsize=9)
+    for i in range(data.shape[0]):
+      for j in range(data.shape[1]):
+        value = data[i, j]
+        bold = mark_at is not None and value >= mark_at
+        ax.text(
+          j,
+          i,
+          f"{value:.2g}",
+          ha="center",
+          va="center",
+          fontsize=7,
+          color="white" if norm is None or norm(value) < 0.6 else "black",
+          fontweight="bold" if bold else "normal",
+        )
+  if image is not None:
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9)
+  fig.suptitle(title, fontsize=10)
+  fig.savefig(path, bbox_inches="tight")
+  plt.close(fig)
+  return pathlib.Path(path)

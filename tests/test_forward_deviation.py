@@ -73,6 +73,46 @@ def test_tied_study_shows_the_bias_and_its_removal_first(smoke_run):
   assert abs(float(fixed.split("|")[3])) <= 0.1
 
 
+def test_headline_claims_follow_from_the_measured_rows(smoke_run):
+  workdir, result, _ = smoke_run
+  headline = json.loads((workdir / "headline.json").read_text())
+  assert set(headline["claims"]) == {
+    "fig3",
+    "fig4",
+    "fig5",
+    "fig6a",
+    "fig6b",
+    "fig6c",
+  }
+  assert headline["claims"] == json.loads(json.dumps(result["claims"]))
+  fig4 = headline["claims"]["fig4"]
+  # Recompute Fig. 4 from metrics.jsonl: mean ratio per setting over seeds.
+  ratios = {}
+  for r in _rows(workdir):
+    if (
+      r["study"] == "against_golden"
+      and r["comparison"] == "flash_vs_golden"
+      and r["format"] == "bf16"
+    ):
+      ratios.setdefault(r["point_key"], []).append(r["ratio_max_abs"])
+  means = [sum(v) / len(v) for v in ratios.values()]
+  assert fig4["settings"] == len(means)
+  assert fig4["largest_ratio"] == pytest.approx(max(means))
+  reaching = sum(m >= fig4["threshold"] for m in means)
+  assert fig4["settings_reaching"] == reaching
+  expected = (
+    "reproduced"
+    if reaching == len(means)
+    else "reproduced in part"
+    if reaching
+    else "not reproduced"
+  )
+  assert fig4["verdict"] == expected
+  first_screen = (workdir / "report.md").read_text().split("\n## ", 2)[1]
+  assert first_screen.startswith("The paper's claims, mapped")
+  assert f"**{fig4['verdict']}**" in first_screen
+
+
 def test_invariants(smoke_run):
   workdir, _, _ = smoke_run
   rows = [

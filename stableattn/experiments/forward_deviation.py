@@ -123,6 +123,7 @@ def settings_from_config(config) -> Settings:
     formats=formats("formats"),
     distributions=_choices(config, "distributions", DISTRIBUTIONS),
     schemes=_choices(config, "schemes", SCHEMES),
+    golden_seq_lens=field_tuple(config, "golden_seq_lens", int, minimum=1),
     seq_lens=field_tuple(config, "seq_lens", int, minimum=1),
     seq_len_precisions=field_tuple(config, "seq_len_precisions", str),
     tile_seq_len=field(config, "tile_seq_len", minimum=1),
@@ -276,6 +277,9 @@ def _run(settings: Settings, run_dir: RunDir, extended: dict) -> dict:
   summary = summarize(rows)
   run_dir.write_csv("summary.csv", summary)
   headline = write_report(run_dir, settings, summary, extended)
+  run_dir.write_text(
+    "headline.json", json.dumps(headline, indent=2, sort_keys=True) + "\n"
+  )
   return {
     "workdir": str(run_dir.path),
     "points_measured": len(todo),

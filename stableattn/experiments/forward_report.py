@@ -11,6 +11,7 @@ import math
 import jax
 import numpy as np
 
+from stableattn.experiments.claims import REACHES_PAPER_RATIO, paper_claims
 from stableattn.experiments.forward_studies import (
   ATTRIBUTION_STAGES,
   STUDIES,
@@ -23,6 +24,7 @@ from stableattn.plotting import (
   Series,
   bar_plot,
   line_plot,
+  ratio_heatmaps,
   signed_share_panels,
 )
 from stableattn.precision import MANTISSA_BITS, Precision
@@ -170,10 +172,17 @@ def _metric(summary, row, comparison, metric="max_abs_mean", **filters):
   return match[metric] if match else None
 
 
+def _reading(r) -> str:
+  return f"{r['flash_policy']} | {r['baseline_policy']}"
+
+
 def _against_golden(run_dir, s, summary, headline):
-  rows = select(summary, study="against_golden", comparison="flash_vs_golden")
-  if not rows:
+  all_rows = select(
+    summary, study="against_golden", comparison="flash_vs_golden"
+  )
+  if not all_rows:
     return None
+  rows = [r for r in all_rows if r["seq_len"] == s.seq_len]
   rows.sort(
     key=lambda r: (
       -MANTISSA_BITS[r["format"]],
@@ -183,7 +192,7 @@ def _against_golden(run_dir, s, summary, headline):
       r["distribution"],
     )
   )
-  body = table(
+  body = f"At length {s.seq_len}:\n\n" + table(
     [
       "format",
       "flash policy",
@@ -210,7 +219,45 @@ def _against_golden(run_dir, s, summary, headline):
       for r in rows
     ],
   )
-  low = [r for r in rows if r["format"] in ("bf16", "fp16")]
+  lengths = sorted({r["seq_len"] for r in all_rows if r["format"] == "bf16"})
+  panels = {}
+  if len(lengths) > 1:
+    bf16 = [r for r in all_rows if r["format"] == "bf16"]
+    settings = sorted(
+      {(_reading(r), r["scheme"], r["distribution"]) for r in bf16}
+    )
+
+    def ratio_at(reading, scheme, dist, length):
+      r = one(
+        bf16,
+        scheme=scheme,
+        distribution=dist,
+        seq_len=length,
+        flash_policy=reading.split(" | ")[0],
+        baseline_policy=reading.split(" | ")[1],
+      )
+      return r["ratio_max_abs_mean"] if r else float("nan")
+
+    body += (
+      "\n\nBF16 Flash/Baseline error ratio against FP64 over length "
+      "(reading = Flash policy | Baseline policy):\n\n"
+      + table(
+        ["reading", "scheme", "inputs", *(str(n) for n in lengths)],
+        [
+          [reading, scheme, dist]
+          + [num(ratio_at(reading, scheme, dist, n)) for n in lengths]
+          for reading, scheme, dist in settings
+        ],
+      )
+    )
+    for dist in sorted({d for _, _, d in settings}):
+      labels = [(rd, sc) for rd, sc, d in settings if d == dist]
+      panels[f"{dist} inputs"] = (
+        [f"{rd} ({sc})" for rd, sc in labels],
+        [str(n) for n in lengths],
+        [[ratio_at(rd, sc, dist, n) for n in lengths] for rd, sc in labels],
+      )
+  low = [r for r in all_rows if r["format"] in ("bf16", "fp16")]
   findings = []
   if low:
     worst = max(low, key=lambda r: r["ratio_max_abs_mean"])
@@ -219,13 +266,14 @@ def _against_golden(run_dir, s, summary, headline):
       f"Largest Flash/Baseline ratio: {num(worst['ratio_max_abs_mean'])}x "
       f"({worst['format']}, Flash {worst['flash_policy']} vs Baseline "
       f"{worst['baseline_policy']}, {worst['scheme']}, "
-      f"{worst['distribution']} inputs); the paper reports ~"
-      f"{PAPER_BF16_RATIO:.0f}x at BF16."
+      f"{worst['distribution']} inputs, length {worst['seq_len']}); the "
+      f"paper reports ~{PAPER_BF16_RATIO:.0f}x at BF16."
     )
     findings.append(
       f"Smallest: {num(best['ratio_max_abs_mean'])}x ({best['format']}, "
       f"Flash {best['flash_policy']} vs Baseline {best['baseline_policy']}, "
-      f"{best['scheme']}, {best['distribution']} inputs)"
+      f"{best['scheme']}, {best['distribution']} inputs, length "
+      f"{best['seq_len']})"
       + (
         "; below 1, i.e. Flash more accurate than Baseline, as "
         "FlashAttention-3 measured."
@@ -236,49 +284,97 @@ def _against_golden(run_dir, s, summary, headline):
     headline["against_golden_max_ratio"] = worst["ratio_max_abs_mean"]
     headline["against_golden_min_ratio"] = best["ratio_max_abs_mean"]
   for fmt in ("bf16", "fp16"):
-    same = [
-      r
-      for r in low
-      if r["format"] == fmt
-      and r["flash_policy"] == fmt
-      and r["baseline_policy"] == fmt
-    ]
+    base = [r for r in rows if r["format"] == fmt]
+    same = [r for r in base if r["flash_policy"] == r["baseline_policy"] == fmt]
     natural = [
       r
-      for r in low
-      if r["format"] == fmt
-      and r["flash_policy"] == f"{fmt}-fa2"
+      for r in base
+      if r["flash_policy"] == f"{fmt}-fa2"
       and r["baseline_policy"] == f"{fmt}-framework"
     ]
     if same and natural:
       a = np.mean([r["ratio_max_abs_mean"] for r in same])
       b = np.mean([r["ratio_max_abs_mean"] for r in natural])
       findings.append(
-        f"At {fmt.upper()} with every stage rounded (both kernels), Flash "
-        f"deviates {num(a)}x as much as Baseline from FP64 (mean over "
-        f"schemes and inputs); with each kernel under its natural policy "
-        f"(Flash {fmt}-fa2, Baseline {fmt}-framework) the ratio is "
-        f"{num(b)}x."
+        f"At {fmt.upper()} and length {s.seq_len}, with every stage rounded "
+        f"(both kernels), Flash deviates {num(a)}x as much as Baseline from "
+        f"FP64 (mean over schemes and inputs); with each kernel under its "
+        f"natural policy (Flash {fmt}-fa2, Baseline {fmt}-framework) the "
+        f"ratio is {num(b)}x."
       )
       headline[f"{fmt}_all_stage_ratio"] = float(a)
       headline[f"{fmt}_natural_ratio"] = float(b)
-  disagreement = _paper_disagreement(low, headline)
-  if disagreement:
-    findings.append(disagreement)
-  labels = [
-    f"{r['format']} {r['flash_policy']}|{r['baseline_policy']} "
-    f"{r['scheme']} {r['distribution'][:4]}"
-    for r in low
+  claim = headline.get("claims", {}).get("fig4")
+  if claim:
+    findings.append(f"Fig. 4: {claim['verdict']}. {fig4_text(claim)}")
+  # Fig. 4 in the paper's form: each kernel's error against FP64 per
+  # format, with every stage in the format, at the base length.
+  paper_form = [
+    r
+    for r in rows
+    if r["flash_policy"] == r["baseline_policy"] == r["format"]
+    and r["scheme"] == s.schemes[0]
+    and r["distribution"] == s.distributions[0]
   ]
   plot = bar_plot(
     run_dir.path / "against_golden.png",
-    labels,
-    {"Flash err / Baseline err (max)": [r["ratio_max_abs_mean"] for r in low]},
-    title="Flash vs Baseline error against FP64 (Fig. 4)",
-    ylabel="ratio of max errors",
-    reference_line=1.0,
+    [r["format"].upper() for r in paper_form],
+    {
+      "Flash": [r["max_abs_mean"] for r in paper_form],
+      "Baseline": [
+        _metric(summary, r, "baseline_vs_golden") for r in paper_form
+      ],
+    },
+    title=f"Flash and Baseline error against FP64 (Fig. 4)\nevery stage "
+    f"in the format, length {s.seq_len}, {s.distributions[0]} inputs",
+    ylabel="max |attention - golden|",
   )
+  if panels:
+    heatmap = ratio_heatmaps(
+      run_dir.path / "reconcile.png",
+      panels,
+      title="BF16 Flash/Baseline error ratio against FP64 over length "
+      f"(bold: >= {REACHES_PAPER_RATIO:g}x)",
+      mark_at=REACHES_PAPER_RATIO,
+    )
+    body += f"\n\n![reconciliation]({heatmap.name})"
   return body, findings, plot.name
+
+
+def fig4_text(claim: dict) -> str:
+  """Where the paper's ~10x holds, from the fig4 claim's regions."""
+  at = claim["largest_at"]
+  reached = [g for g in claim["regions"] if g["from_length"] is not None]
+  text = (
+    f"Largest ratio "
+    f"{num(claim['largest_ratio'])}x (Flash {at['flash_policy']} vs "
+    f"Baseline {at['baseline_policy']}, {at['scheme']}, {at['distribution']} "
+    f"inputs, length {at['seq_len']}); {claim['settings_reaching']} of "
+    f"{claim['settings']} settings reach {claim['threshold']:g}x (the "
+    f"paper's ~{PAPER_BF16_RATIO:.0f}x, within 20%)."
+  )
+  if reached:
+    text += " It holds for " + "; ".join(
+      f"{g['distribution']} inputs under {g['flash_policy']} | "
+      f"{g['baseline_policy']} ({g['scheme']}) from length {g['from_length']}"
+      for g in reached
+    )
+    never = sorted(
+      {g["distribution"] for g in claim["regions"]}
+      - {g["distribution"] for g in reached}
+    )
+    text += (
+      f"; never for {', '.join(never)} inputs up to length "
+      f"{max(g['longest'] for g in claim['regions'])}."
+      if never
+      else "."
+    )
+  else:
+    text += (
+      f" No measured setting reaches it, up to length "
+      f"{max(g['longest'] for g in claim['regions'])}."
+    )
+  return text
 
 
 def _trend_text(
@@ -287,31 +383,6 @@ def _trend_text(
   if slope < -threshold:
     return falling
   return rising if slope > threshold else flat
-
-
-def _paper_disagreement(low_rows, headline) -> str | None:
-  """Says so when the BF16 ratio is far from the paper's ~10x, and why."""
-  ratio = headline.get("bf16_all_stage_ratio")
-  if ratio is None or ratio >= PAPER_BF16_RATIO / 2:
-    return None
-  by_dist: dict[str, list[float]] = {}
-  for r in low_rows:
-    if r["format"] == r["flash_policy"] == r["baseline_policy"] == "bf16":
-      by_dist.setdefault(r["distribution"], []).append(r["ratio_max_abs_mean"])
-  per_dist = ", ".join(
-    f"{d} inputs {num(float(np.mean(v)))}x" for d, v in sorted(by_dist.items())
-  )
-  return (
-    f"We do not reproduce the paper's ~{PAPER_BF16_RATIO:.0f}x at BF16: "
-    f"with every stage rounded to BF16, Flash deviates {num(ratio)}x as "
-    f"much as Baseline here ({per_dist}). The paper states neither how it "
-    "emulated BF16 nor its shapes. The stage-attribution section locates "
-    "the excess in the values a flash kernel rounds between key blocks "
-    "(the output accumulator and the softmax statistics) — stages real "
-    "kernels keep in FP32 — so the ratio grows with the number of "
-    "rescales (length over B_c) and depends on the inputs; none of our "
-    "settings reach 10x."
-  )
 
 
 def power_law(x, y):
@@ -324,14 +395,19 @@ def power_law(x, y):
   return float(slope), float(r2)
 
 
+# Input distributions whose V has zero mean: a longer average shrinks |O|.
+ZERO_MEAN_INPUTS = ("normal", "outliers", "scaled")
+
+
 def _seq_len(run_dir, s, summary, headline):
   rows = select(summary, study="seq_len", comparison="flash_vs_baseline")
   if not rows:
     return None
-  rows.sort(key=lambda r: (r["policy"], r["seq_len"]))
+  rows.sort(key=lambda r: (r["policy"], r["distribution"], r["seq_len"]))
   body = table(
     [
       "policy",
+      "inputs",
       "length",
       "rescales per row",
       "max |diff|",
@@ -343,6 +419,7 @@ def _seq_len(run_dir, s, summary, headline):
     [
       [
         r["policy"],
+        r["distribution"],
         r["seq_len"],
         r["n_rescales"],
         rng_text(r, "max_abs"),
@@ -355,59 +432,63 @@ def _seq_len(run_dir, s, summary, headline):
     ],
   )
   findings, series = [], []
-  for policy in sorted({r["policy"] for r in rows}):
-    pr = [r for r in rows if r["policy"] == policy]
+  for policy, dist in sorted({(r["policy"], r["distribution"]) for r in rows}):
+    pr = [
+      r for r in rows if r["policy"] == policy and r["distribution"] == dist
+    ]
+    label = f"{policy}, {dist}"
     series.append(
       Series(
-        f"{policy} max",
+        f"{label}: max",
         [r["seq_len"] for r in pr],
         [r["max_abs_mean"] for r in pr],
       )
     )
     series.append(
       Series(
-        f"{policy} mean ± std",
+        f"{label}: mean ± std",
         [r["seq_len"] for r in pr],
         [r["mean_abs_mean"] for r in pr],
         [r["std_abs_mean"] for r in pr],
       )
     )
     fit = [r for r in pr if r["n_rescales"] >= 1 and r["max_abs_mean"] > 0]
-    if len(fit) >= 2:
-      slope, r2 = power_law(
-        [r["n_rescales"] for r in fit], [r["max_abs_mean"] for r in fit]
+    if len(fit) < 2:
+      continue
+    slope, r2 = power_law(
+      [r["n_rescales"] for r in fit], [r["max_abs_mean"] for r in fit]
+    )
+    mean_slope, _ = power_law(
+      [r["n_rescales"] for r in fit], [r["mean_abs_mean"] for r in fit]
+    )
+    rel_slope, _ = power_law(
+      [r["n_rescales"] for r in fit], [r["rel_l2_mean"] for r in fit]
+    )
+    findings.append(
+      f"{policy}, {dist} inputs: max |Flash - Baseline| goes from "
+      f"{num(pr[0]['max_abs_mean'])} at length {pr[0]['seq_len']} to "
+      f"{num(pr[-1]['max_abs_mean'])} at {pr[-1]['seq_len']}; fitted as "
+      f"(rescales)^{slope:.2f} (R² {r2:.2f}); the mean |diff| as "
+      f"(rescales)^{mean_slope:.2f}; the relative L2 difference as "
+      f"(rescales)^{rel_slope:.2f}. "
+      + _trend_text(
+        -slope,
+        "The absolute deviation grows with length, as in the paper's Fig. 5.",
+        "The absolute deviation shrinks with length, unlike the paper's "
+        "Fig. 5.",
+        "No clear trend with length, unlike the paper's Fig. 5.",
       )
-      mean_slope, _ = power_law(
-        [r["n_rescales"] for r in fit], [r["mean_abs_mean"] for r in fit]
+      + (
+        " Part of the reason: with zero-mean V the output is an average "
+        "over more values as length grows, so |O| and with it every "
+        "absolute error shrink; the relative difference "
+        + _trend_text(-rel_slope, "grows.", "shrinks too.", "stays flat.")
+        if slope < -0.05 and dist in ZERO_MEAN_INPUTS
+        else ""
       )
-      rel_slope, _ = power_law(
-        [r["n_rescales"] for r in fit], [r["rel_l2_mean"] for r in fit]
-      )
-      findings.append(
-        f"{policy}: max |Flash - Baseline| goes from "
-        f"{num(pr[0]['max_abs_mean'])} at length {pr[0]['seq_len']} to "
-        f"{num(pr[-1]['max_abs_mean'])} at {pr[-1]['seq_len']}; fitted as "
-        f"(rescales)^{slope:.2f} (R² {r2:.2f}); the mean |diff| as "
-        f"(rescales)^{mean_slope:.2f}; the relative L2 difference as "
-        f"(rescales)^{rel_slope:.2f}. "
-        + _trend_text(
-          -slope,
-          "The absolute deviation grows with length, as in the paper's Fig. 5.",
-          "The absolute deviation "
-          "shrinks with length, unlike the paper's Fig. 5.",
-          "No clear trend with length, unlike the paper's Fig. 5.",
-        )
-        + (
-          " Part of the reason: with zero-mean random V the output is an "
-          "average over more values as length grows, so |O| and with it "
-          "every absolute error shrink; the relative difference "
-          + _trend_text(-rel_slope, "grows.", "shrinks too.", "stays flat.")
-          if slope < -0.05
-          else ""
-        )
-      )
-      headline[f"seq_len_slope_{policy}"] = slope
-      headline[f"seq_len_rel_slope_{policy}"] = rel_slope
+    )
+    headline[f"seq_len_slope_{policy}_{dist}"] = slope
+    headline[f"seq_len_rel_slope_{policy}_{dist}"] = rel_slope
   plot = line_plot(
     run_dir.path / "seq_len.png",
     series,
@@ -1053,6 +1134,69 @@ SECTIONS = {
 }
 
 
+def _claim_evidence(name: str, claim: dict) -> str:
+  """One line of evidence for a claim, from its computed result."""
+  if name == "fig3":
+    return (
+      f"falls with every added bit for the "
+      f"{', '.join(claim['holds_for']) or 'no'} policies; not for "
+      f"{', '.join(claim['fails_for']) or 'any other'}"
+    )
+  if name == "fig4":
+    return fig4_text(claim)
+  if name == "fig5":
+    parts = [
+      f"{g['policy']}, {g['distribution']}: "
+      f"{'grows' if g['grows'] else 'does not grow'} (slope "
+      f"{g['slope']:+.2f}, {num(g['from'][1])} at {g['from'][0]} to "
+      f"{num(g['to'][1])} at {g['to'][0]})"
+      for g in claim["series"]
+    ]
+    return "max |Flash - Baseline| over length: " + "; ".join(parts)
+  if name == "fig6a":
+    return (
+      f"{claim['swapped'][0]}x{claim['swapped'][1]} vs "
+      f"{claim['original'][0]}x{claim['original'][1]}: "
+      f"{claim['ratio']:.2f}x the deviation"
+    )
+  if name == "fig6b":
+    return (
+      f"equal-area tiles differ up to {claim['spread']:.2f}x (no effect "
+      f"means within {claim['no_effect_within']}x); deviation by B_c: "
+      + ", ".join(f"{k}: {num(v)}" for k, v in claim["by_block_k"])
+    )
+  return (
+    "log-log slope over tile area: "
+    + ", ".join(f"{f} {v:+.2f}" for f, v in claim["slopes"].items())
+    + f"; falls for {', '.join(claim['holds_for']) or 'none'}"
+  )
+
+
+def _claims_section(claims: dict) -> str:
+  lines = [
+    "## The paper's claims, mapped",
+    "",
+    "Each verdict is computed from the rows of the study that measures the "
+    "claim: reproduced (holds in every measured setting), reproduced in "
+    "part (in some), not reproduced (in none).",
+    "",
+    table(
+      ["claim", "paper (Golden et al. 2024)", "verdict", "where it holds"],
+      [
+        [
+          name,
+          claim["claim"],
+          f"**{claim['verdict']}**",
+          _claim_evidence(name, claim),
+        ]
+        for name, claim in claims.items()
+      ],
+    ),
+    "",
+  ]
+  return "\n".join(lines)
+
+
 def _ran_text(s: Settings, name: str) -> str:
   shape = (
     f"batch {s.batch}, {s.heads} heads over {s.kv_heads} kv heads, "
@@ -1062,12 +1206,14 @@ def _ran_text(s: Settings, name: str) -> str:
   texts = {
     "format_sweep": f"length {s.seq_len}, tiles {s.block_q}x{s.block_k}, "
     f"{shape}, {s.distributions[0]} inputs, {seeds}.",
-    "against_golden": f"length {s.seq_len}, tiles {s.block_q}x{s.block_k}, "
+    "against_golden": f"length {s.seq_len} (BF16/FP16 also at "
+    f"{list(s.golden_seq_lens)}), tiles {s.block_q}x{s.block_k}, "
     f"{shape}, inputs {', '.join(s.distributions)}, schemes "
     f"{', '.join(s.schemes)}, "
     f"{seeds}. Golden: NumPy FP64 on the same inputs.",
     "seq_len": f"lengths {list(s.seq_lens)}, tiles {s.block_q}x{s.block_k}, "
-    f"{shape}, policies {list(s.seq_len_precisions)}, {seeds}.",
+    f"{shape}, policies {list(s.seq_len_precisions)}, inputs "
+    f"{', '.join(s.distributions)}, {seeds}.",
     "tiles": f"length {s.tile_seq_len}, tiles {list(s.tile_sizes)} at "
     f"{list(s.formats)} (all-stage presets), swap {s.swap_tiles}, equal "
     f"area {list(s.equal_area_tiles)}, SRAM budgets "
@@ -1154,6 +1300,10 @@ def write_report(
     "table.",
     "",
   ]
+  claims = paper_claims(summary, s.studies)
+  headline["claims"] = claims
+  if claims:
+    parts.append(_claims_section(claims))
   if extended:
     parts += [
       "*Extended run:* this directory held an earlier run; "

@@ -37,6 +37,7 @@ class Settings:
   formats: tuple[str, ...]
   distributions: tuple[str, ...]
   schemes: tuple[str, ...]
+  golden_seq_lens: tuple[int, ...]  # Fig. 4 lengths beyond seq_len
   seq_lens: tuple[int, ...]
   seq_len_precisions: tuple[str, ...]
   tile_seq_len: int
@@ -194,22 +195,31 @@ class AgainstGolden(Study):
           for flash in (fmt, f"{fmt}-fa2")
           for base in (flash, f"{fmt}-framework")
         ]
+      # Fig. 4's ratio grows with the number of key blocks: the half
+      # formats are mapped over length too.
+      lengths = (
+        sorted({s.seq_len, *s.golden_seq_lens})
+        if fmt in ("bf16", "fp16")
+        else [s.seq_len]
+      )
       for flash_policy, baseline_policy in pairs:
         for scheme in s.schemes:
           for dist in s.distributions:
-            points.append(
-              {
-                "format": fmt,
-                "flash_policy": flash_policy,
-                "baseline_policy": baseline_policy,
-                "scheme": scheme,
-                "distribution": dist,
-              }
-            )
+            for length in lengths:
+              points.append(
+                {
+                  "format": fmt,
+                  "flash_policy": flash_policy,
+                  "baseline_policy": baseline_policy,
+                  "scheme": scheme,
+                  "distribution": dist,
+                  "seq_len": length,
+                }
+              )
     return points
 
   def measure(self, engine, s, p, seed):
-    case = Case(p["distribution"], s.shape(), p["format"], seed)
+    case = Case(p["distribution"], s.shape(p["seq_len"]), p["format"], seed)
     flash = _flash(p["flash_policy"], s.block_q, s.block_k, p["scheme"])
     return _against_golden(engine, flash, _baseline(p["baseline_policy"]), case)
 
@@ -226,9 +236,10 @@ class SequenceLength(Study):
         "block_q": s.block_q,
         "block_k": s.block_k,
         "n_rescales": -(-n // s.block_k) - 1,
-        "distribution": s.distributions[0],
+        "distribution": dist,
       }
       for policy in s.seq_len_precisions
+      for dist in s.distributions
       for n in s.seq_lens
     ]
 
