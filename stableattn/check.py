@@ -15,7 +15,7 @@ import numpy as np
 from stableattn.dispatch import attention
 from stableattn.golden import golden_attention
 from stableattn.inputs import DISTRIBUTIONS, Shape, make_inputs, round_to
-from stableattn.metrics import compare, rounding_floor
+from stableattn.metrics import compare, rounding_floor, safe_ratio
 from stableattn.precision import Precision
 
 DEFAULT_SHAPES = ((1, 128, 4, 64), (2, 97, 4, 64), (1, 256, 2, 128))
@@ -148,7 +148,7 @@ def check(
             seed=seed,
             error=error,
             baseline_error=baseline_error,
-            ratio=error / baseline_error if baseline_error else float("inf"),
+            ratio=safe_ratio(error, baseline_error),
             floor=floor,
             passed=bool(error <= factor * baseline_error + floor),
           )

@@ -139,6 +139,13 @@ def signed_share(expected, actual) -> float:
   return float(np.mean(diff * np.sign(e)) / scale)
 
 
+def safe_ratio(a: float, b: float) -> float:
+  """a / b, with 0 / 0 = 0 (no error either side) and a / 0 = inf."""
+  if b == 0:
+    return 0.0 if a == 0 else float("inf")
+  return a / b
+
+
 def error_ratio(golden, candidate, baseline, *, metric: str = "max_abs"):
   """FlashAttention's test quantity: candidate error / baseline error.
 
@@ -148,9 +155,7 @@ def error_ratio(golden, candidate, baseline, *, metric: str = "max_abs"):
   """
   candidate_error = getattr(compare(golden, candidate), metric)
   baseline_error = getattr(compare(golden, baseline), metric)
-  if baseline_error == 0:
-    return 0.0 if candidate_error == 0 else float("inf")
-  return candidate_error / baseline_error
+  return safe_ratio(candidate_error, baseline_error)
 
 
 def rounding_floor(golden, fmt: str) -> float:

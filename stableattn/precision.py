@@ -238,6 +238,24 @@ def _build_presets() -> dict[str, Precision]:
 _PRESETS = _build_presets()
 
 
+KERNELS = ("flash", "baseline")
+
+
+def natural_policy(fmt: str, kernel: str) -> str:
+  """The preset a kernel runs at a format when nobody forces a policy.
+
+  FP32 and FP64: every stage in the format. Half formats: real flash
+  kernels keep statistics and accumulators in FP32 ("<fmt>-fa2"); eager
+  framework attention stores S and P in the format ("<fmt>-framework").
+  """
+  fmt = format_name(fmt)
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}.")
+  if fmt in ("fp32", "fp64"):
+    return fmt
+  return f"{fmt}-fa2" if kernel == "flash" else f"{fmt}-framework"
+
+
 def preset_names() -> list[str]:
   """Names accepted by `Precision.from_name`."""
   return list(_PRESETS)

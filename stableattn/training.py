@@ -21,15 +21,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from stableattn.model import AttentionSpec, ModelSpec, Transformer
+from stableattn.precision import to_dtype
 
 # The projection matrices of each SelfAttention layer.
 ATTENTION_WEIGHTS = ("query", "key", "value", "out")
 
-COMPUTE_DTYPES = {
-  "fp32": jnp.float32,
-  "bf16": jnp.bfloat16,
-  "fp16": jnp.float16,
-}
+COMPUTE_DTYPES = {name: to_dtype(name) for name in ("fp32", "bf16", "fp16")}
 
 
 @dataclasses.dataclass(frozen=True)

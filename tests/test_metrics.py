@@ -89,3 +89,13 @@ def test_gradient_error_shape_measures():
   assert cosine(a, 3 * a) == pytest.approx(1.0)
   assert cosine(a, -a) == pytest.approx(-1.0)
   assert cosine(a, np.zeros_like(a)) == 0.0
+
+
+def test_one_zero_safe_ratio_for_every_report():
+  from stableattn.metrics import safe_ratio
+
+  assert safe_ratio(3.0, 2.0) == 1.5
+  assert safe_ratio(0.0, 0.0) == 0.0
+  assert safe_ratio(1.0, 0.0) == float("inf")
+  gold = np.zeros((2, 2))
+  assert sa.error_ratio(gold, gold, gold) == 0.0

@@ -110,3 +110,13 @@ def test_a_policy_name_with_stage_changes_reads_back():
 def test_bad_stage_changes_in_a_name_say_what_is_valid(name, message):
   with pytest.raises(ValueError, match=message):
     sa.Precision.from_name(name)
+
+
+def test_natural_policy_of_each_kernel():
+  from stableattn.precision import natural_policy
+
+  assert natural_policy("bf16", "flash") == "bf16-fa2"
+  assert natural_policy("float16", "baseline") == "fp16-framework"
+  assert natural_policy("fp32", "flash") == natural_policy("fp32", "baseline")
+  with pytest.raises(ValueError, match="kernel must be one of"):
+    natural_policy("bf16", "cudnn")

@@ -30,7 +30,7 @@ from stableattn.experiments.config_values import as_tuple, field, field_tuple
 from stableattn.experiments.forward_report import num, table
 from stableattn.experiments.rundir import RunDir
 from stableattn.plotting import Series, line_plot
-from stableattn.precision import Precision
+from stableattn.precision import Precision, natural_policy
 
 CPU_IMPLEMENTATIONS = ("pallas", "reference", "xla")
 GPU_ONLY = ("cudnn", "jax_mha")
@@ -190,8 +190,7 @@ def _precisions(g) -> tuple[str, ...]:
   policies = as_tuple(g.get("policies", ()))
   if not policies:
     policies = tuple(
-      "fp32" if dtype == "fp32" else f"{dtype}-fa2"
-      for dtype in as_tuple(g.dtypes)
+      natural_policy(dtype, "flash") for dtype in as_tuple(g.dtypes)
     )
   for name in policies:
     Precision.from_name(name)  # a clear error naming the valid presets

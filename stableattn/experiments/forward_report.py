@@ -27,7 +27,7 @@ from stableattn.plotting import (
   ratio_heatmaps,
   signed_share_panels,
 )
-from stableattn.precision import MANTISSA_BITS, Precision
+from stableattn.precision import MANTISSA_BITS, Precision, natural_policy
 
 # Figures quoted from the papers (see PAPER.md); only used as comparisons.
 PAPER_BF16_RATIO = 10.0  # Golden et al. Fig. 4: Flash ~10x Baseline at BF16
@@ -289,8 +289,8 @@ def _against_golden(run_dir, s, summary, headline):
     natural = [
       r
       for r in base
-      if r["flash_policy"] == f"{fmt}-fa2"
-      and r["baseline_policy"] == f"{fmt}-framework"
+      if r["flash_policy"] == natural_policy(fmt, "flash")
+      and r["baseline_policy"] == natural_policy(fmt, "baseline")
     ]
     if same and natural:
       a = np.mean([r["ratio_max_abs_mean"] for r in same])

@@ -13,8 +13,8 @@ import numpy as np
 
 from stableattn.experiments.engine import Case, Engine, Kernel
 from stableattn.inputs import Shape, TiedMaximaSpec, untied_mass_ratio
-from stableattn.metrics import compare
-from stableattn.precision import MANTISSA_BITS, Precision
+from stableattn.metrics import compare, safe_ratio
+from stableattn.precision import MANTISSA_BITS, Precision, natural_policy
 from stableattn.tiling import tiles_from_sram
 
 # Stages that the all-format presets round and the -fa2 presets keep in FP32.
@@ -88,7 +88,7 @@ def _against_golden(
   flash_dev = compare(gold, engine.output(flash, case))
   base_dev = compare(gold, engine.output(baseline, case))
   ratios = {
-    f"ratio_{m}": _ratio(getattr(flash_dev, m), getattr(base_dev, m))
+    f"ratio_{m}": safe_ratio(getattr(flash_dev, m), getattr(base_dev, m))
     for m in ("max_abs", "rmse")
   }
   return [
@@ -122,16 +122,6 @@ def _pairwise(
   return rows
 
 
-def _ratio(a: float, b: float) -> float:
-  if b == 0:
-    return 0.0 if a == 0 else float("inf")
-  return a / b
-
-
-def fa2_family(fmt: str) -> str:
-  return fmt if fmt in ("fp32", "fp64") else f"{fmt}-fa2"
-
-
 class Study:
   name = ""
   title = ""
@@ -159,7 +149,7 @@ class FormatSweep(Study):
         ["all-stage"] if fmt in ("fp64", "fp32") else ["all-stage", "fa2"]
       )
       for family in families:
-        policy = fmt if family == "all-stage" else fa2_family(fmt)
+        policy = fmt if family == "all-stage" else natural_policy(fmt, "flash")
         points.append(
           {
             "format": fmt,
@@ -508,8 +498,8 @@ class BackwardDeviation(Study):
           "comparison": "flash_vs_golden",
           "grad": grad,
           **flash_dev.as_dict(),
-          "ratio_max_abs": _ratio(flash_dev.max_abs, base_dev.max_abs),
-          "ratio_rmse": _ratio(flash_dev.rmse, base_dev.rmse),
+          "ratio_max_abs": safe_ratio(flash_dev.max_abs, base_dev.max_abs),
+          "ratio_rmse": safe_ratio(flash_dev.rmse, base_dev.rmse),
         }
       )
       rows.append(

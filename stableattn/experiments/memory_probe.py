@@ -37,14 +37,12 @@ def main() -> None:
   args = parser.parse_args()
 
   import jax
-  import jax.numpy as jnp
 
   from stableattn.experiments.benchmark import attention_fn
+  from stableattn.precision import Precision
 
   shape = (args.batch, args.seq_len, args.heads, args.head_dim)
-  dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[
-    args.precision.split("-")[0]
-  ]
+  dtype = Precision.from_name(args.precision).dtype("inputs")
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, shape, dtype) for key in keys)
   fn = jax.jit(

@@ -34,7 +34,7 @@ from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.drift_report import write_report
 from stableattn.experiments.rundir import RunDir
 from stableattn.model import AttentionSpec, ModelSpec
-from stableattn.precision import Precision, preset_names
+from stableattn.precision import Precision, natural_policy, preset_names
 from stableattn.training import (
   COMPUTE_DTYPES,
   OptimizerSpec,
@@ -92,12 +92,8 @@ def _policy(name: str, implementation: str, precision: str) -> str:
         f"{preset_names()}."
       )
     return name
-  if precision == "fp32":
-    return "fp32"
-  return (
-    f"{precision}-fa2"
-    if implementation == "pallas"
-    else (f"{precision}-framework")
+  return natural_policy(
+    precision, "flash" if implementation == "pallas" else "baseline"
   )
 
 
