@@ -22,8 +22,15 @@ def _grouped(q, k):
   return q_g.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3)
 
 
+def _per_group(x):
+  """[B,Hkv,S,D] -> [B,Hkv,1,S,D]: one matrix shared by a head group."""
+  return x[:, :, None]
+
+
 def _probabilities(q_g, k_t, causal: bool, scale: float):
-  s = np.einsum("bkgtd,bksd->bkgts", q_g, k_t) * scale
+  # Broadcast matmuls run in BLAS (an einsum over 5-D operands does not):
+  # FP64 either way, ~20x faster at length 8192.
+  s = np.matmul(q_g, _per_group(k_t).swapaxes(-1, -2)) * scale
   if causal:
     q_len, kv_len = s.shape[-2:]
     allowed = np.tril(np.ones((q_len, kv_len), dtype=bool))
@@ -48,7 +55,7 @@ def golden_attention(q, k, v, causal: bool = False) -> np.ndarray:
   batch, q_len, heads, head_dim = q.shape
   q_g, k_t = _grouped(q, k)
   p = _probabilities(q_g, k_t, causal, head_dim**-0.5)
-  o = np.einsum("bkgts,bksd->bkgtd", p, v.transpose(0, 2, 1, 3))
+  o = np.matmul(p, _per_group(v.transpose(0, 2, 1, 3)))
   return o.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
 
 
@@ -70,12 +77,12 @@ def golden_attention_vjp(q, k, v, d_out, causal: bool = False):
   v_t = v.transpose(0, 2, 1, 3)
   do_g, _ = _grouped(d_out, k)
   p = _probabilities(q_g, k_t, causal, scale)
-  o = np.einsum("bkgts,bksd->bkgtd", p, v_t)
-  dv = np.einsum("bkgts,bkgtd->bksd", p, do_g)
-  dp = np.einsum("bkgtd,bksd->bkgts", do_g, v_t)
+  o = np.matmul(p, _per_group(v_t))
+  dv = np.matmul(p.swapaxes(-1, -2), do_g).sum(axis=2)
+  dp = np.matmul(do_g, _per_group(v_t).swapaxes(-1, -2))
   delta = np.sum(do_g * o, axis=-1, keepdims=True)
   ds = p * (dp - delta)
-  dq = scale * np.einsum("bkgts,bksd->bkgtd", ds, k_t)
-  dk = scale * np.einsum("bkgts,bkgtd->bksd", ds, q_g)
+  dq = scale * np.matmul(ds, _per_group(k_t))
+  dk = scale * np.matmul(ds.swapaxes(-1, -2), q_g).sum(axis=2)
   dq = dq.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
   return dq, dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
