@@ -187,7 +187,7 @@ def ratio_heatmaps(
         ax.text(
           j,
           i,
-          f"{value:.2g}",
+          f"{value:.3g}",
           ha="center",
           va="center",
           fontsize=7,
