@@ -6,9 +6,11 @@ Run:
       --config=configs/training_drift.py:smoke
   python launch/training_drift.py --workdir=runs/x --config.train.precision=fp32
 
-Variants: default (4 layers, width 128, sequence 128, 200 steps; about 10
-minutes on 2 CPU cores), `paper` (1000 steps, about 50 minutes), `smoke`
-(tiny; about a minute, for tests).
+Variants: default (4 layers, width 128, sequence 128, 200 steps on the
+standard library's source; about 11 minutes on 2 CPU cores), `paper` (1000
+steps, about 50 minutes), `gpu` (GPT-2-small-like, 12 layers, width 768,
+context 1024; for one H100), `smoke` (tiny, generated corpus; about a
+minute, for tests).
 
 Expected outcome: the identical rerun drifts exactly 0; Flash vs Baseline
 drifts more than 0, about 70x below the different-seed pair and of the
@@ -39,6 +41,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # policy). Or any preset name.
   c.attention.flash_precision = "auto"
   c.attention.baseline_precision = "auto"
+  # 'natural': with 'auto', each kernel under its natural policy (Flash
+  # '<fmt>-fa2', Baseline '<fmt>-framework'); 'shared': both under Flash's,
+  # so only the algorithm differs.
+  c.attention.compare = "natural"
   c.attention.block_q = 64
   c.attention.block_k = 32
   c.attention.scheme = "fa2"
@@ -62,20 +68,40 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.grad_error = True
 
   c.data = ml_collections.ConfigDict()
-  c.data.path = ""  # '' = generated corpus; else .npy, .bin (uint16) or text
+  c.data.path = ""  # your tokens: .npy, .bin (uint16) or text; else corpus
+  # 'python_stdlib': the interpreter's own library source as bytes, 10% of
+  # the files held out for evaluation; 'generated': Zipfian bigrams + copies.
+  c.data.corpus = "python_stdlib"
   c.data.seed = 0
   c.data.corpus_tokens = 1 << 19
 
   c.pairs = (
     "flash_vs_baseline,different_seed,bf16_vs_fp32,fp16_vs_fp32,"
-    "identical_rerun,one_vs_n_devices,flash_fix_vs_flash"
+    "fp16_vs_bf16,identical_rerun,one_vs_n_devices,flash_fix_vs_flash"
   )
 
-  if arg == "paper":
+  if arg == "gpu":
+    # GPT-2-small-like (Qiu & Yao's shape): 12 layers, width 768, context
+    # 1024, bytes of the standard library; sized for the whole pair set in
+    # about 20 minutes on one H100 (estimated; not yet run on a GPU).
+    c.model.width = 768
+    c.model.depth = 12
+    c.model.heads = 12
+    c.model.seq_len = 1024
+    c.attention.block_q = 128
+    c.attention.block_k = 64
+    c.train.batch_size = 16
+    c.train.total_steps = 1000
+    c.train.warmup_steps = 100
+    c.train.learning_rate = 6e-4
+    c.train.log_every = 50
+    c.train.checkpoint_every = 250
+  elif arg == "paper":
     c.train.total_steps = 1000
     c.train.log_every = 50
     c.train.checkpoint_every = 250
   elif arg == "smoke":
+    c.data.corpus = "generated"  # tiny and fast
     c.model.width = 32
     c.model.depth = 2
     c.model.heads = 2
@@ -90,6 +116,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.corpus_tokens = 1 << 15
   elif arg not in (None, "", "default"):
     raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, paper, smoke."
+      f"Unknown config variant {arg!r}; valid: default, gpu, paper, smoke."
     )
   return c

@@ -1,4 +1,6 @@
-"""Training data: a generated default corpus, and loaders for users' files.
+"""Training data: a generated corpus, the Python standard library's own
+source (real text read from the running interpreter, with a held-out split),
+and loaders for users' files.
 
 Every batch is a pure function of (tokens, seed, step), so paired runs see
 identical data in identical order and a resumed run continues the stream
@@ -8,6 +10,7 @@ exactly where it stopped. Tokens are bytes (vocabulary 256) for text.
 from __future__ import annotations
 
 import pathlib
+import sysconfig
 
 import numpy as np
 
@@ -143,3 +146,71 @@ def eval_batch(
     batch_size=batch_size,
     seq_len=seq_len,
   )
+
+
+# Pure-Python modules of the standard library, present (as these files)
+# from Python 3.10 to 3.13, in a fixed order: about 4 MB of real text that
+# every machine running this project has, read at run time, no download.
+STDLIB_FILES = (
+  "argparse.py", "ast.py", "bdb.py", "calendar.py", "cmd.py", "code.py",
+  "codecs.py", "configparser.py", "contextlib.py", "copy.py", "csv.py",
+  "dataclasses.py", "datetime.py", "decimal.py", "difflib.py", "dis.py",
+  "doctest.py", "email/message.py", "email/_header_value_parser.py",
+  "email/feedparser.py", "enum.py", "fileinput.py", "fnmatch.py",
+  "fractions.py", "ftplib.py", "functools.py", "getopt.py", "gettext.py",
+  "glob.py", "gzip.py", "heapq.py", "hmac.py", "http/client.py",
+  "http/cookiejar.py", "http/server.py", "imaplib.py", "inspect.py",
+  "ipaddress.py", "json/decoder.py", "json/encoder.py", "locale.py",
+  "logging/__init__.py", "logging/handlers.py", "mailbox.py", "numbers.py",
+  "operator.py", "optparse.py", "os.py", "pdb.py", "pickle.py",
+  "pickletools.py", "platform.py", "plistlib.py", "poplib.py", "pprint.py",
+  "profile.py", "pstats.py", "pydoc.py", "queue.py", "random.py",
+  "reprlib.py", "sched.py", "secrets.py", "selectors.py", "shlex.py",
+  "shutil.py", "smtplib.py", "socket.py", "socketserver.py", "ssl.py",
+  "statistics.py", "string.py", "subprocess.py", "symtable.py",
+  "tabnanny.py", "tarfile.py", "tempfile.py", "textwrap.py", "threading.py",
+  "timeit.py", "token.py", "tokenize.py", "trace.py", "traceback.py",
+  "types.py", "typing.py", "unittest/case.py", "unittest/mock.py",
+  "urllib/parse.py", "urllib/request.py", "uuid.py", "warnings.py",
+  "wave.py", "weakref.py", "webbrowser.py", "zipapp.py",
+)  # fmt: skip
+# Every HELD_OUT_EVERY-th file of the list is held out for evaluation.
+HELD_OUT_EVERY = 10
+
+
+def stdlib_split(stdlib_dir: str | pathlib.Path | None = None):
+  """(train files, held-out files) of the standard-library corpus.
+
+  Files are split by position in `STDLIB_FILES`, so the two sets are
+  disjoint and the same on every run. A file this interpreter lacks is
+  left out of both.
+
+  Raises:
+    ValueError: if fewer than 90% of the files exist (not a CPython
+      standard library).
+  """
+  root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+  present = [name for name in STDLIB_FILES if (root / name).is_file()]
+  if len(present) < 0.9 * len(STDLIB_FILES):
+    raise ValueError(
+      f"{root} holds only {len(present)} of the {len(STDLIB_FILES)} "
+      "standard-library files the python_stdlib corpus reads; point "
+      "data.path at your own corpus instead."
+    )
+  held_out = [
+    name
+    for i, name in enumerate(STDLIB_FILES)
+    if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 and name in present
+  ]
+  train = [name for name in present if name not in held_out]
+  return [root / n for n in train], [root / n for n in held_out]
+
+
+def stdlib_corpus(stdlib_dir: str | pathlib.Path | None = None):
+  """(train tokens, held-out tokens): the files' bytes as uint8 tokens."""
+
+  def read(paths):
+    return np.frombuffer(b"".join(p.read_bytes() for p in paths), np.uint8)
+
+  train, held_out = stdlib_split(stdlib_dir)
+  return read(train), read(held_out)

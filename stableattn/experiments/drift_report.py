@@ -15,6 +15,7 @@ from stableattn.plotting import Series, line_plot
 REFERENCE_PAIRS = (
   "fp16_vs_fp32",
   "bf16_vs_fp32",
+  "fp16_vs_bf16",
   "different_seed",
   "one_vs_n_devices",
 )
@@ -219,7 +220,14 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     f"heads, sequence {settings.seq_len}, vocabulary {m.vocab_size}) "
     f"trained for {settings.optimizer.total_steps} steps, batch "
     f"{settings.batch_size}, AdamW with warmup and cosine decay; drift "
-    f"measured every {settings.log_every} steps. Runs — {runs}.",
+    f"measured every {settings.log_every} steps. Flash vs Baseline "
+    + (
+      "compares each kernel under its natural policy (Flash's FP32 "
+      "statistics vs eager attention's stored scores)"
+      if settings.compare == "natural"
+      else "compares the two algorithms under one shared policy (Flash's)"
+    )
+    + f" (attention.compare = {settings.compare}). Runs — {runs}.",
     "",
     "## Weight drift at the final step",
     "",

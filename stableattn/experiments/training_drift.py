@@ -5,7 +5,8 @@ and, at every logging step, measures how far each pair's weights have
 drifted apart:
   * flash_vs_baseline — same init and data, Flash vs Baseline attention;
   * different_seed — another initialization (the accepted lower reference);
-  * bf16_vs_fp32, fp16_vs_fp32 — low-precision training (the upper one);
+  * bf16_vs_fp32, fp16_vs_fp32, fp16_vs_bf16 — low-precision training
+    (the upper reference; the paper's Fig. 8 lists FP16 vs BF16);
   * identical_rerun — the same run twice: a control that must be 0;
   * flash_fix_vs_flash — Flash with and without Qiu & Yao's tie fix;
   * one_vs_n_devices — 1 device vs N (reduction order), when N > 1.
@@ -48,6 +49,7 @@ PAIRS = {
   "different_seed": ("base", "seed"),
   "bf16_vs_fp32": ("fp32", "bf16"),
   "fp16_vs_fp32": ("fp32", "fp16"),
+  "fp16_vs_bf16": ("bf16", "fp16"),
   "identical_rerun": ("base", "rerun"),
   "one_vs_n_devices": ("base", "one_device"),
   "flash_fix_vs_flash": ("flash", "flash_fixed"),
@@ -67,8 +69,10 @@ class Settings:
   stop_at_step: int
   data_seed: int
   data_path: str
+  corpus: str  # "generated" or "python_stdlib" (when data_path is "")
   corpus_tokens: int
   grad_error: bool  # measure flash runs' attention-gradient error
+  compare: str  # "natural": each kernel's own policy; "shared": Flash's
 
   @property
   def physical_runs(self) -> dict[str, RunSpec]:
@@ -84,7 +88,14 @@ class Settings:
     return next(n for n, s in self.physical_runs.items() if s == spec)
 
 
-def _policy(name: str, implementation: str, precision: str) -> str:
+COMPARE_MODES = ("natural", "shared")
+
+
+def _policy(
+  name: str, implementation: str, precision: str, compare: str = "natural"
+) -> str:
+  """The attention policy of a run: `name`, or for 'auto' the kernel's
+  natural policy at the training format ('shared': Flash's for both)."""
   if name != "auto":
     if name not in preset_names():
       raise ValueError(
@@ -92,9 +103,10 @@ def _policy(name: str, implementation: str, precision: str) -> str:
         f"{preset_names()}."
       )
     return name
-  return natural_policy(
-    precision, "flash" if implementation == "pallas" else "baseline"
+  kernel = (
+    "flash" if implementation == "pallas" or compare == "shared" else "baseline"
   )
+  return natural_policy(precision, kernel)
 
 
 def settings_from_config(config) -> Settings:
@@ -139,6 +151,12 @@ def settings_from_config(config) -> Settings:
       f"model.heads {model.heads}."
     )
 
+  compare = str(c.attention.compare)
+  if compare not in COMPARE_MODES:
+    raise ValueError(
+      f"config.attention.compare: unknown {compare!r}; valid: "
+      f"{list(COMPARE_MODES)}."
+    )
   flash_beta = field(c, "attention.tie_beta", float) or None
   fix_beta = field(c, "attention.fix_beta", float)
   try:
@@ -154,7 +172,7 @@ def settings_from_config(config) -> Settings:
         c.attention.flash_precision, "pallas", run_precision
       ),
       baseline_precision=_policy(
-        c.attention.baseline_precision, "reference", run_precision
+        c.attention.baseline_precision, "reference", run_precision, compare
       ),
       block_q=field(c, "attention.block_q", minimum=1),
       block_k=field(c, "attention.block_k", minimum=1),
@@ -217,18 +235,41 @@ def settings_from_config(config) -> Settings:
     stop_at_step=field(c, "train.stop_at_step", minimum=0),
     data_seed=field(c, "data.seed", minimum=0),
     data_path=str(c.data.path),
+    corpus=_corpus(c),
     corpus_tokens=field(c, "data.corpus_tokens", minimum=1),
     grad_error=bool(c.train.grad_error),
+    compare=compare,
   )
 
 
-def load_data(s: Settings) -> np.ndarray:
+CORPORA = ("generated", "python_stdlib")
+
+
+def _corpus(c) -> str:
+  corpus = str(c.data.corpus)
+  if corpus not in CORPORA:
+    raise ValueError(
+      f"config.data.corpus: unknown {corpus!r}; valid: {list(CORPORA)} (or "
+      "set data.path to your own tokens)."
+    )
+  return corpus
+
+
+def load_data(s: Settings) -> tuple[np.ndarray, np.ndarray]:
+  """(training tokens, evaluation tokens).
+
+  The standard-library corpus evaluates on held-out files; the generated
+  corpus and users' files draw the evaluation batch from their one stream.
+  """
   if s.data_path:
-    tokens = data_lib.load_tokens(s.data_path, s.model.vocab_size)
+    train = held_out = data_lib.load_tokens(s.data_path, s.model.vocab_size)
+  elif s.corpus == "python_stdlib":
+    train, held_out = data_lib.stdlib_corpus()
   else:
-    tokens = data_lib.generate_corpus(s.corpus_tokens, s.data_seed)
-  data_lib.check_length(tokens, s.seq_len)
-  return tokens
+    train = held_out = data_lib.generate_corpus(s.corpus_tokens, s.data_seed)
+  data_lib.check_length(train, s.seq_len)
+  data_lib.check_length(held_out, s.seq_len)
+  return train, held_out
 
 
 def _checkpoint_manager(run_dir: RunDir) -> ocp.CheckpointManager:
@@ -315,16 +356,16 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   lost from metrics.jsonl are re-measured by training again from step 0.
   """
   settings = settings_from_config(config)
-  tokens = load_data(settings)
+  tokens, eval_source = load_data(settings)
   run_dir = RunDir(workdir)
   with run_dir.lock():
     run_dir.bind_config(
       config.to_dict(), extendable=EXTENDABLE, restart=restart
     )
-    return _run(settings, tokens, run_dir)
+    return _run(settings, tokens, eval_source, run_dir)
 
 
-def _run(settings: Settings, tokens, run_dir: RunDir) -> dict:
+def _run(settings: Settings, tokens, eval_source, run_dir: RunDir) -> dict:
   physical = settings.physical_runs
   trainers = {
     name: Trainer(settings.model, spec, settings.optimizer, settings.batch_size)
@@ -359,7 +400,7 @@ def _run(settings: Settings, tokens, run_dir: RunDir) -> dict:
   manager = _checkpoint_manager(run_dir)
 
   eval_tokens = data_lib.eval_batch(
-    tokens,
+    eval_source,
     seed=settings.data_seed,
     batch_size=settings.batch_size,
     seq_len=settings.seq_len,
