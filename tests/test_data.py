@@ -66,3 +66,28 @@ def test_sequence_longer_than_data():
     data.batch_at(
       np.zeros(10, np.int32), seed=0, step=0, batch_size=1, seq_len=10
     )
+
+
+def test_stdlib_corpus_is_fixed_disjoint_and_local(monkeypatch):
+  import socket
+
+  def no_network(*args, **kwargs):
+    raise AssertionError("the corpus must not touch the network")
+
+  monkeypatch.setattr(socket, "socket", no_network)
+  monkeypatch.setattr(socket, "create_connection", no_network)
+  train, held_out = data.stdlib_split()
+  again = data.stdlib_split()
+  assert (train, held_out) == again  # the same files, in the same order
+  assert not set(train) & set(held_out)
+  assert len(held_out) >= len(data.STDLIB_FILES) // data.HELD_OUT_EVERY - 1
+  train_tokens, held_out_tokens = data.stdlib_corpus()
+  assert train_tokens.dtype == np.uint8 and train_tokens.size > 1_000_000
+  assert held_out_tokens.size > 100_000
+  assert bytes(train_tokens[:1000]) in b"".join(p.read_bytes() for p in train)
+
+
+def test_stdlib_corpus_refuses_a_directory_that_is_not_one(tmp_path):
+  (tmp_path / "ast.py").write_text("x = 1\n")
+  with pytest.raises(ValueError, match="point data.path at your own corpus"):
+    data.stdlib_split(tmp_path)

@@ -245,3 +245,32 @@ def test_fp16_loss_scaling_skips_overflowing_steps():
   after = jax.tree.leaves(jax.device_get(state.params))
   assert all(np.array_equal(a, b) for a, b in zip(before, after))
   assert float(state.loss_scale) == 2.0**39
+
+
+def test_gpu_config_trains_two_steps_on_cpu_with_tiny_overrides(tmp_path):
+  config = drift_config.get_config("gpu")
+  assert (config.model.depth, config.model.width) == (12, 768)
+  assert config.model.seq_len == 1024 and config.data.corpus == "python_stdlib"
+  config.model.width, config.model.heads, config.model.seq_len = 32, 2, 32
+  config.attention.block_q = config.attention.block_k = 16
+  config.train.batch_size = 2
+  config.train.total_steps, config.train.warmup_steps = 2, 1
+  config.train.log_every = config.train.checkpoint_every = 1
+  config.pairs = "flash_vs_baseline,fp16_vs_bf16,identical_rerun"
+  result = training_drift.run(config, tmp_path)
+  assert result["identical_rerun_max_abs"] == 0.0
+  steps = {r["step"] for r in _rows(tmp_path) if r["kind"] == "drift"}
+  assert steps == {0, 1, 2}
+
+
+def test_shared_policy_compares_only_the_algorithm():
+  config = drift_config.get_config("smoke")
+  natural = training_drift.settings_from_config(config)
+  config.attention.compare = "shared"
+  shared = training_drift.settings_from_config(config)
+  assert natural.runs["base"].attention.baseline_precision == "bf16-framework"
+  assert shared.runs["base"].attention.baseline_precision == "bf16-fa2"
+  assert shared.runs["flash"].attention.flash_precision == "bf16-fa2"
+  config.attention.compare = "same"
+  with pytest.raises(ValueError, match="attention.compare: unknown 'same'"):
+    training_drift.settings_from_config(config)
