@@ -71,6 +71,16 @@ def line_plot(
   return pathlib.Path(path)
 
 
+def _grouped_bars(ax, labels, groups: dict[str, list], *, rotation: int):
+  """One bar per group at each label, the label under the group's middle."""
+  width = 0.8 / max(1, len(groups))
+  for i, (name, values) in enumerate(groups.items()):
+    xs = [j + i * width for j in range(len(labels))]
+    ax.bar(xs, values, width, label=name)
+  ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(labels))])
+  ax.set_xticklabels(labels, rotation=rotation, ha="right", fontsize=7)
+
+
 def bar_plot(
   path: str | pathlib.Path,
   labels: list[str],
@@ -82,15 +92,12 @@ def bar_plot(
   reference_line: float | None = None,
 ) -> pathlib.Path:
   """Grouped bars: one bar per group at each label."""
-  width = 0.8 / max(1, len(groups))
   fig, ax = plt.subplots(
     figsize=(max(6.4, 0.55 * len(labels) + 2), 4.4), dpi=110
   )
-  for i, (name, values) in enumerate(groups.items()):
-    xs = [j + i * width for j in range(len(labels))]
-    ax.bar(xs, _positive(values) if logy else values, width, label=name)
-  ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(labels))])
-  ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+  if logy:
+    groups = {name: _positive(values) for name, values in groups.items()}
+  _grouped_bars(ax, labels, groups, rotation=35)
   if logy:
     ax.set_yscale("log")
   if reference_line is not None:
@@ -120,14 +127,7 @@ def signed_share_panels(
     n, 1, figsize=(width_in, 2.6 * n + 0.8), dpi=110, sharey=True, squeeze=False
   )
   for ax, (panel, (labels, groups)) in zip(axes[:, 0], panels.items()):
-    width = 0.8 / max(1, len(groups))
-    for i, (name, values) in enumerate(groups.items()):
-      xs = [j + i * width for j in range(len(labels))]
-      ax.bar(xs, values, width, label=name)
-    ax.set_xticks(
-      [j + width * (len(groups) - 1) / 2 for j in range(len(labels))]
-    )
-    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    _grouped_bars(ax, labels, groups, rotation=30)
     ax.axhline(0.0, color="black", linewidth=0.8)
     ax.set_ylim(-1.05, 1.05)
     ax.set_title(panel, fontsize=9)
