@@ -16,7 +16,7 @@ class Series:
   label: str
   x: list
   y: list
-  y_err: list | None = None  # symmetric spread (e.g. std over seeds)
+  y_err: list | None = None  # symmetric spread (e.g. std), drawn as a band
 
   @classmethod
   def from_points(cls, label: str, points) -> Series:
@@ -50,20 +50,26 @@ def line_plot(
       series = shown
       if zero:
         title += f"\n({', '.join(zero)}: 0 throughout, not drawn)"
-  fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+  crowded = len(series) > 4  # the legend goes beside the axes, not on them
+  fig, ax = plt.subplots(figsize=(8.6 if crowded else 6.4, 4.2), dpi=110)
   for s in series:
     y = _positive(s.y) if logy else s.y
+    (line,) = ax.plot(s.x, y, marker="o", label=s.label)
     if s.y_err is not None:
-      ax.errorbar(s.x, y, yerr=s.y_err, marker="o", capsize=3, label=s.label)
-    else:
-      ax.plot(s.x, y, marker="o", label=s.label)
+      low = [v - e for v, e in zip(s.y, s.y_err)]
+      high = [v + e for v, e in zip(s.y, s.y_err)]
+      if logy:  # a band reaching zero has no place on a log axis
+        low = [max(lo, v / 10) for lo, v in zip(low, s.y)]
+      ax.fill_between(s.x, low, high, color=line.get_color(), alpha=0.15)
   if logx:
     ax.set_xscale("log", base=2)
   if logy:
     ax.set_yscale("log")
   ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
   ax.grid(True, which="both", alpha=0.3)
-  if series:
+  if series and crowded:
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+  elif series:
     ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path)
