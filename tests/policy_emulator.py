@@ -63,6 +63,26 @@ class Emulator:
     return np.where(mask, s, -np.inf).astype(self.carrier)
 
 
+def tie_safe_max(em, s, r_m, tie_beta):
+  """Qiu & Yao's Alg. 1 as documented: with ties at r_m, m = r_m + shift,
+  shift = (beta - 1) r_m if r_m > 0, -r_m if r_m < 0; a shift above half
+  the statistics format's natural-log range wraps into [cap - 1, cap)."""
+  if tie_beta is None:
+    return r_m
+  c = em.carrier
+  tied = (s == r_m[..., None]).sum(-1) > 1
+  finite = np.isfinite(r_m)
+  r = np.where(finite, r_m, c(0))
+  shift = np.where(
+    tied & (r > 0), c(tie_beta - 1) * r, np.where(tied & (r < 0), -r, c(0))
+  ).astype(c)
+  tiny = ml_dtypes.finfo(FORMATS[em.stages["softmax_stats"]]).tiny
+  cap = c(-0.5 * np.log(float(tiny)))
+  wrapped = (cap - c(1)) + (shift - np.floor(shift))
+  shift = np.where(shift > cap, wrapped, shift)
+  return np.where(finite, em.r(r + shift, "softmax_stats"), r_m)
+
+
 def _pad(x, length):
   return np.concatenate(
     [x, np.zeros((length - x.shape[0],) + x.shape[1:], x.dtype)]
@@ -83,7 +103,9 @@ def _heads(q, k):
   return [(h, h // (heads // kv_heads)) for h in range(heads)]
 
 
-def forward(q, k, v, stages, *, block_q, block_k, scheme, causal):
+def forward(
+  q, k, v, stages, *, block_q, block_k, scheme, causal, tie_beta=None
+):
   """Flash forward (fa1 or fa2). Returns (out float64, lse float64 [B,H,T])."""
   em = Emulator(stages)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
@@ -110,13 +132,16 @@ def forward(q, k, v, stages, *, block_q, block_k, scheme, causal):
           block_k,
           scheme,
           causal,
+          tie_beta,
         )
         out[b, qs : qs + block_q, h] = o
         lse[b, h, qs : qs + block_q] = em.r(m + em.log(l_), "softmax_stats")
   return out[:, :t], lse
 
 
-def _forward_rows(em, qb, kh, vh, qs, scale, kv_len, block_k, scheme, causal):
+def _forward_rows(
+  em, qb, kh, vh, qs, scale, kv_len, block_k, scheme, causal, tie_beta
+):
   bq, d = qb.shape
   sp = kh.shape[0]
   n_k = sp // block_k
@@ -130,7 +155,7 @@ def _forward_rows(em, qb, kh, vh, qs, scale, kv_len, block_k, scheme, causal):
     ks = j * block_k
     kb, vb = kh[ks : ks + block_k], vh[ks : ks + block_k]
     s = em.scores(qb, kb, scale, _mask(qs, ks, bq, block_k, kv_len, causal))
-    m_block = s.max(-1)
+    m_block = tie_safe_max(em, s, s.max(-1), tie_beta)
     m_new = np.maximum(m, m_block)
     with np.errstate(invalid="ignore"):
       alpha = em.exp(st(m - m_new))
@@ -156,7 +181,7 @@ def _forward_rows(em, qb, kh, vh, qs, scale, kv_len, block_k, scheme, causal):
   return em.r(acc, "output"), m, l_
 
 
-def reference(q, k, v, stages, *, causal):
+def reference(q, k, v, stages, *, causal, tie_beta=None):
   """Materialized baseline attention."""
   em = Emulator(stages)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
@@ -168,7 +193,7 @@ def reference(q, k, v, stages, *, causal):
   for b in range(batch):
     for h, hk in _heads(q, k):
       s = em.scores(q[b, :, h], k[b, :, hk], d**-0.5, mask)
-      m = s.max(-1, keepdims=True)
+      m = tie_safe_max(em, s, s.max(-1), tie_beta)[:, None]
       p = em.exp(st(s - m))
       l_ = st(em.total(p, "matmul_accum", keepdims=True))
       p = em.r(st(p * st(1.0 / l_)), "probs")

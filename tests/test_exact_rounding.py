@@ -226,3 +226,42 @@ def test_round_to_equals_a_true_cast_including_subnormals(fmt, casts_round):
   with np.errstate(over="ignore"):
     want = x.astype(emu.FORMATS[fmt]).astype(np.float32)
   np.testing.assert_array_equal(got, want)
+
+
+TIE_CASES = [
+  (preset, scheme, beta)
+  for preset in ("bf16", "bf16-fa2+out_accum=bf16")
+  for scheme, beta in (("fa2", 2.0), ("fa1", 2.0), ("fa2", 7.0))
+]
+
+
+@pytest.mark.parametrize(
+  "preset, scheme, tie_beta", TIE_CASES, ids=lambda v: str(v)
+)
+def test_tie_fix_matches_emulator(preset, scheme, tie_beta):
+  """Qiu & Yao's fix, kernel and Baseline, on inputs with exact ties."""
+  from stableattn.inputs import Shape, TiedMaximaSpec, make_inputs
+
+  shape = Shape(1, 48, 96, 2, 1, 32)
+  spec = TiedMaximaSpec(ties=3, block_k=32, margin=1e-4)
+  q, k, v = (
+    on_grid(x) for x in make_inputs("tied_maxima", 3, shape, tied=spec)
+  )
+  stages = sa.Precision.from_name(preset).stages()
+  kwargs = dict(precision=preset, tie_beta=tie_beta)
+  out = sa.attention(q, k, v, block_q=16, block_k=32, scheme=scheme, **kwargs)
+  want, _ = emu.forward(
+    q,
+    k,
+    v,
+    stages,
+    block_q=16,
+    block_k=32,
+    scheme=scheme,
+    causal=False,
+    tie_beta=tie_beta,
+  )
+  _check(want, np.asarray(out.astype(jnp.float64)), "bf16", "output")
+  base = sa.attention(q, k, v, implementation="reference", **kwargs)
+  want = emu.reference(q, k, v, stages, causal=False, tie_beta=tie_beta)
+  _check(want, np.asarray(base.astype(jnp.float64)), "bf16", "baseline")
