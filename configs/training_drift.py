@@ -7,14 +7,14 @@ Run:
   python launch/training_drift.py --workdir=runs/x --config.train.precision=fp32
 
 Variants: default (4 layers, width 128, sequence 128, 200 steps on the
-standard library's source; about 11 minutes on 2 CPU cores), `paper` (1000
+standard library's source; about 10 minutes on 2 CPU cores), `paper` (1000
 steps, about 50 minutes), `gpu` (GPT-2-small-like, 12 layers, width 768,
 context 1024; for one H100), `smoke` (tiny, generated corpus; about a
 minute, for tests).
 
 Expected outcome: the identical rerun drifts exactly 0; Flash vs Baseline
-drifts more than 0, about 70x below the different-seed pair and of the
-order of BF16-vs-FP32 training; the report gives the ratios with their
+drifts more than 0, about 17x below the different-seed pair and as far as
+BF16-vs-FP32 training; the report gives the ratios with their
 range over logging steps. Flash with Qiu & Yao's fix drifts from Flash
 about as far as Flash from Baseline; the flash runs' attention-gradient
 errors are low-rank but change direction from one log to the next.
