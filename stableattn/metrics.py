@@ -146,6 +146,16 @@ def safe_ratio(a: float, b: float) -> float:
   return a / b
 
 
+def power_law(x, y):
+  """Least-squares slope and R^2 of log y against log x."""
+  x, y = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
+  slope, intercept = np.polyfit(x, y, 1)
+  residual = y - (slope * x + intercept)
+  total = np.sum((y - y.mean()) ** 2)
+  r2 = 1.0 - np.sum(residual**2) / total if total > 0 else 1.0
+  return float(slope), float(r2)
+
+
 def error_ratio(golden, candidate, baseline, *, metric: str = "max_abs"):
   """FlashAttention's test quantity: candidate error / baseline error.
 

@@ -25,6 +25,18 @@ class Series:
     return cls(label, [x for x, _ in points], [y for _, y in points])
 
 
+def _save(fig, path, *, tight_box: bool = False) -> pathlib.Path:
+  """Writes the PNG and frees the figure; `tight_box` crops to the content
+  (figures whose colour bar sits outside the axes grid)."""
+  if tight_box:
+    fig.savefig(path, bbox_inches="tight")
+  else:
+    fig.tight_layout()
+    fig.savefig(path)
+  plt.close(fig)
+  return pathlib.Path(path)
+
+
 def _positive(values):
   return [v if v is not None and v > 0 else float("nan") for v in values]
 
@@ -71,10 +83,7 @@ def line_plot(
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   elif series:
     ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return pathlib.Path(path)
+  return _save(fig, path)
 
 
 def _grouped_bars(ax, labels, groups: dict[str, list], *, rotation: int):
@@ -112,10 +121,7 @@ def bar_plot(
   ax.grid(True, axis="y", which="both", alpha=0.3)
   if len(groups) > 1:
     ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return pathlib.Path(path)
+  return _save(fig, path)
 
 
 def signed_share_panels(
@@ -141,10 +147,7 @@ def signed_share_panels(
     ax.grid(True, axis="y", alpha=0.3)
   axes[0, 0].legend(fontsize=7, loc="lower left")
   fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return pathlib.Path(path)
+  return _save(fig, path)
 
 
 def ratio_heatmaps(
@@ -203,6 +206,4 @@ def ratio_heatmaps(
   if image is not None:
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9)
   fig.suptitle(title, fontsize=10)
-  fig.savefig(path, bbox_inches="tight")
-  plt.close(fig)
-  return pathlib.Path(path)
+  return _save(fig, path, tight_box=True)

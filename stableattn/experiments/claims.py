@@ -11,8 +11,7 @@ rows.
 
 from __future__ import annotations
 
-import numpy as np
-
+from stableattn.metrics import power_law
 from stableattn.precision import MANTISSA_BITS
 
 # Fig. 4: "Flash deviates ~10x more than Baseline from golden at BF16". A
@@ -44,11 +43,6 @@ def _require(rows, claim: str, study: str) -> list[dict]:
       f"{claim}: no rows of study {study!r}; run it to get a verdict."
     )
   return rows
-
-
-def loglog_slope(x, y) -> float:
-  x, y = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
-  return float(np.polyfit(x, y, 1)[0])
 
 
 def fig3(summary) -> dict:
@@ -167,7 +161,7 @@ def fig5(summary) -> dict:
     )
     if len(series) < 2:
       continue
-    slope = loglog_slope(*zip(*series))
+    slope, _ = power_law(*zip(*series))
     slopes.append(
       {
         "policy": policy,
@@ -231,7 +225,7 @@ def fig6c(summary) -> dict:
       (r["block_area"], r["max_abs_mean"]) for r in rows if r["format"] == fmt
     )
     if len(series) >= 2:
-      slopes[fmt] = loglog_slope(*zip(*series))
+      slopes[fmt], _ = power_law(*zip(*series))
   if not slopes:
     raise ValueError("fig6c: no format with two tile areas.")
   falling = [f for f, s in slopes.items() if s < -FLAT_SLOPE]

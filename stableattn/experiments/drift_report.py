@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from stableattn.drift import top_singular_share
-from stableattn.experiments.forward_report import num, power_law, table
+from stableattn.experiments.forward_report import num, table
 from stableattn.experiments.rundir import RunDir
+from stableattn.metrics import power_law
 from stableattn.plotting import Series, line_plot
 
 REFERENCE_PAIRS = (

@@ -11,7 +11,11 @@ import math
 import jax
 import numpy as np
 
-from stableattn.experiments.claims import REACHES_PAPER_RATIO, paper_claims
+from stableattn.experiments.claims import (
+  PAPER_RATIO,
+  REACHES_PAPER_RATIO,
+  paper_claims,
+)
 from stableattn.experiments.forward_studies import (
   ATTRIBUTION_STAGES,
   STUDIES,
@@ -20,6 +24,7 @@ from stableattn.experiments.forward_studies import (
   tied_headline,
 )
 from stableattn.experiments.rundir import RunDir
+from stableattn.metrics import power_law
 from stableattn.plotting import (
   Series,
   bar_plot,
@@ -30,7 +35,6 @@ from stableattn.plotting import (
 from stableattn.precision import MANTISSA_BITS, Precision, natural_policy
 
 # Figures quoted from the papers (see PAPER.md); only used as comparisons.
-PAPER_BF16_RATIO = 10.0  # Golden et al. Fig. 4: Flash ~10x Baseline at BF16
 FA3_RMSE_STANDARD = 3.2e-4  # FlashAttention-3 Table 3, FP16
 FA3_RMSE_FLASH = 1.9e-4
 
@@ -267,7 +271,7 @@ def _against_golden(run_dir, s, summary, headline):
       f"({worst['format']}, Flash {worst['flash_policy']} vs Baseline "
       f"{worst['baseline_policy']}, {worst['scheme']}, "
       f"{worst['distribution']} inputs, length {worst['seq_len']}); the "
-      f"paper reports ~{PAPER_BF16_RATIO:.0f}x at BF16."
+      f"paper reports ~{PAPER_RATIO:.0f}x at BF16."
     )
     findings.append(
       f"Smallest: {num(best['ratio_max_abs_mean'])}x ({best['format']}, "
@@ -351,7 +355,7 @@ def fig4_text(claim: dict) -> str:
     f"Baseline {at['baseline_policy']}, {at['scheme']}, {at['distribution']} "
     f"inputs, length {at['seq_len']}); {claim['settings_reaching']} of "
     f"{claim['settings']} settings reach {claim['threshold']:g}x (the "
-    f"paper's ~{PAPER_BF16_RATIO:.0f}x, within 20%)."
+    f"paper's ~{PAPER_RATIO:.0f}x, within 20%)."
   )
   if reached:
     text += " It holds for " + "; ".join(
@@ -383,16 +387,6 @@ def _trend_text(
   if slope < -threshold:
     return falling
   return rising if slope > threshold else flat
-
-
-def power_law(x, y):
-  """Least-squares slope and R^2 of log y against log x."""
-  x, y = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
-  slope, intercept = np.polyfit(x, y, 1)
-  residual = y - (slope * x + intercept)
-  total = np.sum((y - y.mean()) ** 2)
-  r2 = 1.0 - np.sum(residual**2) / total if total > 0 else 1.0
-  return float(slope), float(r2)
 
 
 # Input distributions whose V has zero mean: a longer average shrinks |O|.
