@@ -125,11 +125,22 @@ def check_length(tokens: np.ndarray, seq_len: int) -> None:
 
 
 def batch_at(
-  tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int
+  tokens: np.ndarray,
+  *,
+  seed: int,
+  step: int,
+  batch_size: int,
+  seq_len: int,
+  replicate: int = 0,
 ) -> np.ndarray:
-  """Batch number `step`: int32 [batch_size, seq_len + 1] windows."""
+  """Batch number `step`: int32 [batch_size, seq_len + 1] windows.
+
+  Each replicate of an experiment reads the corpus in its own order.
+  """
   check_length(tokens, seq_len)
-  rng = np.random.default_rng([seed, step])
+  if replicate < 0:
+    raise ValueError(f"replicate must be >= 0, got {replicate}.")
+  rng = np.random.default_rng([seed, step, replicate])
   starts = rng.integers(0, tokens.size - seq_len, size=batch_size)
   index = starts[:, None] + np.arange(seq_len + 1)[None, :]
   return tokens[index].astype(np.int32)

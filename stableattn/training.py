@@ -119,9 +119,10 @@ class Trainer:
     self.mesh = make_mesh(run.devices)
     self.replicated = NamedSharding(self.mesh, P())
     self.batch_sharding = NamedSharding(self.mesh, P("data"))
-    model = Transformer(model_spec, run.attention, rngs=nnx.Rngs(run.init_seed))
-    self.graphdef, params = nnx.split(model, nnx.Param)
-    self._initial_params = params
+    self.model_spec = model_spec
+    self.graphdef = nnx.split(
+      Transformer(model_spec, run.attention, rngs=nnx.Rngs(0)), nnx.Param
+    )[0]
     self.tx = make_optimizer(optimizer)
     self.compute_dtype = COMPUTE_DTYPES[run.precision]
     self._step = jax.jit(self._step_impl, donate_argnums=0)
@@ -146,8 +147,18 @@ class Trainer:
       )[0]
       self._grad_error = jax.jit(self._grad_error_impl)
 
-  def init_state(self) -> TrainState:
-    params = self._initial_params
+  def init_params(self, replicate: int = 0) -> nnx.State:
+    """Initial parameters of one replicate: a key folded from the run's
+    init seed and the replicate number, so replicates start apart and the
+    runs of one replicate (except `different_seed`) start together."""
+    if replicate < 0:
+      raise ValueError(f"replicate must be >= 0, got {replicate}.")
+    key = jax.random.fold_in(jax.random.key(self.run.init_seed), replicate)
+    model = Transformer(self.model_spec, self.run.attention, rngs=nnx.Rngs(key))
+    return nnx.split(model, nnx.Param)[1]
+
+  def init_state(self, replicate: int = 0) -> TrainState:
+    params = self.init_params(replicate)
     state = TrainState(
       params=params,
       opt_state=self.tx.init(params),

@@ -14,7 +14,7 @@ def test_generated_corpus_is_deterministic_and_structured():
   assert a.max() < data.BYTE_VOCAB
 
 
-def test_batches_depend_only_on_seed_and_step():
+def test_batches_depend_only_on_seed_step_and_replicate():
   tokens = data.generate_corpus(5_000, seed=0)
   a = data.batch_at(tokens, seed=1, step=7, batch_size=4, seq_len=16)
   b = data.batch_at(tokens, seed=1, step=7, batch_size=4, seq_len=16)
@@ -22,6 +22,12 @@ def test_batches_depend_only_on_seed_and_step():
   assert a.shape == (4, 17) and a.dtype == np.int32
   c = data.batch_at(tokens, seed=1, step=8, batch_size=4, seq_len=16)
   assert not np.array_equal(a, c)
+  other = dict(seed=1, step=7, batch_size=4, seq_len=16, replicate=1)
+  d = data.batch_at(tokens, **other)
+  assert not np.array_equal(a, d)
+  np.testing.assert_array_equal(d, data.batch_at(tokens, **other))
+  with pytest.raises(ValueError, match="replicate must be >= 0"):
+    data.batch_at(tokens, **{**other, "replicate": -1})
 
 
 def test_loaders(tmp_path):

@@ -12,7 +12,12 @@ import pytest
 
 from configs import training_drift as drift_config
 from stableattn.experiments import training_drift
-from stableattn.experiments.drift_report import drift_ratios
+from stableattn.experiments.drift_report import (
+  drift_ratios,
+  paper_verdict,
+  ratio_summary,
+)
+from stableattn.experiments.reporting import mean_interval
 from stableattn.model import AttentionSpec, ModelSpec
 from stableattn.training import OptimizerSpec, RunSpec, Trainer
 
@@ -37,10 +42,11 @@ def _rows(workdir):
 def _final_states(workdir, config):
   settings = training_drift.settings_from_config(config)
   template = {
-    name: Trainer(
+    (name, replicate): Trainer(
       settings.model, spec, settings.optimizer, settings.batch_size
-    ).init_state()
+    ).init_state(replicate)
     for name, spec in settings.physical_runs.items()
+    for replicate in range(settings.replicates)
   }
   return training_drift.load_checkpoint(workdir, template)
 
@@ -88,11 +94,13 @@ def test_fix_pair_and_attention_gradient_error(smoke_run):
   logged = sorted({r["step"] for r in rows if r["kind"] == "drift"})
   for run in ("flash", "flash_fixed"):
     mine = [r for r in errors if r["run"] == run]
-    # Every attention projection of both layers, at every logging step.
-    assert len(mine) == 8 * len(logged)
+    # Every attention projection of both layers, at every logging step of
+    # both replicates.
+    assert len(mine) == 8 * len(logged) * 2
     assert all(r["rel_error"] > 0 for r in mine)
     assert all(0 < r["top_singular_share"] <= 1 for r in mine)
     first = [r for r in mine if r["step"] == logged[0]]
+    assert len(first) == 16  # the first log of each replicate
     assert all(r["cos_previous"] is None for r in first)
     later = [r["cos_previous"] for r in mine if r["step"] > logged[0]]
     assert later and all(-1 <= c <= 1 for c in later)
@@ -114,22 +122,74 @@ def test_fix_pair_and_attention_gradient_error(smoke_run):
     and r["scope"] == "model"
     and r["pair"] == "flash_fix_vs_flash"
   ]
-  assert len(fix) == len(logged)
+  assert len(fix) == 2 * len(logged)
   assert result["flash_fix_vs_flash_max_abs"] == max(r["max_abs"] for r in fix)
   report = (workdir / "report.md").read_text()
   assert "Attention-gradient error of the flash runs" in report
   assert "Flash with Qiu & Yao's fix vs without" in report
 
 
-def test_report_ratio_is_recomputed_from_metrics(smoke_run):
+def test_report_ratios_are_recomputed_from_metrics(smoke_run):
   workdir, result = smoke_run
-  ratios = drift_ratios(_rows(workdir), "flash_vs_baseline", "fp16_vs_fp32")
-  median = float(np.median(list(ratios.values())))
-  assert result["flash_over_fp16_vs_fp32_median"] == pytest.approx(
-    median, rel=1e-12
+  rows = _rows(workdir)
+  # Geometric mean over steps per replicate, then over replicates.
+  per_replicate = [
+    np.exp(
+      np.mean(
+        np.log(
+          list(
+            drift_ratios(
+              rows, "flash_vs_baseline", "fp16_vs_fp32", replicate=r
+            ).values()
+          )
+        )
+      )
+    )
+    for r in (0, 1)
+  ]
+  expected = mean_interval(per_replicate, geometric=True)
+  reported = result["ratios"]["fp16_vs_fp32"]["wasserstein"]
+  assert reported["over_replicates"]["mean"] == pytest.approx(
+    expected.mean, rel=1e-12
   )
+  assert reported["over_replicates"]["low"] == pytest.approx(
+    expected.low, rel=1e-12
+  )
+  assert reported["over_replicates"]["count"] == 2
+  for pair, verdict in result["paper_verdicts"].items():
+    summary = ratio_summary(rows, "flash_vs_baseline", pair)
+    assert verdict == paper_verdict(summary, pair)[0], pair
+    assert f"`{pair}` (Wasserstein)" in (workdir / "report.md").read_text()
   report = (workdir / "report.md").read_text()
-  assert "fp16_vs_fp32 pair" in report and "identical-rerun" in report
+  assert "95% CI over replicates" in report and "identical-rerun" in report
+
+
+def test_replicates_start_apart_and_read_their_own_data(smoke_run):
+  workdir, _ = smoke_run
+  rows = _rows(workdir)
+  # The different-seed pair is far apart in every replicate, and the
+  # replicates' own base runs differ from each other: not one seed twice.
+  first = {
+    r["replicate"]: r["eval_loss"]
+    for r in rows
+    if r["kind"] == "run" and r["run"] == "base" and r["step"] == 0
+  }
+  assert set(first) == {0, 1} and first[0] != first[1]
+  trained = {
+    r["replicate"]: r["train_loss"]
+    for r in rows
+    if r["kind"] == "run" and r["run"] == "base" and r["step"] == 4
+  }
+  assert trained[0] != trained[1]
+  rerun = [
+    r
+    for r in rows
+    if r["kind"] == "drift"
+    and r["scope"] == "model"
+    and r["pair"] == "identical_rerun"
+  ]
+  assert {r["replicate"] for r in rerun} == {0, 1}
+  assert all(r["max_abs"] == 0 for r in rerun)
 
 
 def test_interrupted_run_resumes_bitwise(smoke_run, tmp_path):
@@ -143,16 +203,19 @@ def test_interrupted_run_resumes_bitwise(smoke_run, tmp_path):
   step, resumed = _final_states(tmp_path, config)
   full_step, full = _final_states(full_dir, drift_config.get_config("smoke"))
   assert step == full_step == config.train.total_steps
-  for run in ("base", "flash"):
-    a, b = jax.tree.leaves(resumed[run]), jax.tree.leaves(full[run])
-    assert all(np.array_equal(x, y) for x, y in zip(a, b)), run
+  for key in [("base", 0), ("flash", 0), ("base", 1), ("flash", 1)]:
+    a, b = jax.tree.leaves(resumed[key]), jax.tree.leaves(full[key])
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), key
   # Metrics after the checkpoint were not duplicated.
-  steps = [
-    r["step"]
-    for r in _rows(tmp_path)
-    if r["kind"] == "run" and r["run"] == "base"
-  ]
-  assert steps == sorted(set(steps))
+  for replicate in (0, 1):
+    steps = [
+      r["step"]
+      for r in _rows(tmp_path)
+      if r["kind"] == "run"
+      and r["run"] == "base"
+      and r["replicate"] == replicate
+    ]
+    assert steps == sorted(set(steps)) == [0, 4, 8, 12]
 
 
 def test_batch_is_sharded_over_four_simulated_devices(tmp_path):

@@ -5,10 +5,20 @@ All numbers come from the rows written to metrics.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from stableattn.drift import top_singular_share
-from stableattn.experiments.forward_report import num, table
+from stableattn.experiments.reporting import (
+  Interval,
+  band_verdict,
+  finding_lines,
+  mean_interval,
+  num,
+  spread,
+  table,
+)
 from stableattn.experiments.rundir import RunDir
 from stableattn.metrics import power_law
 from stableattn.plotting import Series, line_plot
@@ -20,35 +30,134 @@ REFERENCE_PAIRS = (
   "different_seed",
   "one_vs_n_devices",
 )
+# Golden et al.: Flash-vs-Baseline weight drift is 2-5x below the drift of
+# low-precision training (Wasserstein), and at or below two seeds'.
+LOW_PRECISION_PAIRS = ("bf16_vs_fp32", "fp16_vs_fp32", "fp16_vs_bf16")
+PAPER_BELOW = (2.0, 5.0)
+RATIO_METRICS = ("wasserstein", "max_abs")
 
 
-def model_drift(rows, pair: str, metric: str = "wasserstein"):
-  """{step: value} of the whole-model drift of one pair."""
+def replicates_of(rows) -> list[int]:
+  """The replicate numbers with drift rows (0 for rows that name none)."""
+  return sorted(
+    {r.get("replicate", 0) for r in rows if r.get("kind") == "drift"}
+  )
+
+
+def model_drift(
+  rows, pair: str, metric: str = "wasserstein", replicate: int = 0
+) -> dict[int, float]:
+  """{step: value} of the whole-model drift of one pair in one replicate."""
   return {
     r["step"]: r[metric]
     for r in rows
-    if r.get("kind") == "drift" and r["pair"] == pair and r["scope"] == "model"
+    if r.get("kind") == "drift"
+    and r["pair"] == pair
+    and r["scope"] == "model"
+    and r.get("replicate", 0) == replicate
   }
 
 
 def drift_ratios(
-  rows, numerator: str, denominator: str, metric: str = "wasserstein"
+  rows,
+  numerator: str,
+  denominator: str,
+  metric: str = "wasserstein",
+  replicate: int = 0,
 ) -> dict[int, float]:
   """{step: drift(numerator) / drift(denominator)} where both are > 0."""
-  a, b = (
-    model_drift(rows, numerator, metric),
-    model_drift(rows, denominator, metric),
-  )
+  a = model_drift(rows, numerator, metric, replicate)
+  b = model_drift(rows, denominator, metric, replicate)
   return {s: a[s] / b[s] for s in sorted(a) if s in b and a[s] > 0 and b[s] > 0}
 
 
-def _ratio_phrase(ratios: dict[int, float], other: str) -> str:
-  values = np.asarray(list(ratios.values()))
-  median = float(np.median(values))
-  low, high = float(values.min()), float(values.max())
-  if median < 1:
-    return f"{1 / median:.2g}x ({1 / high:.2g}-{1 / low:.2g}x) below {other}"
-  return f"{median:.2g}x ({low:.2g}-{high:.2g}x) {other}"
+@dataclasses.dataclass(frozen=True)
+class RatioSummary:
+  """drift(numerator) / drift(denominator), geometric means.
+
+  over_replicates: the interval of the replicates' means over logging
+  steps; over_steps: the interval of the steps' means over replicates
+  (successive steps are correlated, so this one is the narrower and the
+  less honest of the two).
+  """
+
+  over_replicates: Interval
+  over_steps: Interval
+
+  def as_dict(self) -> dict:
+    return {
+      "over_replicates": self.over_replicates.as_dict(),
+      "over_steps": self.over_steps.as_dict(),
+    }
+
+
+def ratio_summary(
+  rows, numerator: str, denominator: str, metric: str = "wasserstein"
+) -> RatioSummary | None:
+  """The ratio of two pairs' drifts with intervals; None if never defined."""
+  per_replicate = {
+    r: drift_ratios(rows, numerator, denominator, metric, r)
+    for r in replicates_of(rows)
+  }
+  per_replicate = {r: v for r, v in per_replicate.items() if v}
+  if not per_replicate:
+    return None
+  steps = sorted({s for v in per_replicate.values() for s in v})
+  by_step = [
+    mean_interval(
+      [v[s] for v in per_replicate.values() if s in v], geometric=True
+    ).mean
+    for s in steps
+  ]
+  return RatioSummary(
+    over_replicates=mean_interval(
+      [
+        mean_interval(list(v.values()), geometric=True).mean
+        for v in per_replicate.values()
+      ],
+      geometric=True,
+    ),
+    over_steps=mean_interval(by_step, geometric=True),
+  )
+
+
+def paper_verdict(summary: RatioSummary, reference: str) -> tuple[str, str]:
+  """(verdict, claim) of the paper's claim about Flash vs one reference."""
+  interval = summary.over_replicates
+  if reference == "different_seed":
+    # "At or below the drift between two initializations": ratio <= 1.
+    return band_verdict(interval, 0.0, 1.0), "<= 1x"
+  low, high = PAPER_BELOW
+  return (
+    band_verdict(interval.inverted(), low, high),
+    f"{low:g}-{high:g}x below",
+  )
+
+
+def _below_text(interval: Interval) -> str:
+  """A Flash/reference ratio with its interval, read as 'N x below' (or
+  above) by its mean."""
+  mean = interval.mean
+  side = f"{num(1 / mean)}x below" if mean < 1 else f"{num(mean)}x above"
+  return f"{interval.text('x')}, i.e. {side}"
+
+
+def _replicate_series(rows, pair: str, metric: str, label: str) -> Series:
+  """A pair's drift over steps: mean over replicates, std as the band."""
+  by_step: dict[int, list[float]] = {}
+  for r in replicates_of(rows):
+    for step, v in model_drift(rows, pair, metric, r).items():
+      if step > 0:
+        by_step.setdefault(step, []).append(v)
+  steps = sorted(by_step)
+  series = Series(
+    label,
+    steps,
+    [float(np.mean(by_step[s])) for s in steps],
+  )
+  if any(len(v) > 1 for v in by_step.values()):
+    series.y_err = [float(np.std(by_step[s])) for s in steps]
+  return series
 
 
 def _attention_label(attention) -> str:
@@ -60,6 +169,75 @@ def _attention_label(attention) -> str:
   return f"{attention.kind} attention ({policy})"
 
 
+def _ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
+  """The ratio table (Flash vs each reference) and the paper's verdicts."""
+  table_rows, findings = [], []
+  headline["ratios"], headline["paper_verdicts"] = {}, {}
+  for other in REFERENCE_PAIRS:
+    if other not in pairs:
+      continue
+    for metric in RATIO_METRICS:
+      summary = ratio_summary(rows, "flash_vs_baseline", other, metric)
+      if summary is None:
+        continue
+      headline["ratios"].setdefault(other, {})[metric] = summary.as_dict()
+      verdict, claim = ("-", "-")
+      if metric == "wasserstein" and other != "one_vs_n_devices":
+        verdict, claim = paper_verdict(summary, other)
+        headline["paper_verdicts"][other] = verdict
+        findings.append(
+          f"Flash vs Baseline against `{other}` (Wasserstein): "
+          f"{_below_text(summary.over_replicates)}, over replicates; the "
+          f"paper's {claim} **{verdict}**."
+        )
+      table_rows.append(
+        [
+          other,
+          metric,
+          num(summary.over_replicates.mean),
+          _interval_cell(summary.over_replicates),
+          _interval_cell(summary.over_steps),
+          claim,
+          verdict,
+        ]
+      )
+  if not table_rows:
+    return [], []
+  lines = [
+    "## Flash vs Baseline against each reference pair",
+    "",
+    "Drift of Flash vs Baseline divided by the drift of a reference pair "
+    "(below 1: Flash drifts less). Geometric means over logging steps "
+    "after step 0, then over replicates; 95% Student-t intervals over "
+    "replicates (each replicate its own initialization and data order) "
+    "and over logging steps (correlated, so narrower). A verdict holds "
+    "when the interval over replicates lies inside the paper's band, fails "
+    "when it lies outside, and cannot be told apart when it straddles an "
+    "edge or there is one replicate.",
+    "",
+    table(
+      [
+        "reference pair",
+        "metric",
+        "Flash / reference",
+        "95% CI over replicates",
+        "95% CI over steps",
+        "paper",
+        "verdict",
+      ],
+      table_rows,
+    ),
+    "",
+  ]
+  return lines, findings
+
+
+def _interval_cell(interval: Interval) -> str:
+  if interval.low is None:
+    return f"- (n={interval.count})"
+  return f"{num(interval.low)}-{num(interval.high)} (n={interval.count})"
+
+
 def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
   headline: dict = {}
   pairs = settings.pairs
@@ -69,100 +247,62 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
       f"No drift rows in {run_dir.path}/metrics.jsonl: nothing to report."
     )
   final = steps[-1]
+  replicates = replicates_of(rows)
 
-  # summary.csv: one row per pair and step, whole-model drift plus gaps.
+  # summary.csv: one row per pair, replicate and step.
   summary = []
   for pair in pairs:
-    gaps = {
-      r["step"]: r
-      for r in rows
-      if r.get("kind") == "pair" and r["pair"] == pair
-    }
-    for step in steps:
+    for replicate in replicates:
+      gaps = {
+        r["step"]: r
+        for r in rows
+        if r.get("kind") == "pair"
+        and r["pair"] == pair
+        and r.get("replicate", 0) == replicate
+      }
       drift = {
-        m: model_drift(rows, pair, m).get(step)
+        m: model_drift(rows, pair, m, replicate)
         for m in ("max_abs", "wasserstein", "rel_l2")
       }
-      summary.append(
-        {
-          "pair": pair,
-          "step": step,
-          **drift,
-          **{
-            k: gaps.get(step, {}).get(k)
-            for k in ("eval_loss_gap", "logit_max_abs", "logit_rel_l2")
-          },
-        }
-      )
+      for step in steps:
+        summary.append(
+          {
+            "pair": pair,
+            "replicate": replicate,
+            "step": step,
+            **{m: v.get(step) for m, v in drift.items()},
+            **{
+              k: gaps.get(step, {}).get(k)
+              for k in ("eval_loss_gap", "logit_max_abs", "logit_rel_l2")
+            },
+          }
+        )
   run_dir.write_csv("summary.csv", summary)
 
   findings = []
+  ratio_lines = []
   if "flash_vs_baseline" in pairs:
-    phrases = []
-    for other in REFERENCE_PAIRS:
-      if other not in pairs:
-        continue
-      ratios = drift_ratios(rows, "flash_vs_baseline", other)
-      if not ratios:
-        continue
-      values = list(ratios.values())
-      headline[f"flash_over_{other}_median"] = float(np.median(values))
-      headline[f"flash_over_{other}_min"] = float(np.min(values))
-      headline[f"flash_over_{other}_max"] = float(np.max(values))
-      phrases.append(_ratio_phrase(ratios, f"the {other} pair"))
-    if phrases:
-      findings.append(
-        "Flash-vs-Baseline Wasserstein drift of the weights is "
-        + "; ".join(phrases)
-        + " (median over logging steps, range in parentheses)."
-      )
+    ratio_lines, ratio_findings = _ratio_section(rows, pairs, headline)
+    findings += ratio_findings
   slopes = {}
   for pair in pairs:
-    series = {
-      s: v for s, v in model_drift(rows, pair).items() if s > 0 and v > 0
-    }
-    if len(series) >= 2:
-      slopes[pair], _ = power_law(list(series), list(series.values()))
+    series = _replicate_series(rows, pair, "wasserstein", pair)
+    points = [(x, y) for x, y in zip(series.x, series.y) if y > 0]
+    if len(points) >= 2:
+      slopes[pair], _ = power_law(*zip(*points))
   if slopes:
     headline["growth_slopes"] = slopes
     findings.append(
       "Growth of the Wasserstein drift with training steps (slope on "
-      "log-log): "
+      "log-log, replicate mean): "
       + ", ".join(f"{p} {v:.2f}" for p, v in slopes.items())
       + ". Summers & Dinneen argue the rate, not the final distance, is "
       "what tells the pairs apart."
     )
   if "identical_rerun" in pairs:
-    rerun = model_drift(rows, "identical_rerun", "max_abs")
-    if set(rerun) != set(steps):
-      raise ValueError(
-        f"identical_rerun has drift rows at steps {sorted(rerun)} but the "
-        f"run logged {steps}: no verdict on the control from missing rows."
-      )
-    worst = max(rerun.values())
-    headline["identical_rerun_max_abs"] = worst
-    if worst == 0:
-      findings.append(
-        "The identical-rerun control is exactly 0 at every "
-        "logging step: training is deterministic here, so "
-        "every other drift is caused by its difference."
-      )
-    else:
-      first = min(s for s, v in rerun.items() if v > 0)
-      tensors = [
-        r["name"]
-        for r in rows
-        if r.get("kind") == "drift"
-        and r["pair"] == "identical_rerun"
-        and r["step"] == first
-        and r["scope"] == "tensor"
-        and r["max_abs"] > 0
-      ]
-      findings.append(
-        f"The identical-rerun control is NOT 0 (max {num(worst)}): "
-        f"nondeterminism first shows at step {first} in {tensors[:5]}."
-      )
+    findings.append(_rerun_finding(rows, steps, replicates, headline))
 
+  final_rows = [r for r in summary if r["step"] == final]
   drift_table = table(
     [
       "pair",
@@ -173,39 +313,24 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
       "logit max abs Δ",
     ],
     [
-      [
-        r["pair"],
-        num(r["max_abs"]),
-        num(r["wasserstein"]),
-        num(r["rel_l2"]),
-        num(r["eval_loss_gap"]),
-        num(r["logit_max_abs"]),
+      [pair]
+      + [
+        spread([r[m] for r in final_rows if r["pair"] == pair])
+        for m in (
+          "max_abs",
+          "wasserstein",
+          "rel_l2",
+          "eval_loss_gap",
+          "logit_max_abs",
+        )
       ]
-      for r in summary
-      if r["step"] == final
+      for pair in pairs
     ],
   )
 
   grad_section = _grad_error_section(rows, headline)
   if "flash_fix_vs_flash" in pairs:
-    fix_drift = model_drift(rows, "flash_fix_vs_flash", "max_abs")
-    worst = max(fix_drift.values()) if fix_drift else 0.0
-    headline["flash_fix_vs_flash_max_abs"] = worst
-    findings.append(
-      "Flash with Qiu & Yao's fix vs without: "
-      + (
-        "the weights are identical at every logging step: no tile of this "
-        "run ever had exact ties at its maximum, so the fix never changed "
-        "a computation."
-        if worst == 0
-        else f"max |Δw| {num(worst)} at the end, "
-        + _ratio_phrase(
-          drift_ratios(rows, "flash_fix_vs_flash", "flash_vs_baseline"),
-          "the flash_vs_baseline pair",
-        )
-        + " (Wasserstein): the fix changed what was computed."
-      )
-    )
+    findings.append(_fix_finding(rows, replicates, headline))
 
   plots = _plots(run_dir, settings, rows, pairs)
   runs = "; ".join(
@@ -221,7 +346,9 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     f"heads, sequence {settings.seq_len}, vocabulary {m.vocab_size}) "
     f"trained for {settings.optimizer.total_steps} steps, batch "
     f"{settings.batch_size}, AdamW with warmup and cosine decay; drift "
-    f"measured every {settings.log_every} steps. Flash vs Baseline "
+    f"measured every {settings.log_every} steps in {len(replicates)} "
+    "replicate(s), each with its own initialization and data order. "
+    "Flash vs Baseline "
     + (
       "compares each kernel under its natural policy (Flash's FP32 "
       "statistics vs eager attention's stored scores)"
@@ -230,17 +357,80 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     )
     + f" (attention.compare = {settings.compare}). Runs — {runs}.",
     "",
+    *ratio_lines,
     "## Weight drift at the final step",
+    "",
+    "Median over replicates (range in parentheses).",
     "",
     drift_table,
     "",
   ]
-  parts += [f"**Finding.** {f}" for f in findings]
+  parts += finding_lines(findings)
   parts += grad_section
   parts += ["", "## Plots", ""]
   parts += [f"![{p}]({p})" for p in plots]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return headline
+
+
+def _rerun_finding(rows, steps, replicates, headline) -> str:
+  worst = 0.0
+  for replicate in replicates:
+    rerun = model_drift(rows, "identical_rerun", "max_abs", replicate)
+    if set(rerun) != set(steps):
+      raise ValueError(
+        f"identical_rerun replicate {replicate} has drift rows at steps "
+        f"{sorted(rerun)} but the run logged {steps}: no verdict on the "
+        "control from missing rows."
+      )
+    worst = max(worst, max(rerun.values()))
+  headline["identical_rerun_max_abs"] = worst
+  if worst == 0:
+    return (
+      "The identical-rerun control is exactly 0 at every logging step of "
+      "every replicate: training is deterministic here, so every other "
+      "drift is caused by its difference."
+    )
+  bad = [
+    r
+    for r in rows
+    if r.get("kind") == "drift"
+    and r["pair"] == "identical_rerun"
+    and r["scope"] == "tensor"
+    and r["max_abs"] > 0
+  ]
+  first = min(bad, key=lambda r: r["step"])
+  tensors = [r["name"] for r in bad if r["step"] == first["step"]]
+  return (
+    f"The identical-rerun control is NOT 0 (max {num(worst)}): "
+    f"nondeterminism first shows at step {first['step']} in {tensors[:5]}."
+  )
+
+
+def _fix_finding(rows, replicates, headline) -> str:
+  worst = max(
+    (
+      v
+      for r in replicates
+      for v in model_drift(rows, "flash_fix_vs_flash", "max_abs", r).values()
+    ),
+    default=0.0,
+  )
+  headline["flash_fix_vs_flash_max_abs"] = worst
+  if worst == 0:
+    return (
+      "Flash with Qiu & Yao's fix vs without: the weights are identical at "
+      "every logging step: no tile of this run ever had exact ties at its "
+      "maximum, so the fix never changed a computation."
+    )
+  text = f"Flash with Qiu & Yao's fix vs without: max |Δw| {num(worst)}"
+  summary = ratio_summary(rows, "flash_fix_vs_flash", "flash_vs_baseline")
+  if summary is not None:
+    text += (
+      "; its Wasserstein drift over the flash_vs_baseline pair's is "
+      + _below_text(summary.over_replicates)
+    )
+  return text + ": the fix changed what was computed."
 
 
 def random_top_share(shape, samples: int = 8) -> float:
@@ -255,15 +445,6 @@ def random_top_share(shape, samples: int = 8) -> float:
 
 # Median cosine from which successive gradient errors count as aligned.
 ALIGNED_COSINE = 0.5
-
-
-def _spread(values) -> str:
-  if not values:
-    return "-"
-  return (
-    f"{num(float(np.median(values)))} "
-    f"({num(float(np.min(values)))}-{num(float(np.max(values)))})"
-  )
 
 
 def _grad_error_section(rows, headline) -> list[str]:
@@ -284,10 +465,10 @@ def _grad_error_section(rows, headline) -> list[str]:
     table_rows.append(
       [
         run,
-        _spread([r["rel_error"] for r in mine]),
-        _spread(cos),
-        _spread(share),
-        _spread(excess),
+        spread([r["rel_error"] for r in mine]),
+        spread(cos),
+        spread(share),
+        spread(excess),
       ]
     )
     headline[f"grad_error_top_share_{run}"] = float(np.median(share))
@@ -320,8 +501,8 @@ def _grad_error_section(rows, headline) -> list[str]:
     "under the run's flash kernel minus the same gradient with FP32 "
     "attention (same parameters, the next training batch). Errors that "
     "point the same way step after step and are low-rank accumulate in "
-    "the weights; random ones average out. Medians over layers and steps, "
-    "range in parentheses:",
+    "the weights; random ones average out. Medians over layers, steps and "
+    "replicates, range in parentheses:",
     "",
     table(
       [
@@ -334,58 +515,67 @@ def _grad_error_section(rows, headline) -> list[str]:
       table_rows,
     ),
     "",
-    *(f"**Finding.** {f}" for f in findings),
+    *finding_lines(findings),
   ]
 
 
 def _plots(run_dir, settings, rows, pairs) -> list[str]:
+  """Replicate means with a ±1 std band across replicates."""
   names = []
+  count = len(replicates_of(rows))
+  over = f"\nmean of {count} replicates, band ±1 std" if count > 1 else ""
   if "flash_vs_baseline" in pairs:
     series = [
-      Series.from_points(
-        metric,
-        [
-          (step, v)
-          for step, v in model_drift(rows, "flash_vs_baseline", metric).items()
-          if step > 0
-        ],
-      )
+      _replicate_series(rows, "flash_vs_baseline", metric, metric)
       for metric in ("max_abs", "wasserstein")
     ]
     names.append(
       line_plot(
         run_dir.path / "fig7_flash_vs_baseline.png",
         [s for s in series if s.x],
-        title="Flash vs Baseline weight drift (Fig. 7)",
+        title="Flash vs Baseline weight drift (Fig. 7)" + over,
         xlabel="training step",
         ylabel="drift",
         logx=False,
       ).name
     )
-  series = []
-  for pair in pairs:
-    points = [(s, v) for s, v in model_drift(rows, pair).items() if s > 0]
-    if points:
-      series.append(Series.from_points(pair, points))
+  series = [_replicate_series(rows, p, "wasserstein", p) for p in pairs]
   names.append(
     line_plot(
       run_dir.path / "fig8_all_pairs.png",
-      series,
-      title="Wasserstein weight drift of every pair (Fig. 8)",
+      [s for s in series if s.x],
+      title="Wasserstein weight drift of every pair (Fig. 8)" + over,
       xlabel="training step",
       ylabel="Wasserstein-1 distance",
     ).name
   )
+  names += _run_plots(run_dir, settings, rows)
+  return names
+
+
+def _mean_by_step(points) -> tuple[list, list]:
+  """(steps, mean over replicates of the values at each step)."""
+  by_step: dict = {}
+  for step, value in points:
+    by_step.setdefault(step, []).append(value)
+  steps = sorted(by_step)
+  return steps, [float(np.mean(by_step[s])) for s in steps]
+
+
+def _run_plots(run_dir, settings, rows) -> list[str]:
+  names = []
   shadow = [
     r for r in rows if r.get("kind") == "attention" and "shadow_max_abs" in r
   ]
-  layers = sorted({r["layer"] for r in shadow})
-  series = []
-  for layer in layers:
-    points = [
-      (r["step"], r["shadow_max_abs"]) for r in shadow if r["layer"] == layer
-    ]
-    series.append(Series.from_points(f"layer {layer}", points))
+  series = [
+    Series(
+      f"layer {layer}",
+      *_mean_by_step(
+        (r["step"], r["shadow_max_abs"]) for r in shadow if r["layer"] == layer
+      ),
+    )
+    for layer in sorted({r["layer"] for r in shadow})
+  ]
   if series:
     names.append(
       line_plot(
@@ -393,7 +583,7 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
         series,
         title="In-model |flash - baseline| per layer (shadow attention)",
         xlabel="training step",
-        ylabel="max |flash - baseline|",
+        ylabel="max |flash - baseline|, replicate mean",
         logx=False,
       ).name
     )
@@ -405,12 +595,12 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
       if r.get("kind") == "run" and r["run"] == run
     ]
     if points:
-      series.append(Series.from_points(run, points))
+      series.append(Series(run, *_mean_by_step(points)))
   names.append(
     line_plot(
       run_dir.path / "loss.png",
       series,
-      title="Evaluation loss",
+      title="Evaluation loss (replicate mean)",
       xlabel="training step",
       ylabel="cross-entropy",
       logx=False,
