@@ -12,7 +12,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
-from stableattn.experiments import forward_deviation
+from stableattn.experiments import forward
 from stableattn.experiments.cli import run_and_print
 
 _CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -37,7 +37,7 @@ flags.DEFINE_bool(
 def main(argv):
   del argv
   return run_and_print(
-    forward_deviation.run,
+    forward.run,
     flags.FLAGS.config,
     flags.FLAGS.workdir,
     restart=flags.FLAGS.restart,

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from configs import forward_deviation as forward_config
-from stableattn.experiments import forward_deviation
-from stableattn.experiments.forward_studies import STUDIES
+from stableattn.experiments import forward
+from stableattn.experiments.forward import STUDIES
 from stableattn.metrics import Deviation
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def smoke_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("forward_smoke")
   config = forward_config.get_config("smoke")
-  result = forward_deviation.run(config, workdir)
+  result = forward.run(config, workdir)
   return workdir, result, config
 
 
@@ -41,28 +41,38 @@ def test_writes_every_file(smoke_run):
     assert study.title in report
   assert report.count("**Finding.**") >= len(STUDIES)
   assert result["points_measured"] > 0 and result["points_skipped"] == 0
-  assert json.loads((workdir / "config.json").read_text())["seeds"] == 2
+  stored = json.loads((workdir / "config.json").read_text())
+  assert stored["common"]["seeds"] == 2
 
 
-def test_rows_carry_identity_and_every_deviation_field(smoke_run):
+def test_rows_keep_labels_and_values_apart(smoke_run):
   workdir, _, config = smoke_run
   rows = _rows(workdir)
-  fields = set(Deviation.__dataclass_fields__)
+  numeric = {
+    name
+    for name, f in Deviation.__dataclass_fields__.items()
+    if name not in ("argmax", "ulp_format")
+  }
   for row in rows:
-    assert {"study", "point_key", "seed", "comparison"} <= row.keys()
-    assert fields <= row.keys()
+    assert {"study", "point_key", "seed", "labels", "values"} <= row.keys()
+    assert "comparison" in row["labels"]
+    assert numeric <= row["values"].keys()
+    assert not numeric & row["labels"].keys()
+    assert all(isinstance(v, (int, float)) for v in row["values"].values())
   assert {r["study"] for r in rows} == set(STUDIES)
   with open(workdir / "summary.csv") as f:
     summary = list(csv.DictReader(f))
   assert summary and "max_abs_mean" in summary[0]
-  settings = forward_deviation.settings_from_config(config)
+  settings = forward.settings_from_config(config)
   for r in summary:
-    assert int(r["n_seeds"]) == STUDIES[r["study"]].seeds(settings)
+    study = STUDIES[r["study"]]
+    seeds = study.seeds(settings.common, settings.configs[r["study"]])
+    assert int(r["n_seeds"]) == seeds
 
 
 def test_tied_study_shows_the_bias_and_its_removal_first(smoke_run):
   workdir, result, config = smoke_run
-  regime = config.tied_precisions
+  regime = config.tied_maxima.precisions
   assert result[f"tied_share_{regime}_no fix"] >= 0.9
   assert abs(result[f"tied_share_{regime}_beta=2"]) <= 0.1
   section = (workdir / "report.md").read_text().split("(Qiu & Yao)", 1)[1]
@@ -89,12 +99,13 @@ def test_headline_claims_follow_from_the_measured_rows(smoke_run):
   # Recompute Fig. 4 from metrics.jsonl: mean ratio per setting over seeds.
   ratios = {}
   for r in _rows(workdir):
+    labels = r["labels"]
     if (
       r["study"] == "against_golden"
-      and r["comparison"] == "flash_vs_golden"
-      and r["format"] == "bf16"
+      and labels["comparison"] == "flash_vs_golden"
+      and labels["format"] == "bf16"
     ):
-      ratios.setdefault(r["point_key"], []).append(r["ratio_max_abs"])
+      ratios.setdefault(r["point_key"], []).append(r["values"]["ratio_max_abs"])
   means = [sum(v) / len(v) for v in ratios.values()]
   assert fig4["settings"] == len(means)
   assert fig4["largest_ratio"] == pytest.approx(max(means))
@@ -118,16 +129,19 @@ def test_invariants(smoke_run):
   rows = [
     r
     for r in _rows(workdir)
-    if r["study"] == "format_sweep" and r["comparison"] == "flash_vs_baseline"
+    if r["study"] == "format_sweep"
+    and r["labels"]["comparison"] == "flash_vs_baseline"
   ]
   by_format = {}
   for r in rows:
-    by_format.setdefault(r["format"], []).append(r["max_abs"])
+    by_format.setdefault(r["labels"]["format"], []).append(
+      r["values"]["max_abs"]
+    )
   worst = {fmt: max(v) for fmt, v in by_format.items()}
   assert worst["fp64"] < 1e-12
   # Fewer mantissa bits, larger deviation.
   assert worst["fp64"] < worst["fp32"] < worst["bf16"]
-  assert all(r["n_nan"] == 0 for r in _rows(workdir))
+  assert all(r["values"]["n_nan"] == 0 for r in _rows(workdir))
 
 
 def test_rerun_skips_finished_points_and_repairs_a_cut_line(
@@ -141,14 +155,14 @@ def test_rerun_skips_finished_points_and_repairs_a_cut_line(
   (copy / "metrics.jsonl").write_text(
     "".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2]
   )
-  result = forward_deviation.run(config, copy)
+  result = forward.run(config, copy)
   # Only the point whose row was cut is measured again.
   assert result["points_measured"] == 1
   assert result["points_skipped"] == first["points_measured"] - 1
   again = _rows(copy)  # every line parses, no row is duplicated
   assert len(again) == len(lines)
   assert len({json.dumps(r, sort_keys=True) for r in again}) == len(again)
-  assert forward_deviation.run(config, copy)["points_measured"] == 0
+  assert forward.run(config, copy)["points_measured"] == 0
 
 
 def test_launcher_accepts_command_line_overrides(tmp_path):
@@ -158,11 +172,11 @@ def test_launcher_accepts_command_line_overrides(tmp_path):
     f"--workdir={tmp_path}",
     f"--config={REPO / 'configs' / 'forward_deviation.py'}:smoke",
     "--config.studies=seq_len",
-    "--config.seq_lens=32,48",
-    "--config.seeds=1",
+    "--config.seq_len.lengths=32,48",
+    "--config.common.seeds=1",
   ]
   subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=300)
-  lengths = {r["seq_len"] for r in _rows(tmp_path)}
+  lengths = {r["labels"]["seq_len"] for r in _rows(tmp_path)}
   assert lengths == {32, 48}
 
 
@@ -170,7 +184,7 @@ def test_bad_config_fails_fast():
   config = forward_config.get_config("smoke")
   config.studies = "format_sweep,fig9"
   with pytest.raises(ValueError, match="fig9.*valid"):
-    forward_deviation.run(config, "/nonexistent/never/written")
+    forward.run(config, "/nonexistent/never/written")
   with pytest.raises(ValueError, match="variant 'papers'"):
     forward_config.get_config("papers")
 
@@ -178,15 +192,15 @@ def test_bad_config_fails_fast():
 def test_overflow_is_recorded_and_named_not_hidden(tmp_path):
   config = forward_config.get_config("smoke")
   config.studies = "format_sweep"
-  config.formats = "fp32,fp16"
-  config.distributions = "scaled"
-  config.scale = 200.0  # scores overflow fp16 when stored in it
-  config.seeds = 1
-  result = forward_deviation.run(config, tmp_path)
+  config.common.formats = "fp32,fp16"
+  config.common.distributions = "scaled"
+  config.common.scale = 200.0  # scores overflow fp16 when stored in it
+  config.common.seeds = 1
+  result = forward.run(config, tmp_path)
   assert result["nonfinite_rows"] > 0
   rows = _rows(tmp_path)
-  bad = [r for r in rows if r["n_nan"] or r["n_inf"]]
-  assert bad and all(r["policy"] == "fp16" for r in bad)
+  bad = [r for r in rows if r["values"]["n_nan"] or r["values"]["n_inf"]]
+  assert bad and all(r["labels"]["policy"] == "fp16" for r in bad)
   report = (tmp_path / "report.md").read_text()
   section = report.split("## Non-finite values", 1)[1]
   assert '"policy": "fp16"' in section and "NaN" in section

@@ -12,19 +12,24 @@ import stableattn as sa
 from configs import benchmark as benchmark_config
 from configs import forward_deviation as forward_config
 from configs import training_drift as drift_config
-from stableattn.experiments import benchmark, forward_deviation, training_drift
+from stableattn.experiments import benchmark, forward, training_drift
 from stableattn.experiments.rundir import RunDir
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _forward_config(**changes):
+  """The smoke config, Fig. 3 only; `changes` by dotted field name."""
   config = forward_config.get_config("smoke")
   config.studies = "format_sweep"
-  config.formats = "fp32,bf16"
-  config.seeds = 1
+  config.common.formats = "fp32,bf16"
+  config.common.seeds = 1
   for key, value in changes.items():
-    config[key] = value
+    block = config
+    *parents, name = key.split(".")
+    for parent in parents:
+      block = block[parent]
+    block[name] = value
   return config
 
 
@@ -35,11 +40,12 @@ def _rows(workdir):
 def test_forward_rerun_with_another_config_is_refused_naming_the_fields(
   tmp_path,
 ):
-  forward_deviation.run(_forward_config(), tmp_path)
+  forward.run(_forward_config(), tmp_path)
+  head_dim = {"common.head_dim": 32}
   with pytest.raises(ValueError, match=r"head_dim: 16 there, 32 now"):
-    forward_deviation.run(_forward_config(head_dim=32), tmp_path)
+    forward.run(_forward_config(**head_dim), tmp_path)
   # The way out: --restart measures afresh, with nothing of the old run.
-  forward_deviation.run(_forward_config(head_dim=32), tmp_path, restart=True)
+  forward.run(_forward_config(**head_dim), tmp_path, restart=True)
   keys = {
     json.loads(r["point_key"].split(":", 1)[1])["head_dim"]
     for r in _rows(tmp_path)
@@ -48,8 +54,8 @@ def test_forward_rerun_with_another_config_is_refused_naming_the_fields(
 
 
 def test_forward_rerun_may_add_seeds_and_the_report_says_so(tmp_path):
-  first = forward_deviation.run(_forward_config(), tmp_path)
-  more = forward_deviation.run(_forward_config(seeds=2), tmp_path)
+  first = forward.run(_forward_config(), tmp_path)
+  more = forward.run(_forward_config(**{"common.seeds": 2}), tmp_path)
   assert more["points_skipped"] == first["points_measured"]
   assert more["points_measured"] == first["points_measured"]
   report = (tmp_path / "report.md").read_text()
@@ -59,7 +65,7 @@ def test_forward_rerun_may_add_seeds_and_the_report_says_so(tmp_path):
 def test_point_identity_holds_every_setting_that_changes_a_measurement(
   tmp_path,
 ):
-  forward_deviation.run(_forward_config(), tmp_path)
+  forward.run(_forward_config(), tmp_path)
   identity = json.loads(_rows(tmp_path)[0]["point_key"].split(":", 1)[1])
   for name in ("batch", "heads", "kv_heads", "head_dim", "block_q", "scale"):
     assert name in identity
@@ -68,7 +74,7 @@ def test_point_identity_holds_every_setting_that_changes_a_measurement(
 def test_a_second_run_in_the_same_workdir_is_refused(tmp_path):
   with RunDir(tmp_path).lock():
     with pytest.raises(RuntimeError, match="Another run is writing"):
-      forward_deviation.run(_forward_config(), tmp_path)
+      forward.run(_forward_config(), tmp_path)
 
 
 def test_a_line_cut_in_the_middle_loses_only_itself(tmp_path):
@@ -162,15 +168,29 @@ def test_benchmark_refuses_an_unknown_mode():
 @pytest.mark.parametrize(
   "changes, message",
   [
-    ({"studies": ""}, "config.studies is empty"),
-    ({"tied_margins": "1e-1,abc"}, "config.tied_margins must be a number"),
-    ({"seq_lens": (32, -4)}, "config.seq_lens must be >= 1"),
-    ({"distributions": "normal,cauchy"}, r"unknown \['cauchy'\]"),
+    ({"studies": ""}, "config.studies: unknown none given"),
+    (
+      {"studies": "tied_maxima", "tied_maxima.margins": "1e-1,abc"},
+      "config.tied_maxima.margins must be a number",
+    ),
+    (
+      {"studies": "seq_len", "seq_len.lengths": (32, -4)},
+      "config.seq_len.lengths must be >= 1",
+    ),
+    ({"common.distributions": "normal,cauchy"}, "unknown 'cauchy'"),
+    (
+      {"studies": "tiles", "tiles.swap": ((16, 32), (32, 16))},
+      "config.tiles.swap must be one",
+    ),
+    (
+      {"studies": "seq_len", "seq_len.precisions": "bf16,bf17"},
+      "config.seq_len.precisions: .*bf17",
+    ),
   ],
 )
 def test_bad_forward_values_name_their_field(changes, message):
   with pytest.raises(ValueError, match=message):
-    forward_deviation.run(_forward_config(**changes), "/nonexistent/x")
+    forward.run(_forward_config(**changes), "/nonexistent/x")
 
 
 def test_launcher_prints_the_error_line_not_a_traceback(tmp_path):

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from stableattn.dispatch import attention
 from stableattn.experiments.config_values import as_tuple, field, field_tuple
-from stableattn.experiments.forward_report import num, table
+from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
 from stableattn.plotting import Series, line_plot
 from stableattn.precision import Precision, natural_policy

@@ -6,6 +6,11 @@ valid, so a bad `--config.x=...` is answered in one line.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
+import ml_collections
+
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -65,3 +70,84 @@ def field_tuple(
   if not out and not allow_empty:
     raise ValueError(f"config.{name} is empty; give at least one value.")
   return out
+
+
+def tile_pairs(value, name: str) -> tuple[tuple[int, int], ...]:
+  """(block_q, block_k) pairs of positive sizes, from pairs or one pair."""
+  try:
+    pairs = [value] if isinstance(value[0], int) else list(value)
+    out = tuple((int(a), int(b)) for a, b in pairs)
+  except (TypeError, ValueError, IndexError):
+    raise ValueError(
+      f"config.{name} must be (block_q, block_k) pairs, got {value!r}."
+    ) from None
+  if not out or min(min(p) for p in out) < 1:
+    raise ValueError(f"config.{name} needs positive tile sizes, got {value!r}.")
+  return out
+
+
+def spec(
+  *, default=None, minimum=None, choices=None, parse=None, allow_empty=False
+):
+  """Metadata of a config dataclass field, read by `from_block`.
+
+  default: the field's value in the ConfigDict block `config_block` builds
+    (as a config file would write it: "a,b" or a tuple);
+  minimum: the least valid value (of each element for a tuple);
+  choices: the valid values (of each element);
+  parse: `parse(raw, dotted_name)` for a field no type rule covers.
+  """
+  return dataclasses.field(
+    metadata={
+      "default": default,
+      "minimum": minimum,
+      "choices": choices,
+      "parse": parse,
+      "allow_empty": allow_empty,
+    }
+  )
+
+
+def config_block(cls):
+  """The ConfigDict block of a config dataclass, holding its defaults."""
+  return ml_collections.ConfigDict(
+    {f.name: f.metadata["default"] for f in dataclasses.fields(cls)}
+  )
+
+
+def from_block(cls, config, block: str):
+  """A config dataclass built from the ConfigDict sub-block `block`.
+
+  Each field is read by its annotation (int, float, str, or a tuple of
+  one of them) and its `spec` metadata; the error names the dotted field.
+  A class with no fields needs no block.
+  """
+  hints = typing.get_type_hints(cls)
+  values = {}
+  for f in dataclasses.fields(cls):
+    name = f"{block}.{f.name}"
+    meta = f.metadata
+    kind = hints[f.name]
+    if meta.get("parse"):
+      values[f.name] = meta["parse"](_lookup(config, name), name)
+    elif typing.get_origin(kind) is tuple:
+      values[f.name] = field_tuple(
+        config,
+        name,
+        typing.get_args(kind)[0],
+        minimum=meta.get("minimum"),
+        allow_empty=meta.get("allow_empty", False),
+      )
+    else:
+      values[f.name] = field(config, name, kind, minimum=meta.get("minimum"))
+    choices = meta.get("choices")
+    given = values[f.name]
+    for value in given if isinstance(given, tuple) else (given,):
+      if choices is not None and value not in choices:
+        raise ValueError(
+          f"config.{name}: unknown {value!r}; valid: {list(choices)}."
+        )
+  try:
+    return cls(**values)
+  except ValueError as e:
+    raise ValueError(f"config.{block}: {e}") from None

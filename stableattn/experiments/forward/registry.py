@@ -1,0 +1,31 @@
+"""The forward studies, in report order: one line per study module, each
+module defining `STUDY` (a `study.Study`) and named after its config block.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+STUDY_MODULES = (
+  "format_sweep",
+  "against_golden",
+  "seq_len",
+  "tiles",
+  "stage_attribution",
+  "fa3_table3",
+  "tied_maxima",
+  "backward",
+)
+
+
+def _load(module: str):
+  study = importlib.import_module(f"{__package__}.{module}").STUDY
+  if study.name != module:
+    raise ValueError(
+      f"study module {module!r} defines a study named {study.name!r}: the "
+      "study, its module and its config block share one name."
+    )
+  return study
+
+
+STUDIES = {module: _load(module) for module in STUDY_MODULES}
