@@ -124,6 +124,47 @@ def test_headline_claims_follow_from_the_measured_rows(smoke_run):
   assert f"**{fig4['verdict']}**" in first_screen
 
 
+def _rounded(x):
+  """A JSON structure with floats to 10 significant digits (the sums over
+  seeds may differ in the last bit)."""
+  if isinstance(x, dict):
+    return {k: _rounded(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_rounded(v) for v in x]
+  if isinstance(x, float):
+    return float(f"{x:.10g}")
+  return x
+
+
+def test_every_verdict_follows_from_the_rows_in_metrics_jsonl(smoke_run):
+  workdir, _, _ = smoke_run
+  headline = json.loads((workdir / "headline.json").read_text())
+  # An independent summary of metrics.jsonl: means over seeds per point.
+  groups = {}
+  for r in _rows(workdir):
+    key = (r["point_key"], json.dumps(r["labels"], sort_keys=True))
+    groups.setdefault(key, []).append(r)
+  summary = []
+  for members in groups.values():
+    row = {"study": members[0]["study"], "point_key": members[0]["point_key"]}
+    row.update(members[0]["labels"])
+    for name in members[0]["values"]:
+      values = [m["values"][name] for m in members]
+      row[f"{name}_mean"] = sum(values) / len(values)
+    summary.append(row)
+  claims_table = (workdir / "report.md").read_text().split("\n## ")[1]
+  for study in STUDIES.values():
+    for claim_id, claim in study.claims.items():
+      rows = [r for r in summary if r["study"] == study.name]
+      expected = json.loads(json.dumps(claim.compute(rows)))
+      reported = dict(headline["claims"][claim_id])
+      assert reported.pop("claim") == claim.text
+      assert _rounded(reported) == _rounded(expected), claim_id
+      assert f"| {claim_id} | {claim.text} | **{expected['verdict']}** |" in (
+        claims_table
+      )
+
+
 def test_invariants(smoke_run):
   workdir, _, _ = smoke_run
   rows = [

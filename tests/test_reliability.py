@@ -178,6 +178,7 @@ def test_benchmark_refuses_an_unknown_mode():
       "config.seq_len.lengths must be >= 1",
     ),
     ({"common.distributions": "normal,cauchy"}, "unknown 'cauchy'"),
+    ({"common.formats": ""}, "config.common.formats is empty"),
     (
       {"studies": "tiles", "tiles.swap": ((16, 32), (32, 16))},
       "config.tiles.swap must be one",

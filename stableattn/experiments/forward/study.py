@@ -26,9 +26,12 @@ from stableattn.precision import Precision, format_name
 def formats(raw, name: str) -> tuple[str, ...]:
   """Format names (fp64, fp32, fp16, bf16 and their aliases), canonical."""
   try:
-    return tuple(format_name(f) for f in as_tuple(raw))
+    names = tuple(format_name(f) for f in as_tuple(raw))
   except ValueError as e:
     raise ValueError(f"config.{name}: {e}") from None
+  if not names:
+    raise ValueError(f"config.{name} is empty; give at least one format.")
+  return names
 
 
 def policies(raw, name: str) -> tuple[str, ...]:
