@@ -3,17 +3,11 @@ rows, and no verdict comes from no rows."""
 
 import pytest
 
-from stableattn.experiments.forward import STUDIES
 from stableattn.experiments.forward.against_golden import fig4
 from stableattn.experiments.forward.format_sweep import fig3
+from stableattn.experiments.forward.registry import CLAIMS
 from stableattn.experiments.forward.seq_len import fig5
 from stableattn.experiments.forward.tiles import fig6a, fig6b, fig6c
-
-CLAIMS = {
-  claim_id: claim
-  for study in STUDIES.values()
-  for claim_id, claim in study.claims.items()
-}
 
 
 def _golden_row(ratio, seq_len, dist="uniform", reading=("bf16", "bf16")):

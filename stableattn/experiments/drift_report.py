@@ -144,18 +144,25 @@ def _below_text(interval: Interval) -> str:
 
 def _replicate_series(rows, pair: str, metric: str, label: str) -> Series:
   """A pair's drift over steps: mean over replicates, std as the band."""
-  by_step: dict[int, list[float]] = {}
-  for r in replicates_of(rows):
-    for step, v in model_drift(rows, pair, metric, r).items():
-      if step > 0:
-        by_step.setdefault(step, []).append(v)
+  points = [
+    (step, v)
+    for r in replicates_of(rows)
+    for step, v in model_drift(rows, pair, metric, r).items()
+    if step > 0
+  ]
+  return _over_replicates(label, points, band=True)
+
+
+def _over_replicates(label: str, points, band: bool = False) -> Series:
+  """A series of (step, value) points from every replicate: the mean at
+  each step, and with `band` the std across replicates where there are
+  several."""
+  by_step: dict = {}
+  for step, value in points:
+    by_step.setdefault(step, []).append(value)
   steps = sorted(by_step)
-  series = Series(
-    label,
-    steps,
-    [float(np.mean(by_step[s])) for s in steps],
-  )
-  if any(len(v) > 1 for v in by_step.values()):
+  series = Series(label, steps, [float(np.mean(by_step[s])) for s in steps])
+  if band and any(len(v) > 1 for v in by_step.values()):
     series.y_err = [float(np.std(by_step[s])) for s in steps]
   return series
 
@@ -553,26 +560,15 @@ def _plots(run_dir, settings, rows, pairs) -> list[str]:
   return names
 
 
-def _mean_by_step(points) -> tuple[list, list]:
-  """(steps, mean over replicates of the values at each step)."""
-  by_step: dict = {}
-  for step, value in points:
-    by_step.setdefault(step, []).append(value)
-  steps = sorted(by_step)
-  return steps, [float(np.mean(by_step[s])) for s in steps]
-
-
 def _run_plots(run_dir, settings, rows) -> list[str]:
   names = []
   shadow = [
     r for r in rows if r.get("kind") == "attention" and "shadow_max_abs" in r
   ]
   series = [
-    Series(
+    _over_replicates(
       f"layer {layer}",
-      *_mean_by_step(
-        (r["step"], r["shadow_max_abs"]) for r in shadow if r["layer"] == layer
-      ),
+      [(r["step"], r["shadow_max_abs"]) for r in shadow if r["layer"] == layer],
     )
     for layer in sorted({r["layer"] for r in shadow})
   ]
@@ -595,7 +591,7 @@ def _run_plots(run_dir, settings, rows) -> list[str]:
       if r.get("kind") == "run" and r["run"] == run
     ]
     if points:
-      series.append(Series(run, *_mean_by_step(points)))
+      series.append(_over_replicates(run, points))
   names.append(
     line_plot(
       run_dir.path / "loss.png",

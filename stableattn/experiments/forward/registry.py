@@ -29,3 +29,9 @@ def _load(module: str):
 
 
 STUDIES = {module: _load(module) for module in STUDY_MODULES}
+# Every paper claim ("fig4") -> its `study.Claim`, from the study answering it.
+CLAIMS = {
+  claim_id: claim
+  for study in STUDIES.values()
+  for claim_id, claim in study.claims.items()
+}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from stableattn.experiments.forward.registry import STUDIES
+from stableattn.experiments.forward.registry import CLAIMS, STUDIES
 from stableattn.experiments.forward.study import ReportContext
 from stableattn.experiments.reporting import section, select, table
 from stableattn.experiments.rundir import RunDir
@@ -25,14 +25,6 @@ def paper_claims(summary, studies) -> dict[str, dict]:
     for name in studies
     for claim_id, claim in STUDIES[name].claims.items()
   }
-
-
-def claim_evidence(claim_id: str, claim: dict) -> str:
-  """One sentence of evidence for a computed claim."""
-  for study in STUDIES.values():
-    if claim_id in study.claims:
-      return study.claims[claim_id].evidence(claim)
-  raise KeyError(f"no study answers claim {claim_id!r}")
 
 
 def _claims_section(claims: dict) -> str:
@@ -51,7 +43,7 @@ def _claims_section(claims: dict) -> str:
             claim_id,
             claim["claim"],
             f"**{claim['verdict']}**",
-            claim_evidence(claim_id, claim),
+            CLAIMS[claim_id].evidence(claim),
           ]
           for claim_id, claim in claims.items()
         ],
