@@ -36,16 +36,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.cpu.block_q = 64
   c.cpu.block_k = 64
   c.cpu.memory_seq_lens = "1024,2048,4096,8192"
+  c.cpu.search_seq_len = 2048  # unused: the tile search runs on a GPU only
 
   c.gpu = ml_collections.ConfigDict()
-  c.gpu.dtypes = "bf16,fp16"
+  c.gpu.dtypes = "bf16"
   c.gpu.policies = ""
-  c.gpu.seq_lens = "512,1024,2048,4096,8192,16384"
+  c.gpu.seq_lens = "1024,2048,4096,8192,16384"
   c.gpu.batch = 4
   c.gpu.heads = 16
-  c.gpu.block_q = 128
+  c.gpu.block_q = 64
   c.gpu.block_k = 64
   c.gpu.memory_seq_lens = "2048,8192,16384"
+  c.gpu.search_seq_len = 8192  # length of the tile search
 
   if arg == "smoke":
     c.head_dims = "64"

@@ -9,7 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.flash_attention import flash_attention, flash_attention_with_lse
+from stableattn.flash_attention import (
+  flash_attention,
+  flash_attention_with_lse,
+  padded_head_dim,
+)
 from stableattn.pallas_forward import SCHEMES, KernelConfig
 from stableattn.precision import Precision, require_x64_if_needed, resolve
 from stableattn.reference import reference_attention, xla_attention
@@ -113,6 +117,43 @@ def gpu_unsupported_reason(policy: Precision) -> str | None:
   return None
 
 
+# Largest shared memory one Triton program may use on an H100/H200 (227 KiB).
+GPU_SHARED_MEMORY_BYTES = 232448
+
+
+def shared_memory_reason(policy: Precision, head_dim: int, tiles) -> str | None:
+  """Why these tiles cannot fit in a GPU's shared memory, or None.
+
+  The backward kernels hold about four tiles of the largest block size
+  (rows of Q, dO, K, V at the padded head dim) in matmul-operand format.
+  On an H100 this estimate matched Triton's request exactly where it
+  failed (FP32 operands, head dim 128, a 128-row tile: 262144 bytes) and
+  stayed below the limit for every configuration that compiled.
+  """
+  operand_bytes = policy.dtype("matmul_operands").itemsize
+  head_dim_padded = padded_head_dim(head_dim, interpret=False)
+  need = 4 * max(tiles) * head_dim_padded * operand_bytes
+  if need <= GPU_SHARED_MEMORY_BYTES:
+    return None
+  return (
+    f"Tiles {tuple(tiles)} at head dim {head_dim} with "
+    f"{policy.matmul_operands} matmul operands need about {need} bytes of "
+    f"GPU shared memory; a Triton program gets at most "
+    f"{GPU_SHARED_MEMORY_BYTES} on an H100/H200. Use tiles of at most "
+    f"{_largest_fitting_tile(head_dim_padded, operand_bytes)} (block_q, "
+    "block_k, bwd_block_q, bwd_block_k), or interpret=True."
+  )
+
+
+def _largest_fitting_tile(head_dim_padded: int, operand_bytes: int) -> int:
+  tile = 16
+  while 4 * 2 * tile * head_dim_padded * operand_bytes <= (
+    GPU_SHARED_MEMORY_BYTES
+  ):
+    tile *= 2
+  return tile
+
+
 def kernel_config(
   q_shape,
   kv_shape,
@@ -147,7 +188,9 @@ def kernel_config(
     for_gpu=for_gpu,
   )
   if for_gpu:
-    reason = gpu_unsupported_reason(policy)
+    reason = gpu_unsupported_reason(policy) or shared_memory_reason(
+      policy, q_shape[3], (block_q, block_k, bwd_block_q, bwd_block_k)
+    )
     if reason:
       raise ValueError(reason)
   return KernelConfig(

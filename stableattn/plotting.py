@@ -86,6 +86,51 @@ def line_plot(
   return _save(fig, path)
 
 
+def line_panels(
+  path: str | pathlib.Path,
+  panels: dict[str, list[Series]],
+  *,
+  title: str,
+  xlabel: str,
+  ylabel: str,
+  columns: int = 2,
+) -> pathlib.Path:
+  """One small line plot per panel (log2 x), each label one colour in all
+  panels, one legend for the figure."""
+  rows = -(-len(panels) // columns)
+  fig, axes = plt.subplots(
+    rows,
+    columns,
+    figsize=(4.2 * columns, 2.9 * rows),
+    dpi=110,
+    squeeze=False,
+    sharex=True,
+  )
+  labels = sorted({s.label for group in panels.values() for s in group})
+  colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+  for ax, (name, group) in zip(axes.flat, panels.items()):
+    for s in group:
+      ax.plot(s.x, s.y, marker="o", color=colours[s.label], label=s.label)
+    ax.set_xscale("log", base=2)
+    ax.set_title(name, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+  for ax in axes.flat[len(panels) :]:
+    ax.set_visible(False)
+  for ax in axes[:, 0]:
+    ax.set_ylabel(ylabel)
+  for ax in axes[-1]:
+    ax.set_xlabel(xlabel)
+  handles = [
+    plt.Line2D([], [], color=colours[label], marker="o") for label in labels
+  ]
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels))
+  fig.suptitle(title)
+  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.savefig(path)
+  plt.close(fig)
+  return pathlib.Path(path)
+
+
 def _grouped_bars(ax, labels, groups: dict[str, list], *, rotation: int):
   """One bar per group at each label, the label under the group's middle."""
   width = 0.8 / max(1, len(groups))

@@ -18,7 +18,14 @@ import stableattn as sa
 GPU_PRESETS = [p for p in sa.preset_names() if p != "fp64"]
 # Every preset except FP64 compiles: half-precision arithmetic runs in FP32
 # and each result is rounded by a cast, a real rounding in a Triton kernel.
-CONFIGS = list(itertools.product(GPU_PRESETS, [(64, 64), (128, 64)], [64, 128]))
+CONFIGS = [
+  (precision, tiles, head_dim)
+  for precision, tiles, head_dim in itertools.product(
+    GPU_PRESETS, [(64, 64), (128, 64)], [64, 128]
+  )
+  # FP32 operands at head dim 128 fit a 64-row tile only (H100, measured).
+  if not (precision == "fp32" and head_dim == 128 and max(tiles) > 64)
+]
 
 
 def _loss_and_grads(precision, tiles, causal, interpret):
@@ -50,6 +57,25 @@ def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
     )
     # Forward, delta, dK/dV and dQ kernels all became Triton calls.
     assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+def test_tiles_beyond_gpu_shared_memory_raise_clearly():
+  q = jnp.zeros((1, 256, 2, 128), jnp.float32)
+  with pytest.raises(ValueError, match="shared memory.*at most 64"):
+    sa.attention(q, q, q, precision="fp32", block_q=128, interpret=False)
+  # The same tiles run in interpret mode, and fit with BF16 operands.
+  sa.attention(q, q, q, precision="fp32", block_q=128, interpret=True)
+  text = (
+    jax.jit(
+      lambda q: sa.attention(
+        q, q, q, precision="bf16-fa2", block_q=128, interpret=False
+      )
+    )
+    .trace(q.astype(jnp.bfloat16))
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
+  assert "__gpu$xla.gpu.triton" in text
 
 
 def test_tie_fix_lowers_for_cuda():
@@ -126,4 +152,13 @@ def test_compiled_kernel_rounds_like_interpret_mode(precision):
     for interpret in (False, True)
   ]
   same = float(np.mean(outs[0] == outs[1]))
-  assert same >= 0.995, f"only {same:.4f} bit-identical"
+  if sa.Precision.from_name(precision).output != "fp32":
+    assert same >= 0.995, f"only {same:.4f} bit-identical"
+    return
+  # With no rounding below FP32 the order of FP32 sums shows: the Triton
+  # dot and XLA's GPU dot (interpret mode) add in different orders, so
+  # only 8-20% of FP32 outputs were bit-identical on an H100. They must
+  # still agree to a few FP32 ulps of the output's scale.
+  ulp = np.spacing(np.float32(np.abs(outs[1]).max()))
+  apart = float(np.abs(outs[0] - outs[1]).max() / ulp)
+  assert apart <= 16, f"{apart:.1f} ulps of the largest output apart"

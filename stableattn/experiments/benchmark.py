@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from stableattn.dispatch import attention
 from stableattn.experiments.config_values import as_tuple, field, field_tuple
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
-from stableattn.plotting import Series, line_plot
+from stableattn.plotting import Series, line_panels, line_plot
 from stableattn.precision import Precision, natural_policy
 
 CPU_IMPLEMENTATIONS = ("pallas", "reference", "xla")
@@ -66,29 +67,10 @@ def attention_fn(
       q, k, v, is_causal=causal, implementation="cudnn"
     )
   if implementation == "jax_mha":
-
-    def jax_mha(q, k, v):
-      sizes = jax_gpu_attention.BlockSizes(
-        block_q=block_q,
-        block_k=block_k,
-        block_q_dkv=block_q,
-        block_kv_dkv=block_k,
-        block_q_dq=block_q,
-        block_kv_dq=block_k,
-      )
-      return jax_gpu_attention.mha(
-        q,
-        k,
-        v,
-        segment_ids=None,
-        sm_scale=q.shape[-1] ** -0.5,
-        causal=causal,
-        block_sizes=sizes,
-        num_warps=num_warps,
-        num_stages=num_stages or 2,
-      )
-
-    return jax_mha
+    # jax's kernel with its own defaults (128x128 tiles), as users call it.
+    return lambda q, k, v: jax_gpu_attention.mha(
+      q, k, v, segment_ids=None, sm_scale=q.shape[-1] ** -0.5, causal=causal
+    )
   raise ValueError(
     f"Unknown implementation {implementation!r}; valid: "
     f"{list(CPU_IMPLEMENTATIONS + GPU_ONLY)}."
@@ -132,6 +114,7 @@ class Settings:
   memory_seq_lens: tuple[int, ...]
   memory_implementations: tuple[str, ...]
   tile_search: bool
+  search_seq_len: int
 
 
 def settings_from_config(c) -> Settings:
@@ -182,6 +165,7 @@ def settings_from_config(c) -> Settings:
     ),
     memory_implementations=memory,
     tile_search=bool(c.tile_search) and gpu,
+    search_seq_len=field(c, f"{g}.search_seq_len", minimum=1),
   )
 
 
@@ -202,39 +186,84 @@ def _random_inputs(key, shape, precision: str):
   return (jax.random.normal(k, shape, dtype) for k in jax.random.split(key, 3))
 
 
+def compile_all(fns: dict, args, workers: int = 8) -> dict:
+  """name -> compiled fn, or the first line of its error (out of memory, a
+  shared-memory limit). Compiles in threads: XLA and Triton release the GIL,
+  so a GPU tile search compiles its candidates side by side."""
+
+  def compile_one(item):
+    name, fn = item
+    try:
+      return name, jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # recorded in the row; the sweep goes on
+      return name, str(e).strip().splitlines()[0][:200]
+
+  with ThreadPoolExecutor(workers) as pool:
+    return dict(pool.map(compile_one, fns.items()))
+
+
+def median_ms(fn, args, warmup: int, repeats: int) -> float | str:
+  """Median wall time of `repeats` runs after `warmup`, or the error."""
+  try:
+    for _ in range(max(warmup, 1)):
+      jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - start)
+  except Exception as e:  # out of memory at run time
+    return str(e).strip().splitlines()[0][:200]
+  return 1e3 * float(np.median(times))
+
+
 def _time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
   shape = (s.batch, seq_len, s.heads, head_dim)
-  q, k, v = _random_inputs(jax.random.key(seq_len), shape, precision)
-  fns = {}
-  for name in s.implementations:
-    fn = _timed(
-      attention_fn(name, precision, causal, s.block_q, s.block_k), mode
-    )
+  args = tuple(_random_inputs(jax.random.key(seq_len), shape, precision))
+  compiled = compile_all(
+    {
+      name: _timed(
+        attention_fn(name, precision, causal, s.block_q, s.block_k), mode
+      )
+      for name in s.implementations
+    },
+    args,
+  )
+  times = {name: [] for name, fn in compiled.items() if callable(fn)}
+  for name in times:
     for _ in range(s.warmup):
-      jax.block_until_ready(fn(q, k, v))
-    fns[name] = fn
-  times = {name: [] for name in fns}
+      jax.block_until_ready(compiled[name](*args))
   for _ in range(s.repeats):  # alternate so drifts hit all alike
-    for name, fn in fns.items():
+    for name in times:
       start = time.perf_counter()
-      jax.block_until_ready(fn(q, k, v))
+      jax.block_until_ready(compiled[name](*args))
       times[name].append(time.perf_counter() - start)
   work = flops(s.batch, s.heads, seq_len, head_dim, causal, mode)
-  rows = []
+  labels = {
+    "kind": "timing",
+    "device": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "mode": mode,
+    "causal": causal,
+    "precision": precision,
+    "head_dim": head_dim,
+    "seq_len": seq_len,
+    "batch": s.batch,
+    "heads": s.heads,
+  }
+  rows = [
+    {**labels, "implementation": name, "error": error}
+    for name, error in compiled.items()
+    if not callable(error)
+  ]
+  timed = []
   for name, ts in times.items():
     ts = np.asarray(ts)
     median = float(np.median(ts))
-    rows.append(
+    timed.append(
       {
-        "kind": "timing",
+        **labels,
         "implementation": name,
-        "mode": mode,
-        "causal": causal,
-        "precision": precision,
-        "head_dim": head_dim,
-        "seq_len": seq_len,
-        "batch": s.batch,
-        "heads": s.heads,
         "median_ms": 1e3 * median,
         "p25_ms": 1e3 * float(np.percentile(ts, 25)),
         "p75_ms": 1e3 * float(np.percentile(ts, 75)),
@@ -242,13 +271,13 @@ def _time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
         "tflops": work / median / 1e12,
       }
     )
-  for row in rows:
-    for other in rows:
+  for row in timed:
+    for other in timed:
       if other is not row:
         row[f"time_ratio_vs_{other['implementation']}"] = (
           row["median_ms"] / other["median_ms"]
         )
-  return rows
+  return timed + rows
 
 
 def _memory(s: Settings, implementation: str, seq_len: int) -> dict:
@@ -275,44 +304,97 @@ def _memory(s: Settings, implementation: str, seq_len: int) -> dict:
   }
 
 
+TILE_CANDIDATES = (64, 128), (32, 64, 128), (4, 8), (1, 2, 3)
+BACKWARD_TILE_CANDIDATES = (32, 64, 128), (32, 64, 128), (4, 8), (1, 2)
+
+
 def tile_search(
   s: Settings, precision: str, head_dim: int, causal: bool, seq_len: int
-) -> dict:
-  """Fastest (block_q, block_k, num_warps, num_stages) for one setting."""
+) -> list[dict]:
+  """The fastest (tiles, num_warps, num_stages), forward then backward.
+
+  The backward search keeps the forward's best tiles and times the whole
+  gradient, varying the backward tiles and the compiler parameters (which
+  the forward and backward kernels share).
+  """
   shape = (s.batch, seq_len, s.heads, head_dim)
-  q, k, v = _random_inputs(jax.random.key(1), shape, precision)
-  best = None
-  for block_q, block_k, warps, stages in itertools.product(
-    (64, 128), (32, 64, 128), (4, 8), (2, 3)
-  ):
-    fn = jax.jit(
-      attention_fn("pallas", precision, causal, block_q, block_k, warps, stages)
+  args = tuple(_random_inputs(jax.random.key(1), shape, precision))
+
+  def fn(tiles, warps, stages, backward_tiles=None):
+    return functools.partial(
+      attention,
+      implementation="pallas",
+      precision=precision,
+      causal=causal,
+      block_q=tiles[0],
+      block_k=tiles[1],
+      bwd_block_q=(backward_tiles or tiles)[0],
+      bwd_block_k=(backward_tiles or tiles)[1],
+      num_warps=warps,
+      num_stages=stages,
     )
-    try:
-      jax.block_until_ready(fn(q, k, v))
-    except Exception:  # a configuration Triton cannot fit (shared memory)
-      continue
-    ts = []
-    for _ in range(s.repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(q, k, v))
-      ts.append(time.perf_counter() - start)
-    median = float(np.median(ts))
-    if best is None or median < best["median_ms"] / 1e3:
-      best = {
-        "block_q": block_q,
-        "block_k": block_k,
-        "num_warps": warps,
-        "num_stages": stages,
-        "median_ms": 1e3 * median,
-      }
-  return {
+
+  forward = {
+    ((bq, bk), w, st): fn((bq, bk), w, st)
+    for bq, bk, w, st in itertools.product(*TILE_CANDIDATES)
+  }
+  best = _fastest(s, compile_all(forward, args), args)
+  rows = [_search_row(precision, head_dim, causal, seq_len, "forward", best)]
+  if best is None:
+    return rows
+  tiles = best[0][0]
+  backward = {
+    (tiles, w, st, (bq, bk)): _timed(
+      fn(tiles, w, st, (bq, bk)), "forward_backward"
+    )
+    for bq, bk, w, st in itertools.product(*BACKWARD_TILE_CANDIDATES)
+  }
+  best = _fastest(s, compile_all(backward, args), args)
+  rows.append(
+    _search_row(precision, head_dim, causal, seq_len, "forward_backward", best)
+  )
+  return rows
+
+
+def _fastest(s: Settings, compiled: dict, args):
+  """(key, ms, candidates that ran) of the fastest compiled candidate."""
+  timed = {
+    key: median_ms(fn, args, s.warmup, s.repeats)
+    for key, fn in compiled.items()
+    if callable(fn)
+  }
+  timed = {key: ms for key, ms in timed.items() if isinstance(ms, float)}
+  if not timed:
+    return None
+  key = min(timed, key=timed.get)
+  return key, timed[key], len(timed), len(compiled)
+
+
+def _search_row(precision, head_dim, causal, seq_len, mode, best) -> dict:
+  row = {
     "kind": "tile_search",
+    "mode": mode,
     "precision": precision,
     "head_dim": head_dim,
     "causal": causal,
     "seq_len": seq_len,
-    **(best or {}),
+  }
+  if best is None:
+    return {**row, "error": "no candidate compiled and ran"}
+  key, ms, ran, tried = best
+  tiles, warps, stages = key[:3]
+  backward_tiles = key[3] if len(key) > 3 else tiles
+  return {
+    **row,
+    "block_q": tiles[0],
+    "block_k": tiles[1],
+    "bwd_block_q": backward_tiles[0],
+    "bwd_block_k": backward_tiles[1],
+    "num_warps": warps,
+    "num_stages": stages,
+    "median_ms": ms,
+    "candidates_ran": ran,
+    "candidates": tried,
   }
 
 
@@ -349,29 +431,61 @@ def _run(s: Settings, config, run_dir: RunDir) -> dict:
     for precision, head_dim, causal in itertools.product(
       s.precisions, s.head_dims, s.causal
     ):
-      new = tile_search(s, precision, head_dim, causal, max(s.seq_lens))
-      run_dir.append_metrics([new])
-      rows.append(new)
+      new = tile_search(s, precision, head_dim, causal, s.search_seq_len)
+      run_dir.append_metrics(new)
+      rows += new
   return _report(run_dir, s, rows)
+
+
+def _time_cell(row: dict | None) -> str:
+  if row is None:
+    return "-"
+  if "error" in row:
+    return "failed: " + _short_error(row["error"])
+  return f"{num(row['median_ms'])} ({num(row['tflops'])})"
+
+
+def _search_cells(r: dict) -> list:
+  cells = [r["mode"], r["precision"], r["head_dim"], r["causal"]]
+  if "error" in r:
+    return cells + [r["error"]] + [""] * 5
+  return cells + [
+    f"{r['block_q']}x{r['block_k']}",
+    f"{r['bwd_block_q']}x{r['bwd_block_k']}",
+    r["num_warps"],
+    r["num_stages"],
+    num(r["median_ms"]),
+    f"{r['candidates_ran']} / {r['candidates']}",
+  ]
+
+
+def _short_error(message: str) -> str:
+  if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
+    return "out of memory"
+  if "All configs failed during profiling" in message:
+    return "no GEMM config ran (autotuning)"
+  return message[:60]
 
 
 def _report(run_dir: RunDir, s: Settings, rows) -> dict:
   timings = [r for r in rows if r["kind"] == "timing"]
   memory = [r for r in rows if r["kind"] == "memory"]
   run_dir.write_csv("summary.csv", timings + memory)
-  device = jax.devices()[0]
+  measured = next((r for r in timings if "device" in r), {})
+  device = measured.get("device", jax.devices()[0].device_kind)
+  jax_version = measured.get("jax", jax.__version__)
   parts = [
     "# Attention speed and memory",
     "",
-    f"*Device:* {device.device_kind} ({device.platform}), jax "
-    f"{jax.__version__}; batch {s.batch}, {s.heads} heads, tiles "
+    f"*Device:* {device}, jax {jax_version}; batch {s.batch}, "
+    f"{s.heads} heads, tiles "
     f"{s.block_q}x{s.block_k} for ours; median of {s.repeats} runs "
     f"after {s.warmup} warm-up, implementations alternating; "
     "TFLOP/s by the FlashAttention FLOP count.",
     "",
   ]
   headline = {}
-  series = []
+  panels = {}
   for mode, causal, precision, head_dim in itertools.product(
     s.modes, s.causal, s.precisions, s.head_dims
   ):
@@ -383,15 +497,13 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
     ]
     header = ["length"] + [f"{i} ms (TFLOP/s)" for i in s.implementations]
     others = [i for i in s.implementations if i != "pallas"]
-    header += [f"ours / {o}" for o in others]
+    header += [f"time ours / {o}" for o in others]
     body = []
     for seq_len in s.seq_lens:
       by = {r["implementation"]: r for r in group if r["seq_len"] == seq_len}
-      cells = [seq_len] + [
-        f"{num(by[i]['median_ms'])} ({num(by[i]['tflops'])})"
-        for i in s.implementations
-      ]
-      cells += [num(by["pallas"][f"time_ratio_vs_{o}"]) for o in others]
+      cells = [seq_len] + [_time_cell(by.get(i)) for i in s.implementations]
+      ours = by.get("pallas", {})
+      cells += [num(ours.get(f"time_ratio_vs_{o}")) for o in others]
       body.append(cells)
     parts += [
       f"## {mode}, {'causal' if causal else 'non-causal'}, {precision}, "
@@ -400,17 +512,18 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
       table(header, body),
       "",
     ]
-    for name in s.implementations:
-      series.append(
-        Series.from_points(
-          f"{name} {mode[:3]} {'c' if causal else 'nc'} d{head_dim}",
-          [
-            (r["seq_len"], r["tflops"])
-            for r in group
-            if r["implementation"] == name
-          ],
-        )
+    panel = f"{mode.replace('_', '+')}, {'causal' if causal else 'non-causal'}"
+    panels[f"{panel}, d={head_dim}, {precision}"] = [
+      Series.from_points(
+        name,
+        [
+          (r["seq_len"], r["tflops"])
+          for r in group
+          if r["implementation"] == name and "tflops" in r
+        ],
       )
+      for name in s.implementations
+    ]
   target_len = 2048 if 2048 in s.seq_lens else max(s.seq_lens)
   fwd = {
     r["implementation"]: r
@@ -442,7 +555,8 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
       )
     parts += [
       "",
-      f"## Peak memory of one forward pass (MiB; {memory[0]['source']})",
+      f"## Peak memory of one forward pass (MiB; {memory[0]['source']}; "
+      f"batch 1, {s.heads} heads, head dim {memory[0]['head_dim']})",
       "",
       table(["length"] + sorted(names), body),
       "",
@@ -482,39 +596,22 @@ def _report(run_dir: RunDir, s: Settings, rows) -> dict:
       "",
       "## Best tiles (GPU search)",
       "",
+      f"Length {s.search_seq_len}; forward: every tile x warps x stages "
+      "candidate; forward+backward: the forward's best tiles, every "
+      "backward tile x warps x stages.",
+      "",
       table(
-        [
-          "precision",
-          "head dim",
-          "causal",
-          "block_q",
-          "block_k",
-          "warps",
-          "stages",
-          "ms",
-        ],
-        [
-          [
-            r["precision"],
-            r["head_dim"],
-            r["causal"],
-            r.get("block_q"),
-            r.get("block_k"),
-            r.get("num_warps"),
-            r.get("num_stages"),
-            num(r.get("median_ms")),
-          ]
-          for r in searches
-        ],
+        ["mode", "precision", "head dim", "causal", "tiles", "backward tiles"]
+        + ["warps", "stages", "ms", "ran / tried"],
+        [_search_cells(r) for r in searches],
       ),
     ]
-  line_plot(
+  line_panels(
     run_dir.path / "tflops.png",
-    series,
-    title="Throughput",
+    panels,
+    title=f"Throughput on {device}",
     xlabel="length",
     ylabel="TFLOP/s",
-    logy=False,
   )
   parts += ["", "![tflops](tflops.png)"]
   if memory:
