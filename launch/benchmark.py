@@ -7,13 +7,18 @@ r"""Benchmark launcher.
 Kept short so that Colab and tests call the same `run`.
 """
 
+import os
 import pathlib
 
-from absl import app, flags
-from ml_collections import config_flags
+# On a GPU, JAX takes 75% of device memory at start; the memory probes run
+# in child processes and would find none left.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from stableattn.experiments import benchmark
-from stableattn.experiments.cli import run_and_print
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from stableattn.experiments import benchmark  # noqa: E402
+from stableattn.experiments.cli import run_and_print  # noqa: E402
 
 _CONFIG_PATH = pathlib.Path(__file__).resolve().parent.parent / "configs"
 config_flags.DEFINE_config_file(
