@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stableattn.dispatch import attention, check_tie_beta
+from stableattn.dispatch import IMPLEMENTATIONS, attention, check_tie_beta
 from stableattn.precision import Precision
 
-ATTENTION_KINDS = ("reference", "pallas", "xla", "shadow")
+ATTENTION_KINDS = IMPLEMENTATIONS + ("shadow",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from stableattn.drift import attention_grad_error_rows, param_drift
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.drift_report import write_report
 from stableattn.experiments.rundir import RunDir
-from stableattn.model import AttentionSpec, ModelSpec
+from stableattn.model import ATTENTION_KINDS, AttentionSpec, ModelSpec
 from stableattn.precision import Precision, natural_policy, preset_names
 from stableattn.training import (
   COMPUTE_DTYPES,
@@ -125,9 +125,9 @@ def settings_from_config(config) -> Settings:
       f"{list(COMPUTE_DTYPES)}."
     )
   for kind in (c.attention.baseline, c.attention.flash):
-    if kind not in ("reference", "pallas", "xla", "shadow"):
+    if kind not in ATTENTION_KINDS:
       raise ValueError(
-        f"Unknown attention {kind!r}; valid: reference, pallas, xla, shadow."
+        f"Unknown attention {kind!r}; valid: {', '.join(ATTENTION_KINDS)}."
       )
   devices = field(c, "train.devices", minimum=0) or jax.local_device_count()
   pairs = as_tuple(c.pairs)

@@ -1,6 +1,6 @@
 """Peak memory of one attention forward pass, measured in a fresh process.
 
-  python -m stableattn.experiments.memory_probe --implementation=pallas \
+  python -m stableattn.experiments.benchmark.memory --implementation=pallas \
       --seq_len=8192 --heads=8 --head_dim=64 --precision=fp32
 
 Prints one JSON line. On a GPU it reports the device allocator's peak; on
@@ -14,6 +14,42 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
+import sys
+
+
+def measure(
+  implementation: str,
+  seq_len: int,
+  *,
+  heads: int,
+  head_dim: int,
+  precision: str,
+  block_q: int,
+  block_k: int,
+) -> dict:
+  """One memory row, from a fresh process running `main`."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "stableattn.experiments.benchmark.memory",
+    f"--implementation={implementation}",
+    f"--seq_len={seq_len}",
+    f"--heads={heads}",
+    f"--head_dim={head_dim}",
+    f"--precision={precision}",
+    f"--block_q={block_q}",
+    f"--block_k={block_k}",
+  ]
+  out = subprocess.run(
+    cmd, check=True, capture_output=True, text=True, timeout=900
+  ).stdout
+  return {
+    "kind": "memory",
+    "head_dim": head_dim,
+    "precision": precision,
+    **json.loads(out.strip().splitlines()[-1]),
+  }
 
 
 def _status_kib(field: str) -> int:
@@ -38,7 +74,7 @@ def main() -> None:
 
   import jax
 
-  from stableattn.experiments.benchmark import attention_fn
+  from stableattn.experiments.benchmark.timing import attention_fn
   from stableattn.precision import Precision
 
   shape = (args.batch, args.seq_len, args.heads, args.head_dim)
@@ -50,8 +86,8 @@ def main() -> None:
       args.implementation,
       args.precision,
       args.causal,
-      args.block_q,
-      args.block_k,
+      block_q=args.block_q,
+      block_k=args.block_k,
     )
   )
   compiled = fn.lower(q, k, v).compile()

@@ -1,0 +1,108 @@
+"""The benchmark's configuration, validated into plain settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from stableattn.attention_fns import IMPLEMENTATIONS, NAMES, PEERS, needs_gpu
+from stableattn.experiments.config_values import as_tuple, field, field_tuple
+from stableattn.precision import Precision, natural_policy
+
+MODES = ("forward", "forward_backward")
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  implementations: tuple[str, ...]
+  modes: tuple[str, ...]
+  causal: tuple[bool, ...]
+  precisions: tuple[str, ...]  # presets timed; inputs in each's format
+  head_dims: tuple[int, ...]
+  seq_lens: tuple[int, ...]
+  batch: int
+  heads: int
+  block_q: int
+  block_k: int
+  warmup: int
+  repeats: int
+  memory_seq_lens: tuple[int, ...]
+  memory_implementations: tuple[str, ...]
+  tile_search: bool
+  search_seq_len: int
+
+
+def settings_from_config(c) -> Settings:
+  gpu = on_gpu()
+  g = "gpu" if gpu else "cpu"
+  return Settings(
+    implementations=_implementations(c, gpu),
+    modes=_choices(c, "modes", MODES),
+    causal=_booleans(c.causal),
+    precisions=_precisions(c[g]),
+    head_dims=field_tuple(c, "head_dims", int, minimum=1),
+    seq_lens=field_tuple(c, f"{g}.seq_lens", int, minimum=1),
+    batch=field(c, f"{g}.batch", minimum=1),
+    heads=field(c, f"{g}.heads", minimum=1),
+    block_q=field(c, f"{g}.block_q", minimum=1),
+    block_k=field(c, f"{g}.block_k", minimum=1),
+    warmup=field(c, "warmup", minimum=0),
+    repeats=field(c, "repeats", minimum=1),
+    memory_seq_lens=field_tuple(
+      c, f"{g}.memory_seq_lens", int, minimum=1, allow_empty=True
+    ),
+    memory_implementations=_choices(
+      c, "memory_implementations", IMPLEMENTATIONS, allow_empty=True
+    ),
+    tile_search=bool(c.tile_search) and gpu,
+    search_seq_len=field(c, f"{g}.search_seq_len", minimum=1),
+  )
+
+
+def _implementations(c, gpu: bool) -> tuple[str, ...]:
+  """The configured names; on a GPU the peers join them."""
+  names = as_tuple(c.implementations)
+  if gpu:
+    names += tuple(p for p in PEERS if p not in names)
+  for name in names:
+    if name not in NAMES:
+      raise ValueError(
+        f"Unknown implementation {name!r}; valid: {list(NAMES)}."
+      )
+    if needs_gpu(name) and not gpu:
+      raise ValueError(f"Implementation {name!r} needs a GPU.")
+  return names
+
+
+def _choices(c, name: str, valid, allow_empty: bool = False):
+  values = field_tuple(c, name, str, allow_empty=allow_empty)
+  bad = [v for v in values if v not in valid]
+  if bad:
+    raise ValueError(f"config.{name}: unknown {bad}; valid: {list(valid)}.")
+  return values
+
+
+def _booleans(value) -> tuple[bool, ...]:
+  words = as_tuple(value, lambda x: str(x).strip().lower())
+  if not words or any(w not in ("true", "false") for w in words):
+    raise ValueError(
+      f"config.causal must hold True/False values, got {value!r}."
+    )
+  return tuple(w == "true" for w in words)
+
+
+def _precisions(g) -> tuple[str, ...]:
+  """`policies` if given, else each dtype's flash-kernel policy."""
+  policies = as_tuple(g.get("policies", ()))
+  if not policies:
+    policies = tuple(
+      natural_policy(dtype, "flash") for dtype in as_tuple(g.dtypes)
+    )
+  for name in policies:
+    Precision.from_name(name)  # a clear error naming the valid presets
+  return policies
