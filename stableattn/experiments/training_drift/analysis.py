@@ -1,0 +1,110 @@
+"""Numbers from drift rows: per-step drift, ratios between pairs with
+intervals, and the paper's verdicts. No text, no files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stableattn.experiments.reporting import (
+  Interval,
+  band_verdict,
+  mean_interval,
+)
+from stableattn.experiments.training_drift.pairs import Pair
+
+RATIO_METRICS = ("wasserstein", "max_abs")
+
+
+def replicates_of(rows) -> list[int]:
+  """The replicate numbers with drift rows (0 for rows that name none)."""
+  return sorted(
+    {r.get("replicate", 0) for r in rows if r.get("kind") == "drift"}
+  )
+
+
+def model_drift(
+  rows, pair: str, metric: str = "wasserstein", replicate: int = 0
+) -> dict[int, float]:
+  """{step: value} of the whole-model drift of one pair in one replicate."""
+  return {
+    r["step"]: r[metric]
+    for r in rows
+    if r.get("kind") == "drift"
+    and r["pair"] == pair
+    and r["scope"] == "model"
+    and r.get("replicate", 0) == replicate
+  }
+
+
+def drift_ratios(
+  rows,
+  numerator: str,
+  denominator: str,
+  metric: str = "wasserstein",
+  replicate: int = 0,
+) -> dict[int, float]:
+  """{step: drift(numerator) / drift(denominator)} where both are > 0."""
+  a = model_drift(rows, numerator, metric, replicate)
+  b = model_drift(rows, denominator, metric, replicate)
+  return {s: a[s] / b[s] for s in sorted(a) if s in b and a[s] > 0 and b[s] > 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioSummary:
+  """drift(numerator) / drift(denominator), geometric means.
+
+  over_replicates: the interval of the replicates' means over logging
+  steps; over_steps: the interval of the steps' means over replicates
+  (successive steps are correlated, so this one is the narrower and the
+  less honest of the two).
+  """
+
+  over_replicates: Interval
+  over_steps: Interval
+
+  def as_dict(self) -> dict:
+    return {
+      "over_replicates": self.over_replicates.as_dict(),
+      "over_steps": self.over_steps.as_dict(),
+    }
+
+
+def ratio_summary(
+  rows, numerator: str, denominator: str, metric: str = "wasserstein"
+) -> RatioSummary | None:
+  """The ratio of two pairs' drifts with intervals; None if never defined."""
+  per_replicate = {
+    r: drift_ratios(rows, numerator, denominator, metric, r)
+    for r in replicates_of(rows)
+  }
+  per_replicate = {r: v for r, v in per_replicate.items() if v}
+  if not per_replicate:
+    return None
+  steps = sorted({s for v in per_replicate.values() for s in v})
+  by_step = [
+    mean_interval(
+      [v[s] for v in per_replicate.values() if s in v], geometric=True
+    ).mean
+    for s in steps
+  ]
+  return RatioSummary(
+    over_replicates=mean_interval(
+      [
+        mean_interval(list(v.values()), geometric=True).mean
+        for v in per_replicate.values()
+      ],
+      geometric=True,
+    ),
+    over_steps=mean_interval(by_step, geometric=True),
+  )
+
+
+def paper_verdict(summary: RatioSummary, reference: Pair) -> str | None:
+  """The verdict on the paper's claim about a subject against `reference`
+  (None where the paper claims nothing about that reference)."""
+  interval = summary.over_replicates
+  if reference.at_most is not None:
+    return band_verdict(interval, 0.0, reference.at_most)
+  if reference.below_band is not None:
+    return band_verdict(interval.inverted(), *reference.below_band)
+  return None

@@ -1,0 +1,75 @@
+"""Pairs as data: which two runs are compared, and what their drift means.
+
+Roles: a *subject* is a difference under study (Flash vs Baseline); a
+*reference* is a difference practitioners already accept (another seed,
+low-precision training), against which every subject's drift is divided;
+a *control* must drift exactly 0. Golden et al. (2024) claim Flash vs
+Baseline drifts at or below the different-seed pair and 2-5x below
+low-precision training (Wasserstein); those claims sit on the references
+as `at_most` and `below_band`, and every subject is judged by them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ROLES = ("subject", "reference", "control")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  """drift(candidate - reference run) of two variants (`variants.py`).
+
+  Attributes:
+    name: the pair's name in config, rows and report.
+    reference_run, candidate_run: variant names.
+    role: "subject", "reference" or "control".
+    at_most: paper's claim: subject / this pair <= at_most.
+    below_band: paper's claim: the subject drifts (low, high) times below.
+    min_devices: the pair exists only with at least this many devices.
+  """
+
+  name: str
+  reference_run: str
+  candidate_run: str
+  role: str
+  at_most: float | None = None
+  below_band: tuple[float, float] | None = None
+  min_devices: int = 1
+
+  def __post_init__(self):
+    if self.role not in ROLES:
+      raise ValueError(f"Pair {self.name!r}: role must be one of {ROLES}.")
+
+  @property
+  def runs(self) -> tuple[str, str]:
+    return self.reference_run, self.candidate_run
+
+  @property
+  def claim(self) -> str | None:
+    """The paper's claim about a subject against this pair, in words."""
+    if self.at_most is not None:
+      return f"<= {self.at_most:g}x"
+    if self.below_band is not None:
+      return f"{self.below_band[0]:g}-{self.below_band[1]:g}x below"
+    return None
+
+
+PAPER_BELOW = (2.0, 5.0)
+
+PAIRS = (
+  Pair("flash_vs_baseline", "base", "flash", "subject"),
+  Pair("fp16_vs_fp32", "fp32", "fp16", "reference", below_band=PAPER_BELOW),
+  Pair("bf16_vs_fp32", "fp32", "bf16", "reference", below_band=PAPER_BELOW),
+  Pair("fp16_vs_bf16", "bf16", "fp16", "reference", below_band=PAPER_BELOW),
+  Pair("different_seed", "base", "seed", "reference", at_most=1.0),
+  Pair("one_vs_n_devices", "base", "one_device", "reference", min_devices=2),
+  Pair("identical_rerun", "base", "rerun", "control"),
+  Pair("flash_fix_vs_flash", "flash", "flash_fixed", "subject"),
+)
+BY_NAME = {p.name: p for p in PAIRS}
+
+
+def with_role(names, role: str) -> list[Pair]:
+  """The pairs among `names` with `role`, in registry order."""
+  return [p for p in PAIRS if p.name in names and p.role == role]

@@ -1,0 +1,51 @@
+"""Runs as data: how each run differs from the base run.
+
+A pair (`pairs.py`) names two variants; a variant says what changes:
+which of the configured kernels computes attention, the training format,
+the tie fix, a policy change of the flash kernel, the initialization, a
+second identical copy, or one device instead of all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One run's difference from the base run.
+
+  Attributes:
+    attention: "baseline" or "flash": `config.attention.baseline` or
+      `config.attention.flash` computes every layer's attention.
+    precision: the training format ("fp32", "bf16", "fp16"); None keeps
+      `config.train.precision`.
+    tie_beta: None, "flash" (`config.attention.tie_beta`) or "fix"
+      (`config.attention.fix_beta`): Qiu & Yao's fix in the flash kernel.
+    flash_stages: stage changes appended to the flash kernel's policy,
+      e.g. "+out_accum=bf16" (see `stableattn.Precision.from_name`).
+    init_seed: the initialization seed (replicates fold their number in).
+    replica: a second copy of an identical run.
+    single_device: train on one device instead of `config.train.devices`.
+  """
+
+  attention: str = "baseline"
+  precision: str | None = None
+  tie_beta: str | None = None
+  flash_stages: str = ""
+  init_seed: int = 0
+  replica: int = 0
+  single_device: bool = False
+
+
+VARIANTS = {
+  "base": Variant(),
+  "flash": Variant(attention="flash", tie_beta="flash"),
+  "flash_fixed": Variant(attention="flash", tie_beta="fix"),
+  "seed": Variant(init_seed=1),
+  "rerun": Variant(replica=1),
+  "fp32": Variant(precision="fp32"),
+  "bf16": Variant(precision="bf16"),
+  "fp16": Variant(precision="fp16"),
+  "one_device": Variant(single_device=True),
+}
