@@ -2,7 +2,7 @@ r"""Forward-deviation experiment launcher.
 
   python launch/forward_deviation.py --workdir=runs/forward \
       [--config=configs/forward_deviation.py[:paper|:smoke]] \
-      [--config.seq_lens=256,1024]
+      [--config.seq_len.lengths=256,1024]
 
 Kept short so that Colab and tests call the same `run`.
 """

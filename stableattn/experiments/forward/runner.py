@@ -25,7 +25,11 @@ from stableattn.experiments.reporting import summarize
 from stableattn.experiments.rundir import RunDir
 
 # Fields whose change only adds measurements to a run directory.
-EXTENDABLE = ("studies", "common.seeds", "tied_maxima.seeds")
+EXTENDABLE = ("studies", "common.seeds") + tuple(
+  f"{name}.{field}"
+  for name, study in STUDIES.items()
+  for field in study.extendable
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -180,6 +180,9 @@ class Study:
   title = ""
   Config = NoConfig
   claims: dict = {}
+  # Config fields whose change only adds measurements (e.g. more seeds):
+  # a rerun with a larger value extends the run directory.
+  extendable: tuple[str, ...] = ()
 
   def seeds(self, common: Common, config) -> int:
     return common.seeds
