@@ -10,8 +10,9 @@ Run:
 Layout: `common` (shape, tiles, seeds, formats, inputs, schemes) is read by
 every study; each study reads its own block, named after it. The default
 values live with the fields they set, in `stableattn.experiments.forward`
-(`study.Common` and each study module's `Config`); this file holds the
-variants.
+(`study.Common` and each study module's `Config`), and so do each study's
+changes for a variant (its `variants`); this file holds the common block's
+smoke sizes.
 
 Variants: default (about 90 seconds on 2 CPU cores), `paper` (lengths to
 8192, more tiles and tie conditions; under 10 minutes on 2 CPU cores),
@@ -49,19 +50,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   for name, study in STUDIES.items():
     c[name] = config_block(study.Config)
 
-  if arg == "paper":
-    c.stage_attribution.formats = "bf16,fp16"
-    c.seq_len.lengths = (128, 256, 512, 1024, 2048, 4096, 8192)
-    c.against_golden.seq_lens = (512, 1024, 2048, 4096, 8192)
-    c.tiles.sizes = ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256))
-    c.tiles.seq_len = 2048
-    c.fa3_table3.shape = (2, 1024, 8, 128)
-    c.backward.precisions = "fp32,fp16-fa2,bf16-fa2,bf16"
-    c.backward.seq_lens = (128, 512, 1024)
-    c.tied_maxima.counts = "1,2,3,4,8"
-    c.tied_maxima.margins = "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9"
-    c.tied_maxima.kv_len = 512
-  elif arg == "smoke":
+  if arg not in (None, "", "default", "paper", "smoke"):
+    raise ValueError(
+      f"Unknown config variant {arg!r}; valid: default, paper, smoke."
+    )
+  if arg == "smoke":
     c.common.seeds = 2
     c.common.heads = 1
     c.common.kv_heads = 1
@@ -72,26 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.common.formats = "fp64,fp32,bf16"
     c.common.distributions = "normal"
     c.common.schemes = "fa2"
-    c.seq_len.lengths = (32, 64)
-    c.seq_len.precisions = "bf16"
-    c.against_golden.seq_lens = (32, 64)
-    c.tiles.seq_len = 64
-    c.tiles.sizes = ((16, 16), (32, 32))
-    c.tiles.swap = (16, 32)
-    c.tiles.equal_area = ((16, 32), (32, 16))
-    c.tiles.sram_elements = (1024,)
-    c.stage_attribution.formats = "bf16"
-    c.fa3_table3.shape = (1, 64, 1, 32)
-    c.tied_maxima.precisions = "bf16-fa2+out_accum=bf16"
-    c.tied_maxima.betas = "2"
-    c.tied_maxima.counts = "2"
-    c.tied_maxima.margins = "1e-4"
-    c.tied_maxima.q_len = 32
-    c.tied_maxima.kv_len = 32
-    c.backward.precisions = "bf16-fa2"
-    c.backward.seq_lens = (48,)
-  elif arg not in (None, "", "default"):
-    raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, paper, smoke."
-    )
+  # Each study's own changes for the variant live on the study.
+  for name, study in STUDIES.items():
+    c[name].update(study.variants.get(arg, {}))
   return c

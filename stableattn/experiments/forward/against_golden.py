@@ -120,6 +120,15 @@ class AgainstGolden(Study):
   name = "against_golden"
   title = "Flash and Baseline vs the FP64 golden value (paper Fig. 4)"
   Config = Config
+  # The config variants' changes to this study's block.
+  variants = {
+    "paper": {
+      "seq_lens": (512, 1024, 2048, 4096, 8192),
+    },
+    "smoke": {
+      "seq_lens": (32, 64),
+    },
+  }
   claims = {
     "fig4": Claim(
       "at BF16 Flash deviates ~10x more than Baseline from FP64",

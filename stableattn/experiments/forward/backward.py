@@ -39,6 +39,17 @@ class BackwardDeviation(Study):
   name = "backward"
   title = "Gradient deviation: dQ, dK, dV vs golden gradients"
   Config = Config
+  # The config variants' changes to this study's block.
+  variants = {
+    "paper": {
+      "precisions": "fp32,fp16-fa2,bf16-fa2,bf16",
+      "seq_lens": (128, 512, 1024),
+    },
+    "smoke": {
+      "precisions": "bf16-fa2",
+      "seq_lens": (48,),
+    },
+  }
 
   def points(self, s, c):
     return [

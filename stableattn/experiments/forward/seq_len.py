@@ -81,6 +81,16 @@ class SequenceLength(Study):
   name = "seq_len"
   title = "Deviation vs sequence length at fixed tiles (paper Fig. 5)"
   Config = Config
+  # The config variants' changes to this study's block.
+  variants = {
+    "paper": {
+      "lengths": (128, 256, 512, 1024, 2048, 4096, 8192),
+    },
+    "smoke": {
+      "lengths": (32, 64),
+      "precisions": "bf16",
+    },
+  }
   claims = {
     "fig5": Claim("deviation grows with sequence length", fig5, fig5_evidence)
   }

@@ -56,6 +56,15 @@ class StageAttribution(Study):
   name = "stage_attribution"
   title = "Which rounding stage causes the deviation (beyond the paper)"
   Config = Config
+  # The config variants' changes to this study's block.
+  variants = {
+    "paper": {
+      "formats": "bf16,fp16",
+    },
+    "smoke": {
+      "formats": "bf16",
+    },
+  }
 
   def points(self, s, c):
     return [

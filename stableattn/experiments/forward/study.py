@@ -183,6 +183,8 @@ class Study:
   # Config fields whose change only adds measurements (e.g. more seeds):
   # a rerun with a larger value extends the run directory.
   extendable: tuple[str, ...] = ()
+  # Config variant ("paper", "smoke") -> {field: value} for this study.
+  variants: dict = {}
 
   def seeds(self, common: Common, config) -> int:
     return common.seeds

@@ -95,6 +95,22 @@ class TiedMaxima(Study):
   name = "tied_maxima"
   title = "Biased rounding with tied row maxima (Qiu & Yao)"
   Config = Config
+  # The config variants' changes to this study's block.
+  variants = {
+    "paper": {
+      "counts": "1,2,3,4,8",
+      "margins": "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9",
+      "kv_len": 512,
+    },
+    "smoke": {
+      "precisions": "bf16-fa2+out_accum=bf16",
+      "betas": "2",
+      "counts": "2",
+      "margins": "1e-4",
+      "q_len": 32,
+      "kv_len": 32,
+    },
+  }
   extendable = ("seeds",)
 
   def seeds(self, s, c):

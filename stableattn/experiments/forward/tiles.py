@@ -117,6 +117,20 @@ class Tiles(Study):
   name = "tiles"
   title = "Deviation vs tile sizes (paper Fig. 6)"
   Config = Config
+  # The config variants' changes to this study's block.
+  variants = {
+    "paper": {
+      "sizes": ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256)),
+      "seq_len": 2048,
+    },
+    "smoke": {
+      "seq_len": 64,
+      "sizes": ((16, 16), (32, 32)),
+      "swap": (16, 32),
+      "equal_area": ((16, 32), (32, 16)),
+      "sram_elements": (1024,),
+    },
+  }
   claims = {
     "fig6a": Claim(
       "swapping B_r and B_c gives a larger deviation",
