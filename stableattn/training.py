@@ -181,11 +181,18 @@ class Trainer:
     cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
     return nnx.merge(graphdef, cast)(tokens, collect_stats=collect_stats)
 
-  def _loss(self, params, batch, loss_scale):
-    logits, _ = self._apply(self.graphdef, params, batch[:, :-1])
+  def _next_token_loss(self, graphdef, params, batch, collect_stats=False):
+    """(mean next-token cross-entropy, (logits, per-layer statistics))."""
+    logits, stats = self._apply(
+      graphdef, params, batch[:, :-1], collect_stats=collect_stats
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(
       logits, batch[:, 1:]
     ).mean()
+    return loss, (logits, stats)
+
+  def _loss(self, params, batch, loss_scale):
+    loss, _ = self._next_token_loss(self.graphdef, params, batch)
     return loss * loss_scale, loss
 
   def _step_impl(self, state: TrainState, batch):
@@ -231,22 +238,15 @@ class Trainer:
     return self._step(state, batch)
 
   def _eval_impl(self, params, batch):
-    logits, stats = self._apply(
-      self.eval_graphdef, params, batch[:, :-1], collect_stats=True
+    loss, (logits, stats) = self._next_token_loss(
+      self.eval_graphdef, params, batch, collect_stats=True
     )
-    loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits, batch[:, 1:]
-    ).mean()
     return logits, loss, stats
 
   def _grads(self, graphdef, params, batch):
-    def loss(params):
-      logits, _ = self._apply(graphdef, params, batch[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch[:, 1:]
-      ).mean()
-
-    return jax.grad(loss)(params)
+    return jax.grad(lambda p: self._next_token_loss(graphdef, p, batch)[0])(
+      params
+    )
 
   def _grad_error_impl(self, params, batch):
     flash = self._grads(self.graphdef, params, batch)
