@@ -73,6 +73,59 @@ def _shape(spec) -> Shape:
   )
 
 
+def _checked_settings(seeds, distributions: tuple, shapes) -> tuple:
+  """Raises for settings that would check nothing; the distributions."""
+  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+    raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}.")
+  if not distributions:
+    raise ValueError(
+      f"distributions is empty; give at least one of {list(DISTRIBUTIONS)}."
+    )
+  bad = [d for d in distributions if d not in DISTRIBUTIONS]
+  if bad:
+    raise ValueError(
+      f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
+    )
+  if shapes is not None and not len(shapes):
+    raise ValueError("shapes is empty; give at least one shape, or None.")
+  return distributions
+
+
+def _check_one(fn, policy, spec, distribution, seed, causal, factor):
+  """One input: fn's error and the same-policy baseline's, against golden."""
+  q, k, v = (
+    round_to(x, policy.inputs)
+    for x in make_inputs(distribution, seed, _shape(spec))
+  )
+  golden = golden_attention(q, k, v, causal)
+  baseline = attention(
+    q, k, v, implementation="reference", precision=policy, causal=causal
+  )
+  dtype = policy.dtype("inputs")
+  out = fn(*(jnp.asarray(x).astype(dtype) for x in (q, k, v)))
+  if out is None:
+    raise ValueError(
+      "fn returned None; it must return the attention output "
+      f"[batch, q_len, heads, head_dim], here {golden.shape}."
+    )
+  out = np.asarray(jnp.asarray(out).astype(jnp.float64))
+  if out.shape != golden.shape:
+    raise ValueError(f"fn returned shape {out.shape}; expected {golden.shape}.")
+  error = compare(golden, out).max_abs
+  baseline_error = compare(golden, baseline).max_abs
+  floor = rounding_floor(golden, policy.output)
+  return CheckRow(
+    shape=tuple(spec),
+    distribution=distribution,
+    seed=seed,
+    error=error,
+    baseline_error=baseline_error,
+    ratio=safe_ratio(error, baseline_error),
+    floor=floor,
+    passed=bool(error <= factor * baseline_error + floor),
+  )
+
+
 def check(
   fn,
   *,
@@ -104,53 +157,11 @@ def check(
       distributions) or an unknown distribution.
   """
   policy = Precision.from_name(precision)
-  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-    raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}.")
-  distributions = tuple(distributions)
-  if not distributions:
-    raise ValueError(
-      f"distributions is empty; give at least one of {list(DISTRIBUTIONS)}."
-    )
-  bad = [d for d in distributions if d not in DISTRIBUTIONS]
-  if bad:
-    raise ValueError(
-      f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
-    )
-  if shapes is not None and not len(shapes):
-    raise ValueError("shapes is empty; give at least one shape, or None.")
-  fmt = policy.inputs
-  rows = []
-  for spec in shapes or DEFAULT_SHAPES:
-    shape = _shape(spec)
-    for distribution in distributions:
-      for seed in range(seeds):
-        q, k, v = (
-          round_to(x, fmt) for x in make_inputs(distribution, seed, shape)
-        )
-        golden = golden_attention(q, k, v, causal)
-        baseline = attention(
-          q, k, v, implementation="reference", precision=policy, causal=causal
-        )
-        dtype = policy.dtype("inputs")
-        out = fn(*(jnp.asarray(x).astype(dtype) for x in (q, k, v)))
-        out = np.asarray(jnp.asarray(out).astype(jnp.float64))
-        if out.shape != golden.shape:
-          raise ValueError(
-            f"fn returned shape {out.shape}; expected {golden.shape}."
-          )
-        error = compare(golden, out).max_abs
-        baseline_error = compare(golden, baseline).max_abs
-        floor = rounding_floor(golden, policy.output)
-        rows.append(
-          CheckRow(
-            shape=tuple(spec),
-            distribution=distribution,
-            seed=seed,
-            error=error,
-            baseline_error=baseline_error,
-            ratio=safe_ratio(error, baseline_error),
-            floor=floor,
-            passed=bool(error <= factor * baseline_error + floor),
-          )
-        )
+  distributions = _checked_settings(seeds, tuple(distributions), shapes)
+  rows = [
+    _check_one(fn, policy, spec, distribution, seed, causal, factor)
+    for spec in shapes or DEFAULT_SHAPES
+    for distribution in distributions
+    for seed in range(seeds)
+  ]
   return CheckReport(policy.name, factor, tuple(rows))

@@ -28,8 +28,9 @@ def _check_choice(name: str, value, valid) -> None:
     raise ValueError(f"Unknown {name} {value!r}; valid: {list(valid)}.")
 
 
-def validate_inputs(q, k, v) -> None:
-  """Shape and dtype checks shared by every implementation."""
+def validate_inputs(q, k, v) -> tuple:
+  """Shape and dtype checks shared by every implementation; the inputs as
+  JAX arrays."""
   arrays = {"q": q, "k": k, "v": v}
   for name, x in arrays.items():
     shape = getattr(x, "shape", None)
@@ -67,6 +68,7 @@ def validate_inputs(q, k, v) -> None:
       f"{kv_heads} key/value heads; valid kv_heads are "
       f"{[n for n in range(1, heads + 1) if heads % n == 0]}."
     )
+  return tuple(jnp.asarray(x) for x in (q, k, v))
 
 
 def check_tie_beta(tie_beta) -> float | None:
@@ -268,8 +270,7 @@ def attention(
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
   policy = resolve(precision)
   require_x64_if_needed(policy)
-  validate_inputs(q, k, v)
-  q, k, v = (jnp.asarray(x) for x in (q, k, v))
+  q, k, v = validate_inputs(q, k, v)
   # Tile and scheme arguments are validated for every implementation, so a
   # sweep with a bad tile fails the same way whichever implementation runs
   # first; only the kernel is bound by GPU constraints.
@@ -288,8 +289,18 @@ def attention(
     bwd_block_k=bwd_block_k,
     tie_beta=tie_beta,
   )
-  if implementation == "xla" and xla_unsupported_reason(policy):
-    raise ValueError(xla_unsupported_reason(policy))
+  _check_implementation_options(implementation, cfg, return_lse)
+  return _compute(
+    q, k, v, implementation=implementation, cfg=cfg, return_lse=return_lse
+  )
+
+
+def _check_implementation_options(
+  implementation: str, cfg: KernelConfig, return_lse: bool
+) -> None:
+  """Raises for options the chosen implementation does not have."""
+  if implementation == "xla" and xla_unsupported_reason(cfg.policy):
+    raise ValueError(xla_unsupported_reason(cfg.policy))
   if cfg.tie_beta is not None and implementation == "xla":
     raise ValueError(
       "tie_beta is not supported by implementation='xla' "
@@ -298,9 +309,6 @@ def attention(
     )
   if return_lse and implementation != "pallas":
     raise ValueError("return_lse=True is only available for 'pallas'.")
-  return _compute(
-    q, k, v, implementation=implementation, cfg=cfg, return_lse=return_lse
-  )
 
 
 @functools.partial(

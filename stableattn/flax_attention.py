@@ -57,6 +57,26 @@ def mask_as_kernel_options(
   )
 
 
+def _refuse_unsupported(bias, dropout_rate, deterministic, module) -> None:
+  """Raises for the Flax options the flash kernel does not have."""
+  if bias is not None:
+    raise ValueError(
+      "make_attention_fn does not support an attention bias; the flash "
+      "kernel computes softmax(QK^T/sqrt(d))V with an optional causal mask."
+    )
+  if dropout_rate > 0.0 and not deterministic:
+    raise ValueError(
+      f"make_attention_fn does not support attention dropout (got "
+      f"dropout_rate={dropout_rate}); use dropout_rate=0 or "
+      "deterministic=True."
+    )
+  if module is not None:
+    raise ValueError(
+      "make_attention_fn never materializes attention weights, so it "
+      "cannot sow them; call the module with sow_weights=False."
+    )
+
+
 def make_attention_fn(
   *,
   implementation: str = "pallas",
@@ -104,22 +124,7 @@ def make_attention_fn(
     is_causal=False,
   ):
     del broadcast_dropout, dropout_rng, dtype, precision, promote_dtype
-    if bias is not None:
-      raise ValueError(
-        "make_attention_fn does not support an attention bias; the flash "
-        "kernel computes softmax(QK^T/sqrt(d))V with an optional causal mask."
-      )
-    if dropout_rate > 0.0 and not deterministic:
-      raise ValueError(
-        f"make_attention_fn does not support attention dropout (got "
-        f"dropout_rate={dropout_rate}); use dropout_rate=0 or "
-        "deterministic=True."
-      )
-    if module is not None:
-      raise ValueError(
-        "make_attention_fn never materializes attention weights, so it "
-        "cannot sow them; call the module with sow_weights=False."
-      )
+    _refuse_unsupported(bias, dropout_rate, deterministic, module)
     apply_causal = causal or bool(is_causal)
     if mask is not None:
       apply_causal, keys_used = mask_as_kernel_options(

@@ -169,6 +169,27 @@ def _dq_kernel(
   dq_ref[...] = dq_BqxD.astype(dq_ref.dtype)
 
 
+def _delta(out, d_out, cfg: KernelConfig):
+  """delta = rowsum(dO * O) [batch, heads, q_len_padded], in `delta`."""
+  batch, q_len_padded, heads, head_dim_padded = out.shape
+  block_q = cfg.bwd_block_q
+  rows = pl.BlockSpec(
+    (None, block_q, None, head_dim_padded), lambda i, b, h: (b, i, h, 0)
+  )
+  return pl.pallas_call(
+    functools.partial(_delta_kernel, ar=cfg.arithmetic),
+    grid=(q_len_padded // block_q, batch, heads),
+    in_specs=[rows, rows],
+    out_specs=pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
+    out_shape=jax.ShapeDtypeStruct(
+      (batch, heads, q_len_padded), cfg.policy.dtype("delta")
+    ),
+    compiler_params=cfg.compiler_params(block_q * head_dim_padded),
+    interpret=cfg.interpret,
+    name="stableattn_flash_backward_delta",
+  )(out, d_out)
+
+
 def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
   """Gradients of the padded forward pass.
 
@@ -196,18 +217,7 @@ def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
   def vec_spec(block, index_map):
     return pl.BlockSpec((None, None, block), index_map)
 
-  delta = pl.pallas_call(
-    functools.partial(_delta_kernel, ar=cfg.arithmetic),
-    grid=(q_len_padded // block_q, batch, heads),
-    in_specs=[rows_spec(block_q, lambda i, b, h: (b, i, h, 0))] * 2,
-    out_specs=vec_spec(block_q, lambda i, b, h: (b, h, i)),
-    out_shape=jax.ShapeDtypeStruct(
-      (batch, heads, q_len_padded), policy.dtype("delta")
-    ),
-    compiler_params=cfg.compiler_params(block_q * head_dim_padded),
-    interpret=cfg.interpret,
-    name="stableattn_flash_backward_delta",
-  )(out, d_out)
+  delta = _delta(out, d_out, cfg)
 
   grad_dtype = policy.dtype("grad_accum")
   whole_q = rows_spec(q_len_padded, lambda j, b, h: (b, 0, h, 0))

@@ -144,14 +144,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
       )
     return acc_BqxD, m_new_Bq, l_new_Bq
 
-  num_k_blocks = kv_len_padded // block_k
-  if cfg.causal:
-    # Key blocks that start past the last query row of this block are
-    # entirely masked: skip them.
-    last_needed = lax.div(q_start + (block_q - 1), jnp.int32(block_k)) + 1
-    upper = jnp.minimum(last_needed, num_k_blocks)
-  else:
-    upper = num_k_blocks
+  upper = _key_blocks_needed(cfg, q_start, kv_len_padded // block_k)
   carrier = ar.carrier
   init = (
     jnp.zeros((block_q, head_dim_padded), carrier),
@@ -163,6 +156,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
     acc_BqxD = accum(acc_BqxD * accum(stats(1.0 / l_Bq))[:, None])
   o_ref[...] = ar.stored(acc_BqxD, "output")
   lse_ref[...] = ar.stored(m_Bq + stats(jnp.log(l_Bq)), "softmax_stats")
+
+
+def _key_blocks_needed(cfg: KernelConfig, q_start, num_k_blocks: int):
+  """How many key blocks a query block visits: with a causal mask, key
+  blocks that start past its last row are entirely masked and skipped."""
+  if not cfg.causal:
+    return num_k_blocks
+  last_needed = lax.div(q_start + (cfg.block_q - 1), jnp.int32(cfg.block_k))
+  return jnp.minimum(last_needed + 1, num_k_blocks)
 
 
 def _probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic):

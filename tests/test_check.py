@@ -34,3 +34,15 @@ def test_check_fails_a_kernel_with_a_bug():
   assert not report.passed
   assert "FAIL" in str(report)
   assert np.isfinite(report.rows[0].ratio) and report.rows[0].ratio > 2
+
+
+def test_check_says_when_fn_returns_nothing_or_the_wrong_shape():
+  import pytest
+
+  def skeleton(q, k, v):  # the README's skeleton, run as it is
+    ...
+
+  with pytest.raises(ValueError, match="fn returned None"):
+    sa.check(skeleton, shapes=SHAPES)
+  with pytest.raises(ValueError, match="fn returned shape \\(1, 40, 2, 8\\)"):
+    sa.check(lambda q, k, v: q[..., :8], shapes=SHAPES)
