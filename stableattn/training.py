@@ -23,9 +23,6 @@ from jax.sharding import PartitionSpec as P
 from stableattn.model import AttentionSpec, ModelSpec, Transformer
 from stableattn.precision import to_dtype
 
-# The projection matrices of each SelfAttention layer.
-ATTENTION_WEIGHTS = ("query", "key", "value", "out")
-
 COMPUTE_DTYPES = {name: to_dtype(name) for name in ("fp32", "bf16", "fp16")}
 
 
@@ -109,6 +106,7 @@ class Trainer:
     run: RunSpec,
     optimizer: OptimizerSpec,
     batch_size: int,
+    eval_attention: AttentionSpec | None = None,
   ):
     if batch_size % run.devices:
       raise ValueError(
@@ -127,25 +125,19 @@ class Trainer:
     self.compute_dtype = COMPUTE_DTYPES[run.precision]
     self._step = jax.jit(self._step_impl, donate_argnums=0)
     self._eval = jax.jit(self._eval_impl)
-    # A flash run is evaluated through "shadow" attention (same params),
-    # which also computes the baseline and reports the per-layer deviation.
-    self.eval_graphdef = self.graphdef
-    if run.attention.kind == "pallas":
-      shadow = dataclasses.replace(
-        run.attention, kind="shadow", shadow_downstream="pallas"
-      )
-      self.eval_graphdef = nnx.split(
-        Transformer(model_spec, shadow, rngs=nnx.Rngs(0)), nnx.Param
-      )[0]
-      # The same model with FP32 Baseline attention: the yardstick of the
-      # flash run's attention-gradient error.
-      exact = dataclasses.replace(
-        run.attention, kind="reference", baseline_precision="fp32"
-      )
-      self.exact_graphdef = nnx.split(
-        Transformer(model_spec, exact, rngs=nnx.Rngs(0)), nnx.Param
-      )[0]
-      self._grad_error = jax.jit(self._grad_error_impl)
+    # Evaluation may run another attention on the same parameters (the
+    # drift experiment evaluates a flash run through "shadow" attention,
+    # which also computes the baseline and reports their deviation).
+    self.eval_graphdef = (
+      self.graphdef
+      if eval_attention is None
+      else self.graph_with(eval_attention)
+    )
+
+  def graph_with(self, attention: AttentionSpec):
+    """The model's graph with another attention; the same parameters fit."""
+    model = Transformer(self.model_spec, attention, rngs=nnx.Rngs(0))
+    return nnx.split(model, nnx.Param)[0]
 
   def init_params(self, replicate: int = 0) -> nnx.State:
     """Initial parameters of one replicate: a key folded from the run's
@@ -243,40 +235,14 @@ class Trainer:
     )
     return logits, loss, stats
 
-  def _grads(self, graphdef, params, batch):
+  def gradients(self, graphdef, params, batch):
+    """Gradient of the unscaled loss through `graphdef` (same params), in
+    the run's compute format."""
     return jax.grad(lambda p: self._next_token_loss(graphdef, p, batch)[0])(
       params
     )
 
-  def _grad_error_impl(self, params, batch):
-    flash = self._grads(self.graphdef, params, batch)
-    exact = self._grads(self.exact_graphdef, params, batch)
-    return {
-      f"layer{i}.{name}": (
-        getattr(flash_block.attention, name).kernel[...],
-        getattr(exact_block.attention, name).kernel[...],
-      )
-      for i, (flash_block, exact_block) in enumerate(
-        zip(flash["blocks"].values(), exact["blocks"].values())
-      )
-      for name in ATTENTION_WEIGHTS
-    }
-
-  def attention_grad_error(self, state: TrainState, batch: jax.Array):
-    """{"layer{i}.{query,key,value,out}": (flash grad, FP32-attention grad)}.
-
-    Both gradients are of the unscaled loss at the same parameters and
-    batch, in the run's compute format; only the attention differs (the
-    run's flash kernel vs FP32 Baseline attention). Flash runs only.
-    """
-    if self.run.attention.kind != "pallas":
-      raise ValueError("attention_grad_error is measured for flash runs only.")
-    return self._grad_error(state.params, batch)
-
   def evaluate(self, state: TrainState, batch: jax.Array):
-    """Logits and loss on a batch, and per-layer attention statistics.
-
-    A flash (pallas) run is evaluated through "shadow" attention, which
-    also computes the baseline and reports their per-layer deviation.
-    """
+    """Logits and loss on a batch, and per-layer attention statistics
+    (through `eval_attention` when one was given)."""
     return self._eval(state.params, batch)

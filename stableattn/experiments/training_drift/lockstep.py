@@ -57,9 +57,19 @@ class Lockstep:
     self.replicates = range(settings.replicates)
     self.trainers = {
       name: Trainer(
-        settings.model, spec, settings.optimizer, settings.batch_size
+        settings.model,
+        spec,
+        settings.optimizer,
+        settings.batch_size,
+        eval_attention=probes.shadow_of(spec.attention)
+        if name in settings.flash_runs
+        else None,
       )
       for name, spec in settings.physical_runs.items()
+    }
+    self.grad_error = {
+      name: probes.AttentionGradError(self.trainers[name])
+      for name in (settings.flash_runs if settings.grad_error else ())
     }
     self.states = {
       (name, r): trainer.init_state(r)
@@ -191,13 +201,13 @@ class Lockstep:
     # Qiu & Yao's second ingredient: is the attention-gradient error of a
     # flash run aligned from one step to the next, and low-rank? Measured
     # on the batch the next update trains on.
-    for name in self.s.flash_runs if self.s.grad_error else ():
+    for name, probe in self.grad_error.items():
       trainer = self.trainers[name]
       batch = trainer.shard_batch(
         batch_at(self.tokens, self.s, step + 1, replicate)
       )
       new, errors = probes.grad_error_rows(
-        trainer,
+        probe,
         self.states[name, replicate],
         batch,
         name,

@@ -7,10 +7,13 @@ run's attention-gradient error (Qiu & Yao), and a pair's drift.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from stableattn.drift import attention_grad_error_rows, param_drift
+from stableattn.model import AttentionSpec
 
 
 def run_rows(name: str, tag: dict, loss, layer_stats, last_train) -> list:
@@ -38,10 +41,53 @@ def run_rows(name: str, tag: dict, loss, layer_stats, last_train) -> list:
   ]
 
 
-def grad_error_rows(trainer, state, batch, name, tag, previous):
+def shadow_of(attention: AttentionSpec) -> AttentionSpec:
+  """Evaluation attention of a flash run: flash passed on, the baseline
+  computed beside it on the same inputs (Golden et al. did the same)."""
+  return dataclasses.replace(
+    attention, kind="shadow", shadow_downstream="pallas"
+  )
+
+
+# The projection matrices of each SelfAttention layer.
+ATTENTION_WEIGHTS = ("query", "key", "value", "out")
+
+
+class AttentionGradError:
+  """A flash run's attention-projection gradients beside the same
+  gradients with FP32 Baseline attention (same parameters and batch)."""
+
+  def __init__(self, trainer):
+    self.trainer = trainer
+    exact = dataclasses.replace(
+      trainer.run.attention, kind="reference", baseline_precision="fp32"
+    )
+    self.exact_graphdef = trainer.graph_with(exact)
+    self._pairs = jax.jit(self._pairs_impl)
+
+  def _pairs_impl(self, params, batch):
+    flash = self.trainer.gradients(self.trainer.graphdef, params, batch)
+    exact = self.trainer.gradients(self.exact_graphdef, params, batch)
+    return {
+      f"layer{i}.{name}": (
+        getattr(flash_block.attention, name).kernel[...],
+        getattr(exact_block.attention, name).kernel[...],
+      )
+      for i, (flash_block, exact_block) in enumerate(
+        zip(flash["blocks"].values(), exact["blocks"].values())
+      )
+      for name in ATTENTION_WEIGHTS
+    }
+
+  def __call__(self, state, batch) -> dict:
+    """{"layer{i}.{query,key,value,out}": (flash grad, FP32 grad)}."""
+    return self._pairs(state.params, batch)
+
+
+def grad_error_rows(probe, state, batch, name, tag, previous):
   """(rows, errors): the flash kernel's attention-gradient error against
   FP32 attention on `batch`, and its cosine with the `previous` errors."""
-  grads = jax.device_get(trainer.attention_grad_error(state, batch))
+  grads = jax.device_get(probe(state, batch))
   exact = {w: np.asarray(g, np.float64) for w, (_, g) in grads.items()}
   errors = {
     w: np.asarray(flash, np.float64) - exact[w]
