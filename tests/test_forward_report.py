@@ -171,3 +171,156 @@ def test_tiles_section_reads_the_swap_and_the_area_slope(tmp_path):
 def test_a_study_without_rows_writes_no_section(tmp_path):
   for name in STUDIES:
     assert STUDIES[name].report(_context(tmp_path, name, [])) is None, name
+
+
+def _summary(point_key, comparison, values, **labels):
+  """A summary row: labels plus each value's mean/min/max over seeds."""
+  row = {"point_key": point_key, "comparison": comparison, **labels}
+  for name, value in values.items():
+    row.update({f"{name}_{s}": value for s in ("mean", "min", "max")})
+  return row
+
+
+def test_format_sweep_reads_the_trend_in_mantissa_bits(tmp_path):
+  rows = []
+  for fmt, dev in (("bf16", 1e-2), ("fp16", 1e-3), ("fp32", 1e-7)):
+    key = f"format_sweep:{fmt}"
+    labels = dict(family="fa2", format=fmt, policy=fmt)
+    rows += [
+      _summary(
+        key,
+        "flash_vs_baseline",
+        {"max_abs": dev, "mean_abs": dev / 9},
+        **labels,
+      ),
+      _summary(key, "flash_vs_golden", {"max_abs": dev}, **labels),
+      _summary(key, "baseline_vs_golden", {"max_abs": dev / 2}, **labels),
+    ]
+  ctx = _context(tmp_path, "format_sweep", rows)
+  section = STUDIES["format_sweep"].report(ctx)
+  (finding,) = section.findings
+  assert "bf16 0.01, fp16 1.00e-03, fp32 1.00e-07" in finding
+  assert "falls with every added mantissa bit" in finding
+  assert ctx.headline["format_sweep_fa2_monotone"] is True
+  rows[3]["max_abs_mean"] = 1.0  # fp16 above bf16: no longer monotone
+  ctx = _context(tmp_path, "format_sweep", rows)
+  (finding,) = STUDIES["format_sweep"].report(ctx).findings
+  assert "not monotone" in finding
+  assert not ctx.headline["format_sweep_fa2_monotone"]
+
+
+def test_fa3_table3_section_compares_the_direction(tmp_path):
+  shape = dict(batch=1, seq_len=64, heads=1, head_dim=32)
+  rows = [
+    _summary("fa3", "flash_vs_golden", {"rmse": 1e-4}, **shape),
+    _summary("fa3", "baseline_vs_golden", {"rmse": 3e-4}, **shape),
+  ]
+  ctx = _context(tmp_path, "fa3_table3", rows)
+  (finding,) = STUDIES["fa3_table3"].report(ctx).findings
+  assert ctx.headline["fa3_rmse_ratio"] == pytest.approx(3.0)
+  assert "Flash is 3x more accurate" in finding and "agrees" in finding
+  rows[1]["rmse_mean"] = 5e-5
+  ctx = _context(tmp_path, "fa3_table3", rows)
+  (finding,) = STUDIES["fa3_table3"].report(ctx).findings
+  assert "disagrees" in finding
+
+
+def test_backward_section_names_the_worst_gradient(tmp_path):
+  rows = []
+  for grad, ratio in (("dq", 1.0), ("dk", 2.5), ("dv", 1.2)):
+    labels = dict(policy="bf16-fa2", seq_len=48, grad=grad)
+    key = f"backward:{grad}"
+    rows += [
+      _summary(
+        key,
+        "flash_vs_golden",
+        {"max_abs": 1e-3 * ratio, "ratio_max_abs": ratio, "ratio_rmse": ratio},
+        **labels,
+      ),
+      _summary(key, "baseline_vs_golden", {"max_abs": 1e-3}, **labels),
+    ]
+  ctx = _context(tmp_path, "backward", rows)
+  (finding,) = STUDIES["backward"].report(ctx).findings
+  assert "median 1.2, worst 2.5 (dk at length 48)" in finding
+  assert ctx.headline["backward_worst_ratio_bf16-fa2"] == 2.5
+
+
+def test_stage_attribution_splits_the_gap_between_policies(tmp_path):
+  from stableattn.experiments.forward.stage_attribution import (
+    attribution_variants,
+  )
+
+  # Rounding the output accumulator alone closes 60% of the gap between
+  # bf16-fa2 (error 1) and all-bf16 (error 11); the other stages 20% each.
+  errors = {"fa2 preset": 1.0, "all bf16": 11.0}
+  for stage, share in (
+    ("scores", 0.2),
+    ("softmax_stats", 0.2),
+    ("out_accum", 0.6),
+  ):
+    errors[f"only {stage}"] = 1.0 + 10 * share
+    errors[f"all but {stage}"] = 11.0 - 10 * share
+  assert set(errors) == set(attribution_variants("bf16"))
+  rows = []
+  for variant, error in errors.items():
+    labels = dict(
+      format="bf16", scheme="fa2", distribution="normal", variant=variant
+    )
+    key = f"attr:{variant}"
+    rows += [
+      _summary(
+        key,
+        "flash_vs_golden",
+        {"max_abs": error, "ratio_max_abs": error},
+        **labels,
+      ),
+      _summary(key, "baseline_vs_golden", {"max_abs": 1.0}, **labels),
+    ]
+  ctx = _context(tmp_path, "stage_attribution", rows)
+  (finding,) = STUDIES["stage_attribution"].report(ctx).findings
+  assert "rounding `out_accum` explains 60%" in finding
+  assert ctx.headline["attribution_top_stage_bf16"] == "out_accum"
+
+
+def _tied(
+  policy, beta, implementation, quantity, share, *, headline=True, **at
+):
+  condition = dict(
+    ties=2, placement="same_tile", values="one_sign", margin=1e-4
+  )
+  return {
+    "point_key": f"tied:{policy}{beta}{implementation}{quantity}{at}",
+    "comparison": "vs_golden",
+    "policy": policy,
+    "tie_beta": beta,
+    "implementation": implementation,
+    "quantity": quantity,
+    "headline": headline,
+    **{**condition, **at},
+    "signed_share_mean": share,
+  }
+
+
+def test_tied_maxima_section_separates_the_bias_the_fix_removes(tmp_path):
+  policy = "bf16-fa2+out_accum=bf16"  # the smoke config's policy, beta 2
+  rows = [
+    # Headline condition: biased, and the fix removes it.
+    _tied(policy, None, "flash", "O", 0.99),
+    _tied(policy, 2.0, "flash", "O", 0.02),
+    _tied(policy, None, "flash", "delta(dO positive)", 0.97),
+    _tied(policy, None, "flash", "delta(dO random)", 0.05),
+    _tied(policy, None, "baseline", "O", 0.9),
+    # One key winning: biased, and the fix (which needs ties) cannot act.
+    _tied(policy, None, "flash", "O", 0.8, headline=False, ties=1),
+    _tied(policy, 2.0, "flash", "O", 0.8, headline=False, ties=1),
+  ]
+  ctx = _context(tmp_path, "tied_maxima", rows)
+  section = STUDIES["tied_maxima"].report(ctx)
+  flash, baseline, delta = section.findings
+  assert "biased away from zero (share >= 0.5) in 2 of 2 conditions" in flash
+  assert "brings 1 of them to |share| <= 0.1" in flash
+  assert "1 stay biased with one key" in flash
+  assert "Baseline under" in baseline and "+0.90 (no fix)" in baseline
+  assert "+0.97 for a one-sign dO and +0.05" in delta
+  assert ctx.headline[f"tied_share_{policy}_no fix"] == 0.99
+  assert ctx.headline[f"tied_share_{policy}_beta=2"] == 0.02
