@@ -18,7 +18,7 @@ from stableattn.pallas_forward import SCHEMES, KernelConfig
 from stableattn.precision import Precision, require_x64_if_needed, resolve
 from stableattn.reference import reference_attention, xla_attention
 from stableattn.rounding import PolicyArithmetic
-from stableattn.tiling import check_block_size, resolve_interpret
+from stableattn.tiling import check_block_size, check_flag, resolve_interpret
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla")
 
@@ -31,6 +31,12 @@ def _check_choice(name: str, value, valid) -> None:
 def validate_inputs(q, k, v) -> tuple:
   """Shape and dtype checks shared by every implementation; the inputs as
   JAX arrays."""
+  check_shapes(q, k, v)
+  return tuple(jnp.asarray(x) for x in (q, k, v))
+
+
+def check_shapes(q, k, v) -> None:
+  """Raises a ValueError saying what is wrong with q, k, v (any arrays)."""
   arrays = {"q": q, "k": k, "v": v}
   for name, x in arrays.items():
     shape = getattr(x, "shape", None)
@@ -68,7 +74,6 @@ def validate_inputs(q, k, v) -> tuple:
       f"{kv_heads} key/value heads; valid kv_heads are "
       f"{[n for n in range(1, heads + 1) if heads % n == 0]}."
     )
-  return tuple(jnp.asarray(x) for x in (q, k, v))
 
 
 def check_tie_beta(tie_beta) -> float | None:
@@ -175,19 +180,23 @@ def kernel_config(
   """Validated static configuration of the Pallas kernels."""
   _check_choice("scheme", scheme, SCHEMES)
   tie_beta = check_tie_beta(tie_beta)
+  causal = check_flag("causal", causal)
   interpret = resolve_interpret(interpret)
   for_gpu = not interpret
-  block_q = check_block_size("block_q", block_q, for_gpu=for_gpu)
-  block_k = check_block_size("block_k", block_k, for_gpu=for_gpu)
+  q_len, kv_len = q_shape[1], kv_shape[1]
+  block_q = check_block_size("block_q", block_q, for_gpu=for_gpu, length=q_len)
+  block_k = check_block_size("block_k", block_k, for_gpu=for_gpu, length=kv_len)
   bwd_block_q = check_block_size(
     "bwd_block_q",
     block_q if bwd_block_q is None else bwd_block_q,
     for_gpu=for_gpu,
+    length=q_len,
   )
   bwd_block_k = check_block_size(
     "bwd_block_k",
     block_k if bwd_block_k is None else bwd_block_k,
     for_gpu=for_gpu,
+    length=kv_len,
   )
   if for_gpu:
     reason = gpu_unsupported_reason(policy) or shared_memory_reason(
@@ -200,9 +209,9 @@ def kernel_config(
     block_q=block_q,
     block_k=block_k,
     scheme=scheme,
-    causal=bool(causal),
-    q_len=q_shape[1],
-    kv_len=kv_shape[1],
+    causal=causal,
+    q_len=q_len,
+    kv_len=kv_len,
     head_dim=q_shape[3],
     interpret=interpret,
     num_warps=num_warps,
@@ -307,6 +316,7 @@ def _check_implementation_options(
       "(jax.nn.dot_product_attention has no such option); use 'pallas' or "
       "'reference'."
     )
+  check_flag("return_lse", return_lse)
   if return_lse and implementation != "pallas":
     raise ValueError("return_lse=True is only available for 'pallas'.")
 

@@ -14,6 +14,15 @@ def _as_f64(x) -> np.ndarray:
   return np.asarray(x).astype(np.float64)
 
 
+def _validate(q, k, v, causal) -> None:
+  """The same checks and messages as `stableattn.attention`."""
+  from stableattn.dispatch import check_shapes
+  from stableattn.tiling import check_flag
+
+  check_shapes(*(np.asarray(x) for x in (q, k, v)))
+  check_flag("causal", causal)
+
+
 def _grouped(q, k):
   """q [B,T,H,D] -> [B,Hkv,G,T,D]; k [B,S,Hkv,D] -> [B,Hkv,S,D]."""
   batch, q_len, heads, head_dim = q.shape
@@ -51,6 +60,7 @@ def golden_attention(q, k, v, causal: bool = False) -> np.ndarray:
   Returns:
     float64 array [batch, q_len, heads, head_dim].
   """
+  _validate(q, k, v, causal)
   q, k, v = _as_f64(q), _as_f64(k), _as_f64(v)
   batch, q_len, heads, head_dim = q.shape
   q_g, k_t = _grouped(q, k)
@@ -70,6 +80,11 @@ def golden_attention_vjp(q, k, v, d_out, causal: bool = False):
   Returns:
     (dq, dk, dv) in float64, shaped like q, k, v.
   """
+  _validate(q, k, v, causal)
+  if np.shape(d_out) != np.shape(q):
+    raise ValueError(
+      f"d_out must be shaped like q {np.shape(q)}, got {np.shape(d_out)}."
+    )
   q, k, v, d_out = _as_f64(q), _as_f64(k), _as_f64(v), _as_f64(d_out)
   batch, q_len, heads, head_dim = q.shape
   scale = head_dim**-0.5

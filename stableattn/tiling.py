@@ -6,16 +6,26 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 
 # Triton's tl.dot needs every matmul dimension to be at least 16.
 MIN_GPU_BLOCK = 16
+
+
+def check_flag(name: str, value) -> bool:
+  """A boolean argument: True/False (NumPy's too), never a string or int."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise ValueError(
+    f"{name} must be True or False, got {type(value).__name__} {value!r}."
+  )
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
   """`interpret=None` means: interpret mode iff the default backend is CPU."""
   if interpret is None:
     return jax.default_backend() == "cpu"
-  return bool(interpret)
+  return check_flag("interpret", interpret)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -30,10 +40,24 @@ def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
-def check_block_size(name: str, value, *, for_gpu: bool) -> int:
-  """Validates one tile size; GPU (Triton) tiles must be powers of two >= 16."""
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+def check_block_size(
+  name: str, value, *, for_gpu: bool, length: int | None = None
+) -> int:
+  """Validates one tile size; GPU (Triton) tiles must be powers of two >= 16.
+
+  A tile larger than the sequence (`length`) is clamped to the smallest
+  power of two (at least 16) that covers it, as jax's Pallas `mha` clamps:
+  the result is the same, and no oversized block is allocated.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (int, np.integer)
+  ):
     raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+  value = int(value)
+  if value <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+  if length is not None:
+    value = min(value, max(MIN_GPU_BLOCK, next_power_of_two(length)))
   if for_gpu and (not is_power_of_two(value) or value < MIN_GPU_BLOCK):
     raise ValueError(
       f"{name}={value} cannot be compiled for a GPU: the Triton lowering "

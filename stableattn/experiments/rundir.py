@@ -52,6 +52,11 @@ class RunDir:
   """Reads and writes the files of one run."""
 
   def __init__(self, workdir: str | os.PathLike):
+    if not str(workdir).strip():
+      raise ValueError(
+        "workdir is empty; name a directory for the run's files, e.g. "
+        "--workdir=runs/forward."
+      )
     self.path = pathlib.Path(workdir)
     self.path.mkdir(parents=True, exist_ok=True)
     self.metrics_path = self.path / "metrics.jsonl"
