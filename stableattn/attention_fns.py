@@ -6,8 +6,9 @@ here, so a name is defined once:
 * our implementations of `stableattn.attention` (`IMPLEMENTATIONS`:
   "pallas", "reference", "xla"), each under a precision policy;
 * the kernels users compare against (`PEERS`): "cudnn"
-  (`jax.nn.dot_product_attention(implementation="cudnn")`) and "jax_mha"
-  (jax's Pallas Triton `mha` with its own tile sizes), both GPU only;
+  (`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only) and
+  "jax_mha" (jax's Pallas Triton `mha` with its own tile sizes; interpret
+  mode off the GPU);
 * any importable function, named "package.module:function".
 
 The contract: `fn(q, k, v, *, causal: bool) -> out`, with q of shape
@@ -37,8 +38,9 @@ AttentionFn = Callable[..., jax.Array]
 
 
 def needs_gpu(name: str) -> bool:
-  """True for the peers that run on an NVIDIA GPU only."""
-  return name in PEERS
+  """True for kernels that run on an NVIDIA GPU only (cuDNN); jax's
+  Pallas `mha` runs anywhere, in interpret mode off the GPU."""
+  return name == "cudnn"
 
 
 def check_name(name: str) -> None:
@@ -99,7 +101,13 @@ def _cudnn(q, k, v, *, causal: bool = False):
 
 def _jax_mha(q, k, v, *, causal: bool = False):
   return jax_gpu_attention.mha(
-    q, k, v, segment_ids=None, sm_scale=q.shape[-1] ** -0.5, causal=causal
+    q,
+    k,
+    v,
+    segment_ids=None,
+    sm_scale=q.shape[-1] ** -0.5,
+    causal=causal,
+    interpret=jax.default_backend() != "gpu",
   )
 
 

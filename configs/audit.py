@@ -1,0 +1,66 @@
+"""Audit any attention kernel (forward, gradients, determinism, NaN).
+
+Run:
+  python launch/audit.py --workdir=runs/audit_xla --config.kernel=xla
+  python launch/audit.py --workdir=runs/audit_mine \
+      --config.kernel=my_package.my_module:my_attention
+  python launch/audit.py --workdir=runs/audit_smoke \
+      --config=configs/audit.py:smoke --config.kernel=jax_mha
+
+The kernel follows the contract of `stableattn/attention_fns.py`:
+fn(q, k, v, *, causal) -> out, layout [batch, length, heads, head_dim].
+Variants: default (two shapes, FP32 and BF16, causal and not; about two
+minutes on 2 CPU cores for a jitted kernel), `smoke` (one small shape;
+under a minute), `paper` (GQA, ragged lengths, head dim 128, more inputs).
+
+Expected outcome: XLA's `jax.nn.dot_product_attention` and jax's Pallas
+`mha` pass; a kernel with a wrong scale, a wrong gradient, a NaN row or
+nondeterministic output fails, and the report names the rule, tensor,
+shape and numbers. The exit code is 1 when the kernel fails.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # A registry name (pallas, reference, xla, cudnn, jax_mha) or an import
+  # path "package.module:function".
+  c.kernel = "xla"
+  # Our implementations' own policy; "auto": Flash's natural policy for
+  # pallas, eager attention's for reference/xla, at each input format.
+  c.kernel_precision = "auto"
+  # Input format and the same-policy baseline of the FlashAttention and
+  # FlexAttention rules: eager attention in BF16, and FP32.
+  c.precisions = "fp32,bf16-framework"
+  # (batch, seq_len, heads, head_dim) or (batch, q_len, kv_len, heads,
+  # kv_heads, head_dim); lengths that are multiples of 64 suit kernels
+  # that need whole tiles.
+  c.shapes = ((1, 128, 2, 64), (2, 256, 2, 64))
+  c.distributions = "normal,uniform"
+  c.seeds = 1
+  c.causal = (False, True)
+  c.repeats = 3  # identical runs that must agree bit for bit
+  # Rules deciding `passed` (all four are reported).
+  c.gate = "flashattention,flexattention"
+
+  if arg == "smoke":
+    c.shapes = ((1, 128, 2, 32),)
+    c.distributions = "normal"
+    c.repeats = 2
+  elif arg == "paper":
+    c.shapes = (
+      (1, 128, 2, 64),
+      (2, 512, 4, 64),
+      (1, 1024, 8, 128),
+      (2, 256, 256, 8, 2, 64),  # GQA
+      (1, 97, 200, 4, 4, 72),  # ragged lengths, odd head dim
+    )
+    c.distributions = "normal,uniform,outliers"
+    c.seeds = 2
+    c.precisions = "fp32,fp16-framework,bf16-framework"
+  elif arg not in (None, "", "default"):
+    raise ValueError(
+      f"Unknown config variant {arg!r}; valid: default, smoke, paper."
+    )
+  return c

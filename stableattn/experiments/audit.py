@@ -1,0 +1,260 @@
+"""The audit experiment: is a user's attention kernel accurate?
+
+  python launch/audit.py --workdir=W --config.kernel=package.module:function
+
+Runs `stableattn.audit` over shapes x input distributions x seeds x
+policies x masking, and writes report.md (the verdict first), headline.json
+(`kernel`, `passed`, `rules`, `deterministic`, `finite`, `failures`),
+metrics.jsonl, summary.csv and a figure. The launcher exits non-zero when
+the kernel fails, so the command can gate a kernel author's CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import numpy as np
+
+from stableattn.attention_fns import IMPLEMENTATIONS, needs_gpu, resolve
+from stableattn.audit import RULES, TENSORS, cases, failures, measure_case
+from stableattn.experiments.config_values import as_tuple, field
+from stableattn.experiments.reporting import num, table
+from stableattn.experiments.rundir import RunDir
+from stableattn.plotting import bar_plot
+from stableattn.precision import Precision, format_name, natural_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  kernel: str
+  kernel_precision: str  # our implementations' own policy ("auto": natural)
+  precisions: tuple[str, ...]  # input format and same-policy baseline
+  shapes: tuple[tuple[int, ...], ...]
+  distributions: tuple[str, ...]
+  seeds: int
+  causal: tuple[bool, ...]
+  repeats: int
+  gate: tuple[str, ...]  # rules that decide `passed`
+
+
+def settings_from_config(c) -> Settings:
+  kernel = str(c.kernel).strip()
+  if not kernel:
+    raise ValueError("config.kernel is empty; name a kernel to audit.")
+  if needs_gpu(kernel) and jax.default_backend() != "gpu":
+    raise ValueError(f"kernel {kernel!r} needs an NVIDIA GPU.")
+  gate = as_tuple(c.gate)
+  bad = [g for g in gate if g not in RULES]
+  if bad:
+    raise ValueError(f"config.gate: unknown {bad}; valid: {list(RULES)}.")
+  precisions = as_tuple(c.precisions)
+  for name in precisions:
+    Precision.from_name(name)  # a clear error naming the valid presets
+  shapes = tuple(tuple(int(x) for x in s) for s in c.shapes)
+  causal = tuple(_flag(x) for x in as_tuple(c.causal))
+  return Settings(
+    kernel=kernel,
+    kernel_precision=str(c.kernel_precision),
+    precisions=precisions,
+    shapes=shapes,
+    distributions=as_tuple(c.distributions),
+    seeds=field(c, "seeds", minimum=1),
+    causal=causal,
+    repeats=field(c, "repeats", minimum=2),
+    gate=gate,
+  )
+
+
+def _flag(value) -> bool:
+  text = str(value).strip().lower()
+  if text not in ("true", "false"):
+    raise ValueError(f"config.causal holds True/False, got {value!r}.")
+  return text == "true"
+
+
+def kernel_fn(s: Settings, policy: Precision):
+  """The audited function; our implementations run under their own policy
+  at the input format ("auto": Flash's for pallas, eager's otherwise)."""
+  if s.kernel not in IMPLEMENTATIONS:
+    return resolve(s.kernel)
+  own = s.kernel_precision
+  if own == "auto":
+    fmt = format_name(policy.dtype("inputs"))
+    own = natural_policy(fmt, "flash" if s.kernel == "pallas" else "baseline")
+  return resolve(s.kernel, precision=own)
+
+
+def run(config, workdir, *, restart: bool = False) -> dict:
+  """Audits the kernel; the headline says whether it passed and why not."""
+  s = settings_from_config(config)
+  run_dir = RunDir(workdir)
+  with run_dir.lock():
+    if restart:
+      run_dir.clear()
+    run_dir.write_config(config.to_dict())
+    run_dir.rewrite_metrics([])  # an audit is measured afresh
+    rows = []
+    for name in s.precisions:
+      policy = Precision.from_name(name)
+      fn = kernel_fn(s, policy)
+      for causal in s.causal:
+        for case in cases(s.shapes, s.distributions, s.seeds):
+          new = _measure(fn, policy, case, causal, s)
+          run_dir.append_metrics(new)
+          rows += new
+    return write_report(run_dir, s, rows)
+
+
+def _measure(fn, policy, case, causal, s: Settings) -> list[dict]:
+  try:
+    rows = measure_case(fn, policy, case, causal, s.repeats)
+  except Exception as e:  # the kernel's own error, said in one line
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e)
+    raise ValueError(
+      f"kernel {s.kernel!r} raised on {case.label}, {case.distribution} "
+      f"inputs, {policy.name}, causal={causal}: {first}"
+    ) from e
+  return [{"kernel": s.kernel, "causal": causal, **r} for r in rows]
+
+
+def headline(s: Settings, rows) -> dict:
+  rules = {rule: all(r[f"{rule}_passed"] for r in rows) for rule in RULES}
+  deterministic = all(r["deterministic"] for r in rows)
+  finite = all(r["nonfinite"] == 0 for r in rows)
+  passed = deterministic and finite and all(rules[g] for g in s.gate)
+  return {
+    "kernel": s.kernel,
+    "passed": passed,
+    "gate": list(s.gate),
+    "rules": rules,
+    "deterministic": deterministic,
+    "finite": finite,
+    "failures": failures(rows, s.gate),
+  }
+
+
+def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
+  if not rows:
+    raise ValueError("the audit measured nothing: no verdict from 0 rows.")
+  result = headline(s, rows)
+  run_dir.write_text(
+    "headline.json", json.dumps(result, indent=2, default=str) + "\n"
+  )
+  run_dir.write_csv("summary.csv", rows)
+  figure = _error_figure(run_dir, rows)
+  verdict = "**PASSED**" if result["passed"] else "**FAILED**"
+  parts = [
+    f"# Audit of `{s.kernel}`: {verdict}",
+    "",
+    f"Gate: {', '.join(s.gate)} rules, bitwise determinism over "
+    f"{s.repeats} runs, no NaN/Inf. Policies {list(s.precisions)}; "
+    f"{len(s.shapes)} shape(s), inputs {list(s.distributions)}, "
+    f"{s.seeds} seed(s), causal {list(s.causal)}.",
+    "",
+    verdict_table(rows),
+    "",
+    *_failure_lines(result["failures"]),
+    "## Errors against FP64 (worst over cases)",
+    "",
+    error_table(rows),
+    "",
+    f"![errors]({figure})",
+  ]
+  run_dir.write_text("report.md", "\n".join(parts) + "\n")
+  return {"workdir": str(run_dir.path), **result}
+
+
+def verdict_table(rows) -> str:
+  """Rule x tensor, per policy and masking: passed cases / cases."""
+  header = ["policy", "causal", "tensor", *RULES, "deterministic", "finite"]
+  body = []
+  for policy in dict.fromkeys(r["policy"] for r in rows):
+    for causal in dict.fromkeys(r["causal"] for r in rows):
+      for tensor in TENSORS:
+        group = [
+          r
+          for r in rows
+          if (r["policy"], r["causal"], r["tensor"]) == (policy, causal, tensor)
+        ]
+        if not group:
+          continue
+        cells = [_rule_cell(group, rule) for rule in RULES]
+        cells.append(_count(group, lambda r: r["deterministic"]))
+        cells.append(_count(group, lambda r: r["nonfinite"] == 0))
+        body.append([policy, causal, tensor, *cells])
+  return table(header, body)
+
+
+def _rule_cell(group, rule: str) -> str:
+  if not any(r[f"{rule}_applies"] for r in group):
+    return "n/a"
+  return _count(group, lambda r: r[f"{rule}_passed"])
+
+
+def _count(group, ok) -> str:
+  good = sum(1 for r in group if ok(r))
+  mark = "pass" if good == len(group) else "FAIL"
+  return f"{mark} {good}/{len(group)}"
+
+
+def _failure_lines(found: list[str], most: int = 20) -> list[str]:
+  if not found:
+    return ["Nothing failed.", ""]
+  lines = ["## What failed", ""]
+  lines += [f"- {text}" for text in found[:most]]
+  if len(found) > most:
+    lines.append(f"- ... and {len(found) - most} more (metrics.jsonl)")
+  return lines + [""]
+
+
+def error_table(rows) -> str:
+  """Worst error, cosine and SNR per policy, masking and tensor."""
+  header = ["policy", "causal", "tensor", "max |x - golden|"]
+  header += ["baseline's", "min cosine", "min SNR dB", "signed share"]
+  body = []
+  keys = dict.fromkeys((r["policy"], r["causal"], r["tensor"]) for r in rows)
+  for policy, causal, tensor in keys:
+    group = [
+      r
+      for r in rows
+      if (r["policy"], r["causal"], r["tensor"]) == (policy, causal, tensor)
+    ]
+    body.append(
+      [
+        policy,
+        causal,
+        tensor,
+        num(max(r["max_abs"] for r in group)),
+        num(max(r["baseline_max_abs"] for r in group)),
+        num(min(r["cosine"] for r in group)),
+        num(min(r["snr_db"] for r in group)),
+        num(float(np.mean([r["signed_share"] for r in group]))),
+      ]
+    )
+  return table(header, body)
+
+
+def _error_figure(run_dir: RunDir, rows) -> str:
+  labels = list(dict.fromkeys(f"{r['policy']} {r['tensor']}" for r in rows))
+  worst = functools.partial(_worst, rows)
+  return bar_plot(
+    run_dir.path / "errors.png",
+    labels,
+    {
+      "kernel": [worst(label, "max_abs") for label in labels],
+      "same-policy baseline": [
+        worst(label, "baseline_max_abs") for label in labels
+      ],
+    },
+    title="Worst max |x - FP64 golden| per policy and tensor",
+    ylabel="max abs error",
+  ).name
+
+
+def _worst(rows, label: str, key: str) -> float:
+  values = [r[key] for r in rows if f"{r['policy']} {r['tensor']}" == label]
+  finite = [v for v in values if np.isfinite(v)]
+  return max(finite) if finite else float("nan")

@@ -1,0 +1,75 @@
+"""Attention kernels with known defects, on the audit's calling contract
+(imported by the audit as "audit_kernels:NAME")."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import stableattn as sa
+
+
+def correct(q, k, v, *, causal=False):
+  out = sa.attention(
+    q, k, v, implementation="reference", precision="fp32", causal=causal
+  )
+  return out.astype(q.dtype)
+
+
+def wrong_scale(q, k, v, *, causal=False):
+  """The classic bug: scores scaled by 1/d instead of 1/sqrt(d)."""
+  return correct(q * q.shape[-1] ** -0.5, k, v, causal=causal)
+
+
+def _wrong_gradient_fwd(q, k, v, causal):
+  out, vjp = jax.vjp(lambda q, k, v: correct(q, k, v, causal=causal), q, k, v)
+  return out, vjp
+
+
+def _wrong_gradient_bwd(causal, vjp, d_out):
+  del causal
+  return tuple(1.5 * g for g in vjp(d_out))  # a right forward, 1.5x grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _wrong_gradient(q, k, v, causal):
+  return correct(q, k, v, causal=causal)
+
+
+_wrong_gradient.defvjp(_wrong_gradient_fwd, _wrong_gradient_bwd)
+
+
+def wrong_gradient(q, k, v, *, causal=False):
+  return _wrong_gradient(q, k, v, causal)
+
+
+def nondeterministic(q, k, v, *, causal=False):
+  """A few FP32 ulps of run-to-run noise, as from atomics' order."""
+  out = correct(q, k, v, causal=causal).astype(jnp.float32)
+  noise = jax.pure_callback(
+    lambda: (
+      np.random.default_rng().uniform(-2, 2, out.shape).astype(np.float32)
+    ),
+    jax.ShapeDtypeStruct(out.shape, jnp.float32),
+  )
+  ulp = jnp.abs(out) * jnp.float32(2.0**-23)
+  return (out + jax.lax.stop_gradient(noise * ulp)).astype(q.dtype)
+
+
+def nan_rows(q, k, v, *, causal=False):
+  """NaN in the last query row (as a fully masked row can give)."""
+  out = correct(q, k, v, causal=causal)
+  return out.at[:, -1].set(jnp.nan)
+
+
+def wrong_shape(q, k, v, *, causal=False):
+  return correct(q, k, v, causal=causal)[..., :8]
+
+
+def no_causal_argument(q, k, v):
+  return correct(q, k, v)
+
+
+def integer_output(q, k, v, *, causal=False):
+  return correct(q, k, v, causal=causal).astype(jnp.int32)

@@ -1,0 +1,114 @@
+"""The audit gates kernels: defects fail it, jax's kernels pass."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from configs import audit as audit_config
+from stableattn.experiments import audit
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _config(kernel, **changes):
+  config = audit_config.get_config("smoke")
+  config.kernel = kernel
+  for name, value in changes.items():
+    setattr(config, name, value)
+  return config
+
+
+@pytest.mark.parametrize("kernel", ["xla", "jax_mha"])
+def test_jax_kernels_pass(kernel, tmp_path):
+  # jax's mha cannot trace causal masking with 64-bit mode on (its kernel
+  # divides an int32 by an int64); the audit itself needs no FP64 in JAX.
+  with jax.enable_x64(False):
+    result = audit.run(_config(kernel), tmp_path)
+  assert result["passed"], result["failures"]
+  assert all(result["rules"].values())
+  headline = json.loads((tmp_path / "headline.json").read_text())
+  assert headline["kernel"] == kernel and headline["passed"] is True
+  report = (tmp_path / "report.md").read_text()
+  assert report.startswith(f"# Audit of `{kernel}`: **PASSED**")
+  assert (tmp_path / "errors.png").stat().st_size > 0
+
+
+FAST = dict(precisions="fp32", causal=(True,))
+
+
+@pytest.mark.parametrize(
+  "kernel, expected",
+  [
+    ("wrong_scale", "flashattention rule fails on out"),
+    ("wrong_gradient", "flashattention rule fails on dq"),
+    (
+      "nondeterministic",
+      "out at B1 T128 S128 H2/2 D32, normal inputs, seed 0, "
+      "fp32 differs between 2 identical runs",
+    ),
+    ("nan_rows", "NaN/Inf values in out"),
+  ],
+)
+def test_defective_kernels_fail_and_the_report_says_why(
+  kernel, expected, tmp_path
+):
+  result = audit.run(_config(f"audit_kernels:{kernel}", **FAST), tmp_path)
+  assert result["passed"] is False
+  assert any(expected in f for f in result["failures"]), result["failures"]
+  report = (tmp_path / "report.md").read_text()
+  assert "**FAILED**" in report.splitlines()[0]
+  assert expected in report
+  if kernel == "wrong_gradient":  # the forward itself is right
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").open()]
+    out = [r for r in rows if r["tensor"] == "out"]
+    assert all(r["flashattention_passed"] for r in out)
+
+
+def _launch(*flags):
+  env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+  return subprocess.run(
+    [sys.executable, str(REPO / "launch" / "audit.py"), *flags],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=REPO,
+    timeout=300,
+  )
+
+
+def test_launcher_exit_code_gates_ci(tmp_path):
+  smoke = f"--config={REPO / 'configs' / 'audit.py'}:smoke"
+  bad = _launch(
+    f"--workdir={tmp_path / 'bad'}",
+    smoke,
+    "--config.kernel=audit_kernels:wrong_scale",
+    "--config.precisions=fp32",
+  )
+  assert bad.returncode == 1, bad.stderr[-2000:]
+  assert json.loads(bad.stdout)["passed"] is False
+
+
+@pytest.mark.parametrize(
+  "kernel, message",
+  [
+    ("no_such_module_xyz:attention", "Cannot import module"),
+    (
+      "audit_kernels:no_causal_argument",
+      "does not take \\(q, k, v, \\*, causal",
+    ),
+    ("audit_kernels:wrong_shape", "the kernel returned \\(1, 128, 2, 8\\)"),
+    ("audit_kernels:integer_output", "the kernel returned dtype int32"),
+  ],
+)
+def test_bad_kernels_give_one_clear_line(kernel, message, tmp_path):
+  import re
+
+  with pytest.raises(ValueError, match=message) as raised:
+    audit.run(_config(kernel, **FAST), tmp_path)
+  assert "\n" not in str(raised.value)
+  assert re.search(message, str(raised.value))
