@@ -59,6 +59,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.attention.scheme = "fa2"
   c.attention.tie_beta = 0.0  # Qiu & Yao's fix in the flash run; 0: none
   c.attention.fix_beta = 2.0  # the fix in flash_fixed (flash_fix_vs_flash)
+  # A kernel to train with beside the others (pair candidate_vs_baseline):
+  # a name of stableattn.attention_fns or "package.module:function".
+  c.attention.candidate = ""
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # compute format of the base run

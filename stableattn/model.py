@@ -5,6 +5,8 @@ GELU MLP, and tied input/output embeddings. Attention is one of:
   * "reference": materialized baseline attention (`stableattn.attention`),
   * "pallas": our flash kernel,
   * "xla": `jax.nn.dot_product_attention`,
+  * any other name of `stableattn.attention_fns` ("cudnn", "jax_mha", or a
+    user's kernel as "package.module:function"),
   * "shadow": computes both flash and baseline on the same inputs, passes one
     of them downstream (`shadow_downstream`) and, when statistics are
     collected, reports their per-layer deviation (Golden et al. ran both
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stableattn import attention_fns
 from stableattn.dispatch import IMPLEMENTATIONS, attention, check_tie_beta
 from stableattn.precision import Precision
 
@@ -42,9 +45,13 @@ class AttentionSpec:
 
   def __post_init__(self):
     if self.kind not in ATTENTION_KINDS:
-      raise ValueError(
-        f"Unknown attention {self.kind!r}; valid: {list(ATTENTION_KINDS)}."
-      )
+      try:
+        attention_fns.check_name(self.kind)
+      except ValueError:
+        raise ValueError(
+          f"Unknown attention {self.kind!r}; valid: {list(ATTENTION_KINDS)}, "
+          f"{list(attention_fns.PEERS)} or 'package.module:function'."
+        ) from None
     if self.shadow_downstream not in ("reference", "pallas"):
       raise ValueError(
         f"shadow_downstream must be 'reference' or 'pallas', got "
@@ -147,8 +154,10 @@ class SelfAttention(nnx.Module):
         )
     elif spec.kind == "pallas":
       out = _flash(q, k, v, spec)
-    else:
+    elif spec.kind in IMPLEMENTATIONS:
       out = _baseline(q, k, v, spec, implementation=spec.kind)
+    else:  # a peer or a user's kernel, on the registry's contract
+      out = attention_fns.resolve(spec.kind)(q, k, v, causal=True)
     if collect_stats:
       stats.update(attention_statistics(q, k))
     out = out.astype(x_BxTxW.dtype).reshape(batch, length, width)

@@ -355,3 +355,35 @@ def test_shared_policy_compares_only_the_algorithm():
   config.attention.compare = "same"
   with pytest.raises(ValueError, match="attention.compare: unknown 'same'"):
     training_drift.settings_from_config(config)
+
+
+def test_a_users_kernel_trains_as_a_subject_against_every_reference(tmp_path):
+  config = drift_config.get_config("smoke")
+  config.attention.candidate = "audit_kernels:correct"  # FP32 attention
+  config.pairs = "candidate_vs_baseline,fp16_vs_bf16,different_seed"
+  config.train.replicates = 2
+  result = training_drift.run(config, tmp_path)
+  ratios = result["ratios"]["candidate_vs_baseline"]
+  assert set(ratios) == {"fp16_vs_bf16", "different_seed"}
+  assert (
+    ratios["different_seed"]["wasserstein"]["over_replicates"]["count"] == 2
+  )
+  assert set(result["paper_verdicts"]["candidate_vs_baseline"]) == {
+    "fp16_vs_bf16",
+    "different_seed",
+  }
+  report = (tmp_path / "report.md").read_text()
+  assert "| candidate_vs_baseline | fp16_vs_bf16 | wasserstein |" in report
+  assert "candidate: audit_kernels:correct attention (its own" in report
+  assert (tmp_path / "fig7_candidate_vs_baseline.png").stat().st_size > 0
+
+
+def test_a_candidate_that_does_not_resolve_is_one_clear_error():
+  config = drift_config.get_config("smoke")
+  config.attention.candidate = "no_such_module_xyz:attention"
+  with pytest.raises(ValueError, match="Cannot import module"):
+    training_drift.settings_from_config(config)
+  config = drift_config.get_config("smoke")
+  config.pairs = "candidate_vs_baseline"
+  with pytest.raises(ValueError, match="needs config.attention.candidate"):
+    training_drift.settings_from_config(config)

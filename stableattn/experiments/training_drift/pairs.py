@@ -27,6 +27,7 @@ class Pair:
     at_most: paper's claim: subject / this pair <= at_most.
     below_band: paper's claim: the subject drifts (low, high) times below.
     min_devices: the pair exists only with at least this many devices.
+    requires: a config field that must be set for the pair to exist.
   """
 
   name: str
@@ -36,6 +37,7 @@ class Pair:
   at_most: float | None = None
   below_band: tuple[float, float] | None = None
   min_devices: int = 1
+  requires: str | None = None
 
   def __post_init__(self):
     if self.role not in ROLES:
@@ -66,6 +68,14 @@ PAIRS = (
   Pair("one_vs_n_devices", "base", "one_device", "reference", min_devices=2),
   Pair("identical_rerun", "base", "rerun", "control"),
   Pair("flash_fix_vs_flash", "flash", "flash_fixed", "subject"),
+  # A user's kernel in training: --config.attention.candidate=pkg.mod:fn.
+  Pair(
+    "candidate_vs_baseline",
+    "base",
+    "candidate",
+    "subject",
+    requires="attention.candidate",
+  ),
 )
 BY_NAME = {p.name: p for p in PAIRS}
 

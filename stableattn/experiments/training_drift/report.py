@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stableattn.dispatch import IMPLEMENTATIONS
 from stableattn.drift import top_singular_share
 from stableattn.experiments.reporting import (
   Interval,
@@ -96,6 +97,8 @@ def summary_rows(rows, pairs, steps) -> list[dict]:
 
 
 def _attention_label(attention) -> str:
+  if attention.kind not in IMPLEMENTATIONS + ("shadow",):
+    return f"{attention.kind} attention (its own arithmetic)"
   policy = (
     attention.flash_precision
     if attention.kind == "pallas"

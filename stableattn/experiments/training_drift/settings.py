@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 
+from stableattn.attention_fns import resolve
 from stableattn.dispatch import check_tie_beta, xla_unsupported_reason
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.training_drift.pairs import BY_NAME, PAIRS
@@ -88,6 +89,9 @@ def settings_from_config(config) -> Settings:
       raise ValueError(
         f"Unknown attention {name!r}; valid: {', '.join(ATTENTION_KINDS)}."
       )
+  candidate = str(c.attention.get("candidate", "") or "").strip()
+  if candidate:
+    resolve(candidate)  # one clear line for a name that does not resolve
   devices = field(c, "train.devices", minimum=0) or jax.local_device_count()
   pairs = _pairs(c, devices)
   batch_size = field(c, "train.batch_size", minimum=1)
@@ -124,16 +128,28 @@ def settings_from_config(config) -> Settings:
 
 
 def _pairs(c, devices: int) -> tuple[str, ...]:
-  """`config.pairs` ("all": every pair defined) that exist on `devices`."""
+  """`config.pairs` ("all": every pair whose config is set) that exist on
+  `devices`."""
   names = as_tuple(c.pairs)
   if names == ("all",):
-    names = tuple(p.name for p in PAIRS)
+    names = tuple(p.name for p in PAIRS if not p.requires or _set(c, p))
   unknown = [p for p in names if p not in BY_NAME]
   if unknown:
     raise ValueError(
       f"Unknown pairs {unknown}; valid: {list(BY_NAME)} or 'all'."
     )
+  for name in names:
+    if BY_NAME[name].requires and not _set(c, BY_NAME[name]):
+      raise ValueError(
+        f"pair {name!r} needs config.{BY_NAME[name].requires} (a kernel "
+        "name or 'package.module:function')."
+      )
   return tuple(p for p in names if devices >= BY_NAME[p].min_devices)
+
+
+def _set(c, pair) -> bool:
+  section, name = pair.requires.split(".")
+  return bool(str(c[section].get(name, "") or "").strip())
 
 
 def _choice(value, name: str, valid) -> str:
@@ -198,7 +214,7 @@ def _tie_betas(c) -> dict:
 def _run_spec(c, variant: Variant, devices: int) -> RunSpec:
   """The RunSpec of one variant under this config."""
   precision = variant.precision or c.train.precision
-  kind = c.attention[variant.attention]
+  kind = str(c.attention[variant.attention]).strip()
   compare = str(c.attention.compare)
   flash_policy = _policy(c.attention.flash_precision, "pallas", precision)
   attention = AttentionSpec(

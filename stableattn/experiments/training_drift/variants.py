@@ -16,8 +16,9 @@ class Variant:
   """One run's difference from the base run.
 
   Attributes:
-    attention: "baseline" or "flash": `config.attention.baseline` or
-      `config.attention.flash` computes every layer's attention.
+    attention: "baseline", "flash" or "candidate": the kernel named by
+      `config.attention.baseline`, `.flash` or `.candidate` (any name of
+      `stableattn.attention_fns`) computes every layer's attention.
     precision: the training format ("fp32", "bf16", "fp16"); None keeps
       `config.train.precision`.
     tie_beta: None, "flash" (`config.attention.tie_beta`) or "fix"
@@ -48,4 +49,5 @@ VARIANTS = {
   "bf16": Variant(precision="bf16"),
   "fp16": Variant(precision="fp16"),
   "one_device": Variant(single_device=True),
+  "candidate": Variant(attention="candidate"),
 }
