@@ -33,7 +33,13 @@ import numpy as np
 
 from stableattn.dispatch import attention
 from stableattn.golden import golden_attention, golden_attention_vjp
-from stableattn.inputs import DISTRIBUTIONS, Shape, make_inputs, round_to
+from stableattn.inputs import (
+  DISTRIBUTIONS,
+  Shape,
+  make_inputs,
+  round_to,
+  shape_from_spec,
+)
 from stableattn.metrics import compare, rounding_floor
 from stableattn.precision import Precision
 
@@ -225,25 +231,11 @@ def cases(shapes, distributions, seeds: int) -> list[Case]:
   if not shapes or seeds < 1:
     raise ValueError("an audit needs at least one shape and one seed.")
   return [
-    Case(as_shape(spec), distribution, seed)
+    Case(shape_from_spec(spec), distribution, seed)
     for spec in shapes
     for distribution in distributions
     for seed in range(seeds)
   ]
-
-
-def as_shape(spec) -> Shape:
-  """(batch, seq_len, heads, head_dim) or the six-field `Shape`."""
-  spec = tuple(int(x) for x in spec)
-  if len(spec) == 4:
-    batch, length, heads, head_dim = spec
-    return Shape(batch, length, length, heads, heads, head_dim)
-  if len(spec) == 6:
-    return Shape(*spec)
-  raise ValueError(
-    f"shape {spec} must be (batch, seq_len, heads, head_dim) or (batch, "
-    "q_len, kv_len, heads, kv_heads, head_dim)."
-  )
 
 
 def failures(rows, rules=tuple(RULES)) -> list[str]:

@@ -15,7 +15,12 @@ import numpy as np
 
 from stableattn.dispatch import attention
 from stableattn.golden import golden_attention
-from stableattn.inputs import DISTRIBUTIONS, Shape, make_inputs, round_to
+from stableattn.inputs import (
+  DISTRIBUTIONS,
+  make_inputs,
+  round_to,
+  shape_from_spec,
+)
 from stableattn.metrics import compare, rounding_floor, safe_ratio
 from stableattn.precision import Precision
 
@@ -61,19 +66,6 @@ class CheckReport:
     return "\n".join(lines)
 
 
-def _shape(spec) -> Shape:
-  spec = tuple(int(x) for x in spec)
-  if len(spec) == 4:
-    batch, length, heads, head_dim = spec
-    return Shape(batch, length, length, heads, heads, head_dim)
-  if len(spec) == 6:
-    return Shape(*spec)
-  raise ValueError(
-    f"shape {spec} must be (batch, seq_len, heads, head_dim) or (batch, "
-    "q_len, kv_len, heads, kv_heads, head_dim)."
-  )
-
-
 def _checked_settings(seeds, distributions: tuple, shapes) -> tuple:
   """Raises for settings that would check nothing; the distributions."""
   if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
@@ -96,7 +88,7 @@ def _check_one(fn, policy, spec, distribution, seed, causal, factor):
   """One input: fn's error and the same-policy baseline's, against golden."""
   q, k, v = (
     round_to(x, policy.inputs)
-    for x in make_inputs(distribution, seed, _shape(spec))
+    for x in make_inputs(distribution, seed, shape_from_spec(spec))
   )
   golden = golden_attention(q, k, v, causal)
   # Exact: the inputs are already rounded to the policy's input format, and

@@ -186,3 +186,17 @@ def make_inputs(
 def round_to(x: np.ndarray, fmt: str) -> np.ndarray:
   """x rounded to a number format, returned as float64."""
   return np.asarray(x).astype(to_dtype(fmt)).astype(np.float64)
+
+
+def shape_from_spec(spec) -> Shape:
+  """(batch, seq_len, heads, head_dim) or the six fields of `Shape`."""
+  spec = tuple(int(x) for x in spec)
+  if len(spec) == 4:
+    batch, length, heads, head_dim = spec
+    return Shape(batch, length, length, heads, heads, head_dim)
+  if len(spec) == 6:
+    return Shape(*spec)
+  raise ValueError(
+    f"shape {spec} must be (batch, seq_len, heads, head_dim) or (batch, "
+    "q_len, kv_len, heads, kv_heads, head_dim)."
+  )

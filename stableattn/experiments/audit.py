@@ -92,10 +92,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   s = settings_from_config(config)
   run_dir = RunDir(workdir)
   with run_dir.lock():
-    if restart:
-      run_dir.clear()
-    run_dir.write_config(config.to_dict())
-    run_dir.rewrite_metrics([])  # an audit is measured afresh
+    run_dir.start_afresh(config.to_dict(), restart)
     rows = []
     for name in s.precisions:
       policy = Precision.from_name(name)

@@ -155,6 +155,14 @@ class RunDir:
     for png in self.path.glob("*.png"):
       png.unlink()
 
+  def start_afresh(self, config_dict: dict, restart: bool) -> None:
+    """For runs measured anew each time (timings, audits): the config and
+    an empty metrics file; `restart` also removes earlier outputs."""
+    if restart:
+      self.clear()
+    self.write_config(config_dict)
+    self.rewrite_metrics([])
+
   def read_metrics(self) -> list[dict]:
     """Every intact row; drops only lines an interrupted write damaged."""
     if not self.metrics_path.exists():
