@@ -112,3 +112,53 @@ def test_bad_kernels_give_one_clear_line(kernel, message, tmp_path):
     audit.run(_config(kernel, **FAST), tmp_path)
   assert "\n" not in str(raised.value)
   assert re.search(message, str(raised.value))
+
+
+def _row(tensor, passed=True, deterministic=True, nonfinite=0):
+  row = {
+    "shape": "B1 T8 S8 H1/1 D4",
+    "distribution": "normal",
+    "seed": 0,
+    "tensor": tensor,
+    "policy": "bf16-framework",
+    "causal": False,
+    "deterministic": deterministic,
+    "repeats": 3,
+    "nonfinite": nonfinite,
+    "max_abs": 1e-3,
+    "baseline_max_abs": 2e-3,
+    "cosine": 0.999,
+    "snr_db": 50.0,
+    "signed_share": 0.1,
+  }
+  for rule in audit.RULES:
+    ok = passed or rule != "flashattention"
+    row.update(
+      {
+        f"{rule}_value": 1.0 if ok else 3.0,
+        f"{rule}_limit": 2.0,
+        f"{rule}_passed": ok,
+        f"{rule}_applies": rule != "flexattention" or tensor != "dk",
+      }
+    )
+  return row
+
+
+def test_verdict_and_headline_from_synthetic_rows():
+  settings = audit.settings_from_config(_config("xla"))
+  rows = [_row("out"), _row("dq", passed=False), _row("dk"), _row("dv")]
+  table = audit.verdict_table(rows)
+  assert "| bf16-framework | False | dq | FAIL 0/1 | pass 1/1 |" in table
+  assert "| bf16-framework | False | dk | pass 1/1 | n/a |" in table
+  result = audit.headline(settings, rows)
+  assert result["passed"] is False
+  assert result["rules"]["flashattention"] is False
+  assert result["rules"]["flexattention"] is True
+  (failure,) = result["failures"]
+  assert failure.startswith("flashattention rule fails on dq at B1 T8 S8")
+  assert "3 > limit 2" in failure
+  rows = [_row("out", deterministic=False), _row("dq", nonfinite=2)]
+  result = audit.headline(settings, rows)
+  assert not result["passed"]
+  assert not result["deterministic"] and not result["finite"]
+  assert len(result["failures"]) == 2
