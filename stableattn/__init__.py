@@ -7,9 +7,12 @@ Public API:
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
   Precision, preset_names; tiles_from_sram
   check(fn, precision=..., shapes=...) -> CheckReport (FlashAttention rule)
+  audit(fn, precision=..., shapes=..., causal=...) -> AuditReport: output
+    and gradients under four projects' rules, determinism, NaN/Inf
   make_attention_fn(...) -> attention_fn for flax.nnx.MultiHeadAttention
 """
 
+from stableattn.audit import AuditReport, audit
 from stableattn.check import CheckReport, check
 from stableattn.dispatch import IMPLEMENTATIONS, attention
 from stableattn.flax_attention import make_attention_fn
@@ -27,12 +30,14 @@ from stableattn.tiling import tiles_from_sram
 
 __all__ = [
   "IMPLEMENTATIONS",
+  "AuditReport",
   "SCHEMES",
   "STAGES",
   "CheckReport",
   "Deviation",
   "Precision",
   "attention",
+  "audit",
   "check",
   "compare",
   "error_ratio",

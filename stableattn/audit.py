@@ -257,3 +257,82 @@ def failures(rows, rules=tuple(RULES)) -> list[str]:
           f"limit {r[f'{rule}_limit']:.3g}"
         )
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+  """The rows of an audit and what failed (`passed`: nothing did)."""
+
+  rows: tuple[dict, ...]
+  gate: tuple[str, ...]
+
+  @property
+  def failures(self) -> list[str]:
+    return failures(self.rows, self.gate)
+
+  @property
+  def passed(self) -> bool:
+    return not self.failures
+
+  def __str__(self) -> str:
+    lines = [
+      f"{'tensor':>6} {'policy':>16} {'causal':>6} "
+      + " ".join(f"{rule:>18}" for rule in RULES)
+      + "  deterministic"
+    ]
+    for r in self.rows:
+      cells = [
+        f"{r[f'{rule}_value']:.2e}/{r[f'{rule}_limit']:.1e}"
+        + (" ok" if r[f"{rule}_passed"] else " XX")
+        for rule in RULES
+      ]
+      lines.append(
+        f"{r['tensor']:>6} {r['policy']:>16} {str(r['causal']):>6} "
+        + " ".join(f"{c:>18}" for c in cells)
+        + f"  {r['deterministic']}"
+      )
+    lines += self.failures
+    lines.append("PASSED" if self.passed else "FAILED")
+    return "\n".join(lines)
+
+
+def audit(
+  fn,
+  *,
+  precision: str | Precision = "bf16-framework",
+  shapes=((1, 128, 2, 64),),
+  distributions=("normal",),
+  seeds: int = 1,
+  causal: bool = False,
+  repeats: int = 3,
+  gate=("flashattention", "flexattention"),
+) -> AuditReport:
+  """Audits fn(q, k, v, *, causal): output and gradients under every rule,
+  determinism over `repeats` runs, and NaN/Inf.
+
+  Args:
+    fn: a kernel on the contract of `stableattn.attention_fns`.
+    precision: the input format and the same-policy baseline.
+    shapes: (batch, seq_len, heads, head_dim) or six-field shapes.
+    distributions, seeds: inputs per shape (`stableattn.inputs`).
+    causal: whether fn is called (and judged) with causal masking.
+    repeats: identical runs that must agree bit for bit (at least 2).
+    gate: rules that decide `passed` (all are measured).
+
+  Raises:
+    ValueError: for bad settings, or a kernel that raises or breaks the
+      contract (the message says which case and why).
+  """
+  policy = Precision.from_name(precision)
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
+    raise ValueError(f"repeats must be an integer >= 2, got {repeats!r}.")
+  unknown = [g for g in gate if g not in RULES]
+  if unknown:
+    raise ValueError(f"unknown rules {unknown}; valid: {list(RULES)}.")
+  rows = []
+  for case in cases(shapes, tuple(distributions), seeds):
+    rows += [
+      {"causal": causal, **r}
+      for r in measure_case(fn, policy, case, causal, repeats)
+    ]
+  return AuditReport(tuple(rows), tuple(gate))

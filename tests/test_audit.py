@@ -162,3 +162,18 @@ def test_verdict_and_headline_from_synthetic_rows():
   assert not result["passed"]
   assert not result["deterministic"] and not result["finite"]
   assert len(result["failures"]) == 2
+
+
+def test_python_api_audits_gradients_too():
+  import audit_kernels
+
+  import stableattn as sa
+
+  report = sa.audit(audit_kernels.correct, precision="bf16-framework")
+  assert report.passed, str(report)
+  assert {r["tensor"] for r in report.rows} == {"out", "dq", "dk", "dv"}
+  bad = sa.audit(audit_kernels.wrong_gradient, precision="bf16-framework")
+  assert not bad.passed and "FAILED" in str(bad)
+  assert all("on dq" in f or "on dk" in f or "on dv" in f for f in bad.failures)
+  with pytest.raises(ValueError, match="repeats must be an integer >= 2"):
+    sa.audit(audit_kernels.correct, repeats=1)
