@@ -46,6 +46,10 @@ def settings_from_config(c) -> Settings:
     raise ValueError("config.kernel is empty; name a kernel to audit.")
   if needs_gpu(kernel) and jax.default_backend() != "gpu":
     raise ValueError(f"kernel {kernel!r} needs an NVIDIA GPU.")
+  resolve(kernel)  # before any file is written: one line if it cannot be
+  kernel_precision = str(c.kernel_precision)
+  if kernel_precision != "auto":
+    Precision.from_name(kernel_precision)
   gate = as_tuple(c.gate)
   bad = [g for g in gate if g not in RULES]
   if bad:
@@ -57,7 +61,7 @@ def settings_from_config(c) -> Settings:
   causal = tuple(_flag(x) for x in as_tuple(c.causal))
   return Settings(
     kernel=kernel,
-    kernel_precision=str(c.kernel_precision),
+    kernel_precision=kernel_precision,
     precisions=precisions,
     shapes=shapes,
     distributions=as_tuple(c.distributions),
