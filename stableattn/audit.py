@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.dispatch import attention
+from stableattn.attention_fns import resolve
 from stableattn.golden import golden_attention, golden_attention_vjp
 from stableattn.inputs import (
   DISTRIBUTIONS,
@@ -185,11 +185,7 @@ def measure_case(fn, policy: Precision, case: Case, causal: bool, repeats):
   args = [jnp.asarray(x.astype(dtype)) for x in (q, k, v)]
   d_out = d_out.astype(policy.dtype("output"))
 
-  def ours(q, k, v, *, causal):
-    return attention(
-      q, k, v, implementation="reference", precision=policy, causal=causal
-    )
-
+  ours = resolve("reference", precision=policy)
   baseline = _values_and_grads(ours, *args, d_out, causal)
   runs = [_values_and_grads(fn, *args, d_out, causal) for _ in range(repeats)]
   rows = []

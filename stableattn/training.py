@@ -118,9 +118,7 @@ class Trainer:
     self.replicated = NamedSharding(self.mesh, P())
     self.batch_sharding = NamedSharding(self.mesh, P("data"))
     self.model_spec = model_spec
-    self.graphdef = nnx.split(
-      Transformer(model_spec, run.attention, rngs=nnx.Rngs(0)), nnx.Param
-    )[0]
+    self.graphdef = self.graph_with(run.attention)
     self.tx = make_optimizer(optimizer)
     self.compute_dtype = COMPUTE_DTYPES[run.precision]
     self._step = jax.jit(self._step_impl, donate_argnums=0)

@@ -27,6 +27,17 @@ def as_tuple(value, kind=str) -> tuple:
   return tuple(kind(v.strip() if isinstance(v, str) else v) for v in value)
 
 
+def booleans(value, name: str) -> tuple[bool, ...]:
+  """A non-empty tuple of True/False from a config field (a tuple, or
+  words as the command line gives them)."""
+  words = as_tuple(value, lambda x: str(x).strip().lower())
+  if not words or any(w not in ("true", "false") for w in words):
+    raise ValueError(
+      f"config.{name} must hold True/False values, got {value!r}."
+    )
+  return tuple(w == "true" for w in words)
+
+
 def _lookup(config, field: str):
   value = config
   for part in field.split("."):

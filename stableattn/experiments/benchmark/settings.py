@@ -7,7 +7,12 @@ import dataclasses
 import jax
 
 from stableattn.attention_fns import IMPLEMENTATIONS, NAMES, PEERS, needs_gpu
-from stableattn.experiments.config_values import as_tuple, field, field_tuple
+from stableattn.experiments.config_values import (
+  as_tuple,
+  booleans,
+  field,
+  field_tuple,
+)
 from stableattn.precision import Precision, natural_policy
 
 MODES = ("forward", "forward_backward")
@@ -43,7 +48,7 @@ def settings_from_config(c) -> Settings:
   return Settings(
     implementations=_implementations(c, gpu),
     modes=_choices(c, "modes", MODES),
-    causal=_booleans(c.causal),
+    causal=booleans(c.causal, "causal"),
     precisions=_precisions(c[g]),
     head_dims=field_tuple(c, "head_dims", int, minimum=1),
     seq_lens=field_tuple(c, f"{g}.seq_lens", int, minimum=1),
@@ -85,15 +90,6 @@ def _choices(c, name: str, valid, allow_empty: bool = False):
   if bad:
     raise ValueError(f"config.{name}: unknown {bad}; valid: {list(valid)}.")
   return values
-
-
-def _booleans(value) -> tuple[bool, ...]:
-  words = as_tuple(value, lambda x: str(x).strip().lower())
-  if not words or any(w not in ("true", "false") for w in words):
-    raise ValueError(
-      f"config.causal must hold True/False values, got {value!r}."
-    )
-  return tuple(w == "true" for w in words)
 
 
 def _precisions(g) -> tuple[str, ...]:
