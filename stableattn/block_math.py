@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax import lax
 
+from stableattn.masking import scores
 from stableattn.rounding import PolicyArithmetic
 
 # Contract the last dimension of both operands: A @ B^T.
@@ -24,37 +24,39 @@ NN_DIMS = (((1,), (0,)), ((), ()))
 TN_DIMS = (((0,), (0,)), ((), ()))
 
 
-def key_mask(
-  q_start, k_start, block_q: int, block_k: int, *, kv_len: int, causal: bool
-):
-  """Boolean [block_q, block_k] mask of (query, key) pairs that attend."""
-  q_idx = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-  k_idx = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-  mask = k_idx < kv_len
-  if causal:
-    mask = jnp.logical_and(mask, k_idx <= q_idx)
-  return mask
-
-
 def scaled_dot(a, b, dims, ar: PolicyArithmetic, scale: float, stage: str):
   """(A B) * scale: the product rounded to `matmul_accum`, then to `stage`."""
   product = ar.dot(a, b, dims)
   return ar.round(product * jnp.asarray(scale, product.dtype), stage)
 
 
-def block_scores(q_BqxD, k_BkxD, *, ar: PolicyArithmetic, scale: float, mask):
-  """S = Q K^T * scale in `scores`, then held in `softmax_stats`.
+def block_scores(q_BqxD, k_BkxD, *, ar: PolicyArithmetic, spec, mask, bias):
+  """S = Q K^T * scale (softcapped if set) in `scores`, held in
+  `softmax_stats`, plus the bias (rounded to `scores`) if any.
 
   Masked pairs are -inf.
 
   Args:
+    spec: the `masking.MaskSpec`.
     mask: boolean [block_q, block_k] or None when every pair attends.
+    bias: [block_q, block_k] or None.
+
+  Returns:
+    (S, tanh of the softcap or None), both [block_q, block_k].
   """
-  s = scaled_dot(q_BqxD, k_BkxD, NT_DIMS, ar, scale, "scores")
+  s, tanh = scores(ar.dot(q_BqxD, k_BkxD, NT_DIMS), spec, ar)
   s = ar.round(s, "softmax_stats")
+  if bias is not None:
+    s = ar.round(s + ar.round(bias, "scores"), "softmax_stats")
   if mask is not None:
     s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
-  return s
+  return s, tanh
+
+
+def no_key_safe(m):
+  """The maximum to subtract: 0 for a row with no key yet (m = -inf), so
+  exp(-inf - m) is 0, never exp(-inf + inf) = NaN."""
+  return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
 
 
 def stats_exp(x, ar: PolicyArithmetic):

@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stableattn import masking
 from stableattn.flash_attention import (
   flash_attention,
   flash_attention_with_lse,
   padded_head_dim,
 )
+from stableattn.masking import MaskSpec
 from stableattn.pallas_forward import SCHEMES, KernelConfig
 from stableattn.precision import Precision, require_x64_if_needed, resolve
 from stableattn.reference import reference_attention, xla_attention
@@ -169,7 +171,7 @@ def kernel_config(
   block_q,
   block_k,
   scheme: str,
-  causal: bool,
+  mask: MaskSpec,
   interpret: bool | None,
   num_warps=None,
   num_stages=None,
@@ -180,7 +182,6 @@ def kernel_config(
   """Validated static configuration of the Pallas kernels."""
   _check_choice("scheme", scheme, SCHEMES)
   tie_beta = check_tie_beta(tie_beta)
-  causal = check_flag("causal", causal)
   interpret = resolve_interpret(interpret)
   for_gpu = not interpret
   q_len, kv_len = q_shape[1], kv_shape[1]
@@ -209,7 +210,7 @@ def kernel_config(
     block_q=block_q,
     block_k=block_k,
     scheme=scheme,
-    causal=causal,
+    mask=mask,
     q_len=q_len,
     kv_len=kv_len,
     head_dim=q_shape[3],
@@ -233,6 +234,16 @@ def attention(
   block_k: int = 64,
   scheme: str = "fa2",
   causal: bool = False,
+  causal_alignment: str = "top_left",
+  local_window_size=None,
+  query_seq_lengths=None,
+  key_value_seq_lengths=None,
+  segment_ids=None,
+  bias=None,
+  mask=None,
+  scale: float | None = None,
+  softcap: float | None = None,
+  sink=None,
   interpret: bool | None = None,
   num_warps: int | None = None,
   num_stages: int | None = None,
@@ -254,7 +265,29 @@ def attention(
       positive size in interpret mode; powers of two >= 16 on a GPU).
     scheme: "fa2" (normalize once at the end) or "fa1" (renormalize after
       every key block).
-    causal: top-left aligned causal mask (query i sees keys 0..i).
+    causal: causal mask; query i sees keys up to its own position.
+    causal_alignment: "top_left" (query i sees keys 0..i; jax's) or
+      "bottom_right" (the last query sees the last key, FlashAttention's
+      and a KV cache's), per example when lengths are given. Also places
+      the local window. The same when q_len == kv_len.
+    local_window_size: None, w (the window (w, w)) or (left, right): query
+      i sees keys at positions i - left .. i + right; None or -1 leaves a
+      side unbounded (jax's argument; FlashAttention's `window_size`).
+    query_seq_lengths, key_value_seq_lengths: int [batch]: valid (leading)
+      queries and keys per example; padded query rows give 0.
+    segment_ids: int [batch, seq] (self-attention) or a pair (q ids
+      [batch, q_len], kv ids [batch, kv_len]): a query sees only keys of
+      its own segment (packed sequences).
+    bias: additive score bias [batch|1, heads|1, q_len, kv_len] (ALiBi,
+      relative positions); it gets a gradient.
+    mask: boolean [batch|1, heads|1, q_len, kv_len], True where a pair
+      attends: the general fallback, combined with every other mask.
+    scale: the score scale; None means 1/sqrt(head_dim).
+    softcap: logits become softcap * tanh(logits / softcap) (Gemma 2; 30
+      or 50 are typical), before the bias; None for none.
+    sink: float [heads]: a learnable sink logit per head that joins each
+      row's softmax denominator with a zero value (gpt-oss); it gets a
+      gradient.
     interpret: run the Pallas kernel in interpret mode; None means "iff the
       default backend is the CPU".
     num_warps, num_stages: Triton compiler parameters (GPU only).
@@ -266,7 +299,10 @@ def attention(
       reference per row; "xla" does not support it. The gradient is exact
       (the backward uses the log-sum-exp).
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
-      only; not differentiable).
+      only; not differentiable; +inf for a row no key attends).
+
+  A row that no key attends gives output 0 and zero gradient. See
+  `stableattn.masking` for the exact semantics of every feature.
 
   Returns:
     [batch, q_len, heads, head_dim] in the policy's `output` format (and
@@ -280,6 +316,21 @@ def attention(
   policy = resolve(precision)
   require_x64_if_needed(policy)
   q, k, v = validate_inputs(q, k, v)
+  spec, ops = masking.build(
+    q.shape,
+    k.shape,
+    causal=causal,
+    causal_alignment=causal_alignment,
+    local_window_size=local_window_size,
+    query_seq_lengths=query_seq_lengths,
+    key_value_seq_lengths=key_value_seq_lengths,
+    segment_ids=segment_ids,
+    bias=bias,
+    mask=mask,
+    sink=sink,
+    softcap=softcap,
+    scale=scale,
+  )
   # Tile and scheme arguments are validated for every implementation, so a
   # sweep with a bad tile fails the same way whichever implementation runs
   # first; only the kernel is bound by GPU constraints.
@@ -290,7 +341,7 @@ def attention(
     block_q=block_q,
     block_k=block_k,
     scheme=scheme,
-    causal=causal,
+    mask=spec,
     interpret=interpret if implementation == "pallas" else True,
     num_warps=num_warps,
     num_stages=num_stages,
@@ -300,7 +351,7 @@ def attention(
   )
   _check_implementation_options(implementation, cfg, return_lse)
   return _compute(
-    q, k, v, implementation=implementation, cfg=cfg, return_lse=return_lse
+    q, k, v, ops, implementation=implementation, cfg=cfg, return_lse=return_lse
   )
 
 
@@ -310,12 +361,22 @@ def _check_implementation_options(
   """Raises for options the chosen implementation does not have."""
   if implementation == "xla" and xla_unsupported_reason(cfg.policy):
     raise ValueError(xla_unsupported_reason(cfg.policy))
-  if cfg.tie_beta is not None and implementation == "xla":
-    raise ValueError(
-      "tie_beta is not supported by implementation='xla' "
-      "(jax.nn.dot_product_attention has no such option); use 'pallas' or "
-      "'reference'."
-    )
+  if implementation == "xla":
+    missing = [
+      name
+      for name, used in (
+        ("tie_beta", cfg.tie_beta is not None),
+        ("softcap", cfg.mask.softcap is not None),
+        ("sink", cfg.mask.sink),
+      )
+      if used
+    ]
+    if missing:
+      raise ValueError(
+        f"{', '.join(missing)} not supported by implementation='xla' "
+        "(jax.nn.dot_product_attention has no such option); use 'pallas' "
+        "or 'reference'."
+      )
   check_flag("return_lse", return_lse)
   if return_lse and implementation != "pallas":
     raise ValueError("return_lse=True is only available for 'pallas'.")
@@ -325,7 +386,7 @@ def _check_implementation_options(
   jax.jit, static_argnames=("implementation", "cfg", "return_lse")
 )
 def _compute(
-  q, k, v, *, implementation: str, cfg: KernelConfig, return_lse: bool
+  q, k, v, ops, *, implementation: str, cfg: KernelConfig, return_lse: bool
 ):
   """One compiled program per (shapes, implementation, configuration)."""
   # Explicit rounding: a bare cast to a half type may be skipped by XLA when
@@ -334,10 +395,10 @@ def _compute(
   q, k, v = (ar.round_inputs(x) for x in (q, k, v))
   if implementation == "pallas":
     if return_lse:
-      return flash_attention_with_lse(q, k, v, cfg)
-    return flash_attention(q, k, v, cfg)
+      return flash_attention_with_lse(q, k, v, ops, cfg)
+    return flash_attention(q, k, v, ops, cfg)
   if implementation == "reference":
     return reference_attention(
-      q, k, v, policy=cfg.policy, causal=cfg.causal, tie_beta=cfg.tie_beta
+      q, k, v, ops, policy=cfg.policy, spec=cfg.mask, tie_beta=cfg.tie_beta
     )
-  return xla_attention(q, k, v, policy=cfg.policy, causal=cfg.causal)
+  return xla_attention(q, k, v, ops, policy=cfg.policy, spec=cfg.mask)

@@ -3,35 +3,35 @@
 The kernels only see padded arrays: sequence lengths are rounded up to a
 multiple of every tile size in use (forward and backward), and on a GPU the
 head dimension is rounded up to a power of two (Triton's requirement).
-Padding is zeros; padded keys are masked by index inside the kernels and
-padded query rows and head columns are sliced off here, so padding never
-reaches a result.
+Padding is zeros; padded keys are masked inside the kernels (by index, or
+by a token id no query has) and padded query rows and head columns are
+sliced off here, so padding never reaches a result.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from stableattn.masking import (
+  KEY_PAD_ID,
+  QUERY_PAD_ID,
+  MaskOperands,
+  block_ranges,
+)
 from stableattn.pallas_backward import flash_backward
 from stableattn.pallas_forward import KernelConfig, flash_forward
 from stableattn.rounding import PolicyArithmetic
-from stableattn.tiling import MIN_GPU_BLOCK, next_power_of_two, round_up
+from stableattn.tiling import MIN_GPU_BLOCK, next_power_of_two
 
 
 def padded_head_dim(head_dim: int, interpret: bool) -> int:
   if interpret:
     return head_dim
   return max(MIN_GPU_BLOCK, next_power_of_two(head_dim))
-
-
-def _padded_lengths(cfg: KernelConfig) -> tuple[int, int]:
-  q_multiple = math.lcm(cfg.block_q, cfg.bwd_block_q)
-  k_multiple = math.lcm(cfg.block_k, cfg.bwd_block_k)
-  return round_up(cfg.q_len, q_multiple), round_up(cfg.kv_len, k_multiple)
 
 
 def _pad_to(x, length: int, head_dim: int):
@@ -41,37 +41,92 @@ def _pad_to(x, length: int, head_dim: int):
   return jnp.pad(x, pad)
 
 
-def _forward(q, k, v, cfg: KernelConfig):
-  q_len_padded, kv_len_padded = _padded_lengths(cfg)
+def _pad_operands(ops: MaskOperands, cfg: KernelConfig) -> MaskOperands:
+  """The feature operands at the padded lengths; the sink as rows
+  [heads, q_len_padded] (a block of it per query block)."""
+  q_len_padded, kv_len_padded = cfg.padded_lengths
+  dq, dk = q_len_padded - cfg.q_len, kv_len_padded - cfg.kv_len
+
+  def pad_last(x, before_last, last, **kwargs):
+    if x is None or (before_last == 0 and last == 0):
+      return x
+    widths = [(0, 0)] * (x.ndim - 2) + [(0, before_last), (0, last)]
+    return jnp.pad(x, widths, **kwargs)
+
+  def pad_ids(x, amount, pad_id):
+    if x is None:
+      return None
+    return pad_last(x, 0, amount, constant_values=pad_id)
+
+  sink_rows = None
+  if ops.sink is not None:
+    heads = len(ops.sink)
+    sink_rows = jnp.broadcast_to(ops.sink[:, None], (heads, q_len_padded))
+  return MaskOperands(
+    q_ids=pad_ids(ops.q_ids, dq, QUERY_PAD_ID),
+    kv_ids=pad_ids(ops.kv_ids, dk, KEY_PAD_ID),
+    kv_pos=pad_last(ops.kv_pos, 0, dk, mode="edge"),
+    bias=pad_last(ops.bias, dq, dk),
+    mask=pad_last(ops.mask, dq, dk),
+    sink=sink_rows,
+  )
+
+
+def _ranges(ops: MaskOperands, cfg: KernelConfig, block_q: int, block_k: int):
+  if not cfg.mask.skips_blocks:
+    return None
+  q_len_padded, kv_len_padded = cfg.padded_lengths
+  return block_ranges(
+    cfg.mask,
+    ops,
+    q_len_padded=q_len_padded,
+    kv_len_padded=kv_len_padded,
+    kv_len=cfg.kv_len,
+    bq=block_q,
+    bk=block_k,
+  )
+
+
+def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+  q_len_padded, kv_len_padded = cfg.padded_lengths
   head_dim_padded = padded_head_dim(cfg.head_dim, cfg.interpret)
   q_p = _pad_to(q, q_len_padded, head_dim_padded)
   k_p = _pad_to(k, kv_len_padded, head_dim_padded)
   v_p = _pad_to(v, kv_len_padded, head_dim_padded)
-  out_p, lse = flash_forward(q_p, k_p, v_p, cfg)
+  ops_p = _pad_operands(ops, cfg)
+  ranges = _ranges(ops_p, cfg, cfg.block_q, cfg.block_k)
+  key_ranges = None if ranges is None else ranges[0]
+  out_p, lse = flash_forward(q_p, k_p, v_p, ops_p, key_ranges, cfg)
   out = out_p[:, : cfg.q_len, :, : cfg.head_dim]
-  return out, (q_p, k_p, v_p, out_p, lse)
+  return out, (q_p, k_p, v_p, ops_p, out_p, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def flash_attention(q, k, v, cfg: KernelConfig):
-  """Flash attention of unpadded q [B, T, H, D], k and v [B, S, Hkv, D]."""
-  return _forward(q, k, v, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def flash_attention(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+  """Flash attention of unpadded q [B, T, H, D], k and v [B, S, Hkv, D]
+  with the features `ops` (see `masking.py`); bias and sink get gradients."""
+  return _forward(q, k, v, ops, cfg)[0]
 
 
-def flash_attention_with_lse(q, k, v, cfg: KernelConfig):
-  """Forward only; also returns the log-sum-exp [B, H, T] (no gradient)."""
-  out, residuals = _forward(q, k, v, cfg)
+def flash_attention_with_lse(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+  """Forward only; also returns the log-sum-exp [B, H, T] (no gradient;
+  +inf for a row no key attends, as FlashAttention)."""
+  out, residuals = _forward(q, k, v, ops, cfg)
   return out, residuals[-1][:, :, : cfg.q_len]
 
 
-def _flash_fwd(q, k, v, cfg: KernelConfig):
-  return _forward(q, k, v, cfg)
+def _flash_fwd(q, k, v, ops, cfg: KernelConfig):
+  out, residuals = _forward(q, k, v, ops, cfg)
+  return out, (residuals, ops)
 
 
-def _flash_bwd(cfg: KernelConfig, residuals, d_out):
-  q_p, k_p, v_p, out_p, lse = residuals
+def _flash_bwd(cfg: KernelConfig, saved, d_out):
+  (q_p, k_p, v_p, ops_p, out_p, lse), ops = saved
   d_out_p = _pad_to(d_out.astype(out_p.dtype), out_p.shape[1], out_p.shape[3])
-  dq_p, dk_p, dv_p = flash_backward(q_p, k_p, v_p, out_p, lse, d_out_p, cfg)
+  ranges = _ranges(ops_p, cfg, cfg.bwd_block_q, cfg.bwd_block_k)
+  dq_p, dk_p, dv_p, delta, dbias_p = flash_backward(
+    q_p, k_p, v_p, out_p, lse, d_out_p, ops_p, ranges, cfg
+  )
   batch, kv_len_padded, kv_heads, head_dim_padded = k_p.shape
   group = q_p.shape[2] // kv_heads
 
@@ -88,7 +143,30 @@ def _flash_bwd(cfg: KernelConfig, residuals, d_out):
   dq = dq_p[:, : cfg.q_len, :, : cfg.head_dim]
   dk = sum_groups(dk_p)[:, : cfg.kv_len, :, : cfg.head_dim]
   dv = sum_groups(dv_p)[:, : cfg.kv_len, :, : cfg.head_dim]
-  return tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
+  grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
+  d_ops = jax.tree_util.tree_map(_zero_cotangent, ops)
+  if dbias_p is not None:
+    dbias = dbias_p[:, :, : cfg.q_len, : cfg.kv_len]
+    per_example, per_head = cfg.mask.bias
+    axes = tuple(a for a, full in ((0, per_example), (1, per_head)) if not full)
+    if axes:
+      dbias = ar.sum(dbias, "grad_accum", axis=axes, keepdims=True)
+    d_ops = d_ops._replace(bias=dbias.astype(ops.bias.dtype))
+  if ops.sink is not None:
+    # d sink = -sum_i p_sink,i delta_i, p_sink,i = exp(sink - lse_i).
+    lse_rows = lse[:, :, : cfg.q_len].astype(ar.carrier)
+    sink = ops.sink.astype(ar.carrier)[None, :, None]
+    p_sink = jnp.exp(sink - lse_rows)
+    weighted = p_sink * delta[:, :, : cfg.q_len]
+    d_sink = -ar.sum(weighted, "grad_accum", axis=(0, 2))
+    d_ops = d_ops._replace(sink=d_sink.astype(ops.sink.dtype))
+  return (*grads, d_ops)
+
+
+def _zero_cotangent(x):
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
 
 
 flash_attention.defvjp(_flash_fwd, _flash_bwd)

@@ -30,10 +30,11 @@ from stableattn.block_math import (
   NT_DIMS,
   TN_DIMS,
   block_scores,
-  key_mask,
   scaled_dot,
   stats_exp,
 )
+from stableattn.kernel_operands import TileReader, operand_specs
+from stableattn.masking import MaskOperands, softcap_slope
 from stableattn.pallas_forward import KernelConfig
 from stableattn.rounding import PolicyArithmetic
 
@@ -46,34 +47,41 @@ def _delta_kernel(o_ref, do_ref, delta_ref, *, ar: PolicyArithmetic):
 
 
 def _probs_and_dscores(
-  q_BqxD, k_BkxD, v_BkxD, do_BqxD, lse_Bq, delta_Bq, mask, *, cfg: KernelConfig
+  q_BqxD, k_BkxD, v_BkxD, do_BqxD, lse_Bq, delta_Bq, mask, bias, *, cfg
 ):
-  """Recomputes P and returns (P, dS), both rounded to `probs`."""
+  """Recomputes P and returns (P, dS, dS of the biased scores).
+
+  P and dS are rounded to `probs` (matmul operands); dS includes the
+  softcap's slope. The third, in `softmax_stats`, is the gradient of the
+  bias (the bias is added after the softcap).
+  """
   ar = cfg.arithmetic
 
   def stats(x):
     return ar.round(x, "softmax_stats")
 
-  s_BqxBk = block_scores(q_BqxD, k_BkxD, ar=ar, scale=cfg.scale, mask=mask)
+  s_BqxBk, tanh_BqxBk = block_scores(
+    q_BqxD, k_BkxD, ar=ar, spec=cfg.mask, mask=mask, bias=bias
+  )
   p_BqxBk = stats_exp(stats(s_BqxBk - stats(lse_Bq)[:, None]), ar)
   dp_BqxBk = stats(ar.dot(do_BqxD, v_BkxD, NT_DIMS))
   ds_BqxBk = stats(p_BqxBk * stats(dp_BqxBk - stats(delta_Bq)[:, None]))
-  return ar.round(p_BqxBk, "probs"), ar.round(ds_BqxBk, "probs")
+  ds_logits_BqxBk = ds_BqxBk
+  if tanh_BqxBk is not None:
+    ds_BqxBk = stats(ds_BqxBk * softcap_slope(tanh_BqxBk, ar))
+  return (
+    ar.round(p_BqxBk, "probs"),
+    ar.round(ds_BqxBk, "probs"),
+    ds_logits_BqxBk,
+  )
 
 
 def _dkdv_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  dk_ref,
-  dv_ref,
-  *,
-  cfg: KernelConfig,
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, names
 ):
   """One program: one key block of one (batch, query head)."""
+  *feature_refs, dk_ref, dv_ref = refs
+  tiles = TileReader(dict(zip(names, feature_refs)), cfg.mask, False)
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
   q_len_padded = q_ref.shape[0]
@@ -81,20 +89,22 @@ def _dkdv_kernel(
   k_start = pl.program_id(0) * block_k
   k_BkxD = k_ref[...]
   v_BkxD = v_ref[...]
-  needs_mask = cfg.causal or cfg.kv_len % block_k != 0
 
   def body(q_index, carry):
     dk_BkxD, dv_BkxD = carry
     q_start = pl.multiple_of(q_index * block_q, block_q)
     rows = pl.ds(q_start, block_q)
-    mask = None
-    if needs_mask:
-      mask = key_mask(
-        q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
-      )
+    mask = tiles.mask(
+      q_start,
+      k_start,
+      block_q,
+      block_k,
+      kv_len=cfg.kv_len,
+      kv_len_padded=cfg.kv_len_padded,
+    )
     do_BqxD = do_ref[rows, :]
     q_BqxD = q_ref[rows, :]
-    p_BqxBk, ds_BqxBk = _probs_and_dscores(
+    p_BqxBk, ds_BqxBk, _ = _probs_and_dscores(
       q_BqxD,
       k_BkxD,
       v_BkxD,
@@ -102,6 +112,7 @@ def _dkdv_kernel(
       lse_ref[rows],
       delta_ref[rows],
       mask,
+      tiles.bias(q_start, k_start, block_q, block_k),
       cfg=cfg,
     )
     dv_step = ar.round(ar.dot(p_BqxBk, do_BqxD, TN_DIMS), "grad_accum")
@@ -112,23 +123,30 @@ def _dkdv_kernel(
     dv_BkxD = ar.round(dv_BkxD + dv_step, "grad_accum")
     return dk_BkxD, dv_BkxD
 
-  num_q_blocks = q_len_padded // block_q
-  # Causal: query blocks that end before this key block starts see none of
-  # its keys.
-  lower = lax.div(k_start, jnp.int32(block_q)) if cfg.causal else 0
+  first, end = tiles.block_range(q_len_padded // block_q)
   init = (
     jnp.zeros((block_k, head_dim_padded), ar.carrier),
     jnp.zeros((block_k, head_dim_padded), ar.carrier),
   )
-  dk_BkxD, dv_BkxD = lax.fori_loop(lower, num_q_blocks, body, init)
+  dk_BkxD, dv_BkxD = lax.fori_loop(first, end, body, init)
   dk_ref[...] = dk_BkxD.astype(dk_ref.dtype)
   dv_ref[...] = dv_BkxD.astype(dv_ref.dtype)
 
 
 def _dq_kernel(
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: KernelConfig
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, names
 ):
-  """One program: one query block of one (batch, query head)."""
+  """One program: one query block of one (batch, query head).
+
+  With a bias it also writes the bias gradient of its rows (zeros in the
+  key blocks it skips).
+  """
+  with_bias = cfg.mask.bias is not None
+  if with_bias:
+    *feature_refs, dq_ref, dbias_ref = refs
+  else:
+    *feature_refs, dq_ref = refs
+  tiles = TileReader(dict(zip(names, feature_refs)), cfg.mask, True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
   kv_len_padded = k_ref.shape[0]
@@ -138,35 +156,52 @@ def _dq_kernel(
   do_BqxD = do_ref[...]
   lse_Bq = lse_ref[...]
   delta_Bq = delta_ref[...]
-  needs_mask = cfg.causal or cfg.kv_len % block_k != 0
 
   def body(k_index, dq_BqxD):
     k_start = pl.multiple_of(k_index * block_k, block_k)
     cols = pl.ds(k_start, block_k)
     k_BkxD = k_ref[cols, :]
-    mask = None
-    if needs_mask:
-      mask = key_mask(
-        q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
-      )
-    _, ds_BqxBk = _probs_and_dscores(
-      q_BqxD, k_BkxD, v_ref[cols, :], do_BqxD, lse_Bq, delta_Bq, mask, cfg=cfg
+    mask = tiles.mask(
+      q_start,
+      k_start,
+      block_q,
+      block_k,
+      kv_len=cfg.kv_len,
+      kv_len_padded=kv_len_padded,
     )
+    _, ds_BqxBk, ds_logits_BqxBk = _probs_and_dscores(
+      q_BqxD,
+      k_BkxD,
+      v_ref[cols, :],
+      do_BqxD,
+      lse_Bq,
+      delta_Bq,
+      mask,
+      tiles.bias(q_start, k_start, block_q, block_k),
+      cfg=cfg,
+    )
+    if with_bias:
+      dbias_ref[:, cols] = ar.stored(ds_logits_BqxBk, "grad_accum")
     dq_step = scaled_dot(
       ds_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum"
     )
     return ar.round(dq_BqxD + ar.round(dq_step, "grad_accum"), "grad_accum")
 
   num_k_blocks = kv_len_padded // block_k
-  if cfg.causal:
-    upper = jnp.minimum(
-      lax.div(q_start + (block_q - 1), jnp.int32(block_k)) + 1, num_k_blocks
-    )
-  else:
-    upper = num_k_blocks
+  first, end = tiles.block_range(num_k_blocks)
   init = jnp.zeros((block_q, head_dim_padded), ar.carrier)
-  dq_BqxD = lax.fori_loop(0, upper, body, init)
+  dq_BqxD = lax.fori_loop(first, end, body, init)
   dq_ref[...] = dq_BqxD.astype(dq_ref.dtype)
+  if with_bias:
+    zeros = jnp.zeros((block_q, block_k), dbias_ref.dtype)
+
+    def clear(k_index, _):
+      start = pl.multiple_of(k_index * block_k, block_k)
+      dbias_ref[:, pl.ds(start, block_k)] = zeros
+      return 0
+
+    lax.fori_loop(0, first, clear, 0)
+    lax.fori_loop(end, num_k_blocks, clear, 0)
 
 
 def _delta(out, d_out, cfg: KernelConfig):
@@ -190,19 +225,25 @@ def _delta(out, d_out, cfg: KernelConfig):
   )(out, d_out)
 
 
-def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
+def flash_backward(
+  q, k, v, out, lse, d_out, ops: MaskOperands, ranges, cfg: KernelConfig
+):
   """Gradients of the padded forward pass.
 
   Args:
     q, k, v, out, d_out: padded, layout [batch, seq, heads, head_dim].
     lse: [batch, heads, q_len_padded] from the forward kernel.
+    ops: the padded feature operands.
+    ranges: (key blocks per query block, query blocks per key block) at the
+      backward tiles, or None.
     cfg: the forward's configuration; its `bwd_block_*` must divide the
       padded lengths.
 
   Returns:
     (dq [batch, q_len_padded, heads, D], dk and dv [batch, kv_len_padded,
-    heads, D]), all in `grad_accum`; dk/dv are per query head, not yet
-    summed over GQA groups.
+    heads, D], all in `grad_accum`; dk/dv are per query head, not yet
+    summed over GQA groups; delta [batch, heads, q_len_padded]; the bias
+    gradient [batch, heads, q_len_padded, kv_len_padded] or None).
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
   kv_len_padded, kv_heads = k.shape[1], k.shape[2]
@@ -210,12 +251,26 @@ def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
   policy = cfg.policy
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
   params = cfg.compiler_params(block_q * block_k)
+  key_ranges, query_ranges = ranges if ranges is not None else (None, None)
 
   def rows_spec(block, head_of):
     return pl.BlockSpec((None, block, None, head_dim_padded), head_of)
 
   def vec_spec(block, index_map):
     return pl.BlockSpec((None, None, block), index_map)
+
+  def features(query_major):
+    return operand_specs(
+      cfg.mask,
+      ops,
+      key_ranges if query_major else query_ranges,
+      query_major=query_major,
+      block_q=block_q,
+      block_k=block_k,
+      q_len_padded=q_len_padded,
+      kv_len_padded=kv_len_padded,
+      with_sink=False,
+    )
 
   delta = _delta(out, d_out, cfg)
 
@@ -225,10 +280,19 @@ def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
   whole_vec = vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
   key_block = rows_spec(block_k, lambda j, b, h: (b, j, h // group, 0))
   key_block_out = rows_spec(block_k, lambda j, b, h: (b, j, h, 0))
+  names, arrays, specs = features(query_major=False)
   dk, dv = pl.pallas_call(
-    functools.partial(_dkdv_kernel, cfg=cfg),
+    functools.partial(_dkdv_kernel, cfg=cfg, names=names),
     grid=(kv_len_padded // block_k, batch, heads),
-    in_specs=[whole_q, key_block, key_block, whole_q, whole_vec, whole_vec],
+    in_specs=[
+      whole_q,
+      key_block,
+      key_block,
+      whole_q,
+      whole_vec,
+      whole_vec,
+      *specs,
+    ],
     out_specs=[key_block_out, key_block_out],
     out_shape=[
       jax.ShapeDtypeStruct(
@@ -239,11 +303,25 @@ def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
     compiler_params=params,
     interpret=cfg.interpret,
     name="stableattn_flash_backward_dkdv",
-  )(q, k, v, d_out, lse, delta)
+  )(q, k, v, d_out, lse, delta, *arrays)
 
   query_block = rows_spec(block_q, lambda i, b, h: (b, i, h, 0))
-  dq = pl.pallas_call(
-    functools.partial(_dq_kernel, cfg=cfg),
+  out_specs = [query_block]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype)]
+  if cfg.mask.bias is not None:
+    out_specs.append(
+      pl.BlockSpec(
+        (None, None, block_q, kv_len_padded), lambda i, b, h: (b, h, i, 0)
+      )
+    )
+    out_shape.append(
+      jax.ShapeDtypeStruct(
+        (batch, heads, q_len_padded, kv_len_padded), grad_dtype
+      )
+    )
+  names, arrays, specs = features(query_major=True)
+  dq, *dbias = pl.pallas_call(
+    functools.partial(_dq_kernel, cfg=cfg, names=names),
     grid=(q_len_padded // block_q, batch, heads),
     in_specs=[
       query_block,
@@ -252,11 +330,12 @@ def flash_backward(q, k, v, out, lse, d_out, cfg: KernelConfig):
       query_block,
       vec_spec(block_q, lambda i, b, h: (b, h, i)),
       vec_spec(block_q, lambda i, b, h: (b, h, i)),
+      *specs,
     ],
-    out_specs=query_block,
-    out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype),
+    out_specs=out_specs,
+    out_shape=out_shape,
     compiler_params=params,
     interpret=cfg.interpret,
     name="stableattn_flash_backward_dq",
-  )(q, k, v, d_out, lse, delta)
-  return dq, dk, dv
+  )(q, k, v, d_out, lse, delta, *arrays)
+  return dq, dk, dv, delta, (dbias[0] if dbias else None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +29,16 @@ from jax.experimental.pallas import triton as plgpu
 from stableattn.block_math import (
   NN_DIMS,
   block_scores,
-  key_mask,
+  no_key_safe,
   row_sum,
   stats_exp,
   tie_safe_max,
 )
+from stableattn.kernel_operands import TileReader, operand_specs
+from stableattn.masking import MaskOperands, MaskSpec
 from stableattn.precision import Precision
 from stableattn.rounding import PolicyArithmetic
+from stableattn.tiling import round_up
 
 SCHEMES = ("fa2", "fa1")
 
@@ -47,10 +51,10 @@ class KernelConfig:
   block_q: int
   block_k: int
   scheme: str
-  causal: bool
+  mask: MaskSpec  # features: causal, window, segments, softcap, scale, ...
   q_len: int  # true lengths, before padding
   kv_len: int
-  head_dim: int  # true head dim; the scale uses it
+  head_dim: int  # true head dim
   interpret: bool
   num_warps: int | None = None
   num_stages: int | None = None
@@ -59,8 +63,23 @@ class KernelConfig:
   tie_beta: float | None = None  # Qiu & Yao's fix; see `tie_safe_max`
 
   @property
+  def padded_lengths(self) -> tuple[int, int]:
+    """Sequence lengths rounded up to a multiple of every tile in use."""
+    q_multiple = math.lcm(self.block_q, self.bwd_block_q or self.block_q)
+    k_multiple = math.lcm(self.block_k, self.bwd_block_k or self.block_k)
+    return round_up(self.q_len, q_multiple), round_up(self.kv_len, k_multiple)
+
+  @property
+  def kv_len_padded(self) -> int:
+    return self.padded_lengths[1]
+
+  @property
+  def causal(self) -> bool:
+    return self.mask.causal
+
+  @property
   def scale(self) -> float:
-    return self.head_dim**-0.5
+    return self.mask.scale
 
   @property
   def arithmetic(self) -> PolicyArithmetic:
@@ -82,12 +101,16 @@ class KernelConfig:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
-  """One program: one query block of one (batch, head), all key blocks.
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
+  """One program: one query block of one (batch, head), its key blocks.
 
-  Every line below is one operation of the documented algorithm; its
-  result is rounded to the stage named beside it (see `rounding.py`).
+  `refs` are the feature operands named by `names` (see
+  `kernel_operands.py`), then the outputs o and lse. Every line below is
+  one operation of the documented algorithm; its result is rounded to the
+  stage named beside it (see `rounding.py`).
   """
+  *feature_refs, o_ref, lse_ref = refs
+  tiles = TileReader(dict(zip(names, feature_refs)), cfg.mask, True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
   kv_len_padded = k_ref.shape[0]
@@ -99,72 +122,85 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: KernelConfig):
   def accum(x):
     return ar.round(x, "out_accum")
 
-  q_index = pl.program_id(0)
-  q_start = q_index * block_q
+  q_start = pl.program_id(0) * block_q
   q_BqxD = q_ref[...]
-  needs_mask = cfg.causal or cfg.kv_len % block_k != 0
 
   def body(k_index, carry):
     acc_BqxD, m_Bq, l_Bq = carry
     k_start = pl.multiple_of(k_index * block_k, block_k)
     k_BkxD = k_ref[pl.ds(k_start, block_k), :]
     v_BkxD = v_ref[pl.ds(k_start, block_k), :]
-    mask = None
-    if needs_mask:
-      mask = key_mask(
-        q_start, k_start, block_q, block_k, kv_len=cfg.kv_len, causal=cfg.causal
-      )
-    s_BqxBk = block_scores(q_BqxD, k_BkxD, ar=ar, scale=cfg.scale, mask=mask)
+    mask = tiles.mask(
+      q_start,
+      k_start,
+      block_q,
+      block_k,
+      kv_len=cfg.kv_len,
+      kv_len_padded=cfg.kv_len_padded,
+    )
+    s_BqxBk, _ = block_scores(
+      q_BqxD,
+      k_BkxD,
+      ar=ar,
+      spec=cfg.mask,
+      mask=mask,
+      bias=tiles.bias(q_start, k_start, block_q, block_k),
+    )
     m_block_Bq = tie_safe_max(
       s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.tie_beta
     )
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
-    alpha_Bq = stats_exp(stats(m_Bq - m_new_Bq), ar)
+    # A row with no key so far keeps m = -inf; subtract 0 instead.
+    m_use_Bq = no_key_safe(m_new_Bq)
+    alpha_Bq = stats_exp(stats(m_Bq - m_use_Bq), ar)
     if cfg.scheme == "fa2":
-      p_BqxBk = stats_exp(stats(s_BqxBk - m_new_Bq[:, None]), ar)
+      p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar)
       l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
       pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, ar)
       acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
     else:
       # Probabilities against the block's own max (Dao et al. 2022, Alg. 1
       # line 10), then two rescale factors bring old and new to m_new.
-      # A causal row can have no key in this block (max -inf); measuring it
+      # A row can have no key in this block (max -inf); measuring it
       # against m_new keeps its zero weight instead of exp(-inf + inf).
-      m_ref_Bq = jnp.where(m_block_Bq == -jnp.inf, m_new_Bq, m_block_Bq)
+      m_ref_Bq = jnp.where(m_block_Bq == -jnp.inf, m_use_Bq, m_block_Bq)
       p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar)
-      beta_Bq = stats_exp(stats(m_ref_Bq - m_new_Bq), ar)
+      beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar)
       old_sum_Bq = stats(alpha_Bq * l_Bq)
       l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
       pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, ar)
-      old_weight_Bq = accum(stats(old_sum_Bq / l_new_Bq))
-      new_weight_Bq = accum(stats(beta_Bq / l_new_Bq))
+      l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
+      old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
+      new_weight_Bq = accum(stats(beta_Bq / l_safe_Bq))
       acc_BqxD = accum(
         accum(old_weight_Bq[:, None] * acc_BqxD)
         + accum(new_weight_Bq[:, None] * pv_BqxD)
       )
     return acc_BqxD, m_new_Bq, l_new_Bq
 
-  upper = _key_blocks_needed(cfg, q_start, kv_len_padded // block_k)
+  first, end = tiles.block_range(kv_len_padded // block_k)
   carrier = ar.carrier
-  init = (
-    jnp.zeros((block_q, head_dim_padded), carrier),
-    jnp.full((block_q,), -jnp.inf, carrier),
-    jnp.zeros((block_q,), carrier),
-  )
-  acc_BqxD, m_Bq, l_Bq = lax.fori_loop(0, upper, body, init)
+  if "sink_rows" in tiles.refs:
+    # The sink is a key with logit `sink` and value 0: it starts the
+    # running maximum and contributes exp(sink - m) to the sum.
+    m_init = stats(tiles.refs["sink_rows"][...].astype(carrier))
+    l_init = jnp.ones((block_q,), carrier)
+  else:
+    m_init = jnp.full((block_q,), -jnp.inf, carrier)
+    l_init = jnp.zeros((block_q,), carrier)
+  init = (jnp.zeros((block_q, head_dim_padded), carrier), m_init, l_init)
+  acc_BqxD, m_Bq, l_Bq = lax.fori_loop(first, end, body, init)
+  empty_Bq = l_Bq == 0  # no key attends: output 0, lse +inf (backward p = 0)
   if cfg.scheme == "fa2":
-    acc_BqxD = accum(acc_BqxD * accum(stats(1.0 / l_Bq))[:, None])
+    l_safe_Bq = jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq)
+    acc_BqxD = accum(acc_BqxD * accum(stats(1.0 / l_safe_Bq))[:, None])
   o_ref[...] = ar.stored(acc_BqxD, "output")
-  lse_ref[...] = ar.stored(m_Bq + stats(jnp.log(l_Bq)), "softmax_stats")
-
-
-def _key_blocks_needed(cfg: KernelConfig, q_start, num_k_blocks: int):
-  """How many key blocks a query block visits: with a causal mask, key
-  blocks that start past its last row are entirely masked and skipped."""
-  if not cfg.causal:
-    return num_k_blocks
-  last_needed = lax.div(q_start + (cfg.block_q - 1), jnp.int32(cfg.block_k))
-  return jnp.minimum(last_needed + 1, num_k_blocks)
+  lse_Bq = jnp.where(
+    empty_Bq,
+    jnp.full_like(l_Bq, jnp.inf),
+    m_Bq + stats(jnp.log(jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq))),
+  )
+  lse_ref[...] = ar.stored(lse_Bq, "softmax_stats")
 
 
 def _probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic):
@@ -173,17 +209,21 @@ def _probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic):
   return ar.round(pv_BqxD, "out_accum")
 
 
-def flash_forward(q, k, v, cfg: KernelConfig):
+def flash_forward(q, k, v, ops: MaskOperands, ranges, cfg: KernelConfig):
   """Runs the forward kernel on padded inputs.
 
   Args:
     q: [batch, q_len_padded, heads, head_dim_padded].
     k, v: [batch, kv_len_padded, kv_heads, head_dim_padded].
+    ops: the padded feature operands (`masking.MaskOperands`; the sink as
+      rows [heads, q_len_padded]).
+    ranges: key-block ranges [B|1, n_q_blocks, 2], or None.
     cfg: static configuration; lengths padded to multiples of the tiles.
 
   Returns:
     (out [batch, q_len_padded, heads, head_dim_padded] in `output`,
-     lse [batch, heads, q_len_padded] in `softmax_stats`).
+     lse [batch, heads, q_len_padded] in `softmax_stats`; +inf for a row
+     no key attends).
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
   kv_len_padded, kv_heads = k.shape[1], k.shape[2]
@@ -199,6 +239,17 @@ def flash_forward(q, k, v, cfg: KernelConfig):
     (None, kv_len_padded, None, head_dim_padded),
     lambda i, b, h: (b, 0, h // group, 0),
   )
+  names, arrays, specs = operand_specs(
+    cfg.mask,
+    ops,
+    ranges,
+    query_major=True,
+    block_q=cfg.block_q,
+    block_k=cfg.block_k,
+    q_len_padded=q_len_padded,
+    kv_len_padded=kv_len_padded,
+    with_sink=True,
+  )
   lse_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, b, h: (b, h, i))
   out_shape = (
     jax.ShapeDtypeStruct(q.shape, policy.dtype("output")),
@@ -207,12 +258,12 @@ def flash_forward(q, k, v, cfg: KernelConfig):
     ),
   )
   return pl.pallas_call(
-    functools.partial(_forward_kernel, cfg=cfg),
+    functools.partial(_forward_kernel, cfg=cfg, names=names),
     grid=grid,
-    in_specs=[q_spec, kv_spec, kv_spec],
+    in_specs=[q_spec, kv_spec, kv_spec, *specs],
     out_specs=[q_spec, lse_spec],
     out_shape=out_shape,
     compiler_params=cfg.compiler_params(cfg.block_q * cfg.block_k),
     interpret=cfg.interpret,
     name=f"stableattn_flash_forward_{cfg.scheme}",
-  )(q, k, v)
+  )(q, k, v, *arrays)

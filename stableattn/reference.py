@@ -1,11 +1,12 @@
-"""Baseline attention: materialized softmax(Q K^T / sqrt(d)) V in jnp.
+"""Baseline attention: materialized softmax(Q K^T * scale) V in jnp.
 
 Applies the same precision policy as the flash kernel at its own stages:
 the whole score matrix S is stored in `scores`, the softmax runs in
 `softmax_stats` and P is normalized *before* PV and stored in `probs`.
 The `out_accum`, `delta` and `grad_accum` stages belong to the blocked
 algorithm; here the PV product goes straight to the output, and gradients
-come from autodiff, which rounds where the forward pass rounds.
+come from autodiff, which rounds where the forward pass rounds. The
+features (masks, softcap, bias, sink) follow `masking.py`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,28 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from stableattn.block_math import tie_safe_max
+from stableattn.block_math import no_key_safe, tie_safe_max
+from stableattn.masking import MaskOperands, MaskSpec, allowed_pairs, scores
 from stableattn.precision import Precision
 from stableattn.rounding import PolicyArithmetic
 
 
+def _grouped(x, kv_heads: int):
+  """[B|1, H|1, T, S] -> [B|1, Hkv|1, G|1, T, S] to match the scores."""
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape(x.shape[0], kv_heads, -1, *x.shape[2:])
+
+
 def reference_attention(
-  q, k, v, *, policy: Precision, causal: bool, tie_beta: float | None = None
+  q,
+  k,
+  v,
+  ops: MaskOperands,
+  *,
+  policy: Precision,
+  spec: MaskSpec,
+  tie_beta: float | None = None,
 ):
   """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`.
 
@@ -36,30 +52,54 @@ def reference_attention(
     return ar.round(x, "softmax_stats")
 
   q_BxTxKxGxD = q.reshape(batch, q_len, kv_heads, group, head_dim)
-  s = ar.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k)
-  s = stats(ar.round(s * jnp.asarray(head_dim**-0.5, s.dtype), "scores"))
-  if causal:
-    allowed_TxS = jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))
-    s = jnp.where(allowed_TxS, s, jnp.asarray(-jnp.inf, s.dtype))
+  s, _ = scores(ar.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k), spec, ar)
+  s = stats(s)
+  if ops.bias is not None:
+    s = stats(s + ar.round(_grouped(ops.bias, kv_heads), "scores"))
+  allowed = _grouped(allowed_pairs(spec, ops, q_len, kv_len), kv_heads)
+  s = jnp.where(allowed, s, jnp.asarray(-jnp.inf, s.dtype))
   m = tie_safe_max(s, jnp.max(s, axis=-1), ar, tie_beta)
-  m = lax.stop_gradient(m)[..., None]
+  sink = None
+  if ops.sink is not None:
+    sink = stats(ops.sink.astype(ar.carrier)).reshape(kv_heads, group, 1)
+    sink = jnp.broadcast_to(sink, m.shape)
+    m = jnp.maximum(m, sink)
+  m = lax.stop_gradient(no_key_safe(m))[..., None]
   p = stats(jnp.exp(stats(s - m)))
   l_sum = stats(ar.sum(p, "matmul_accum", keepdims=True))
-  p = ar.round(stats(p * stats(1.0 / l_sum)), "probs")
+  if sink is not None:
+    l_sum = stats(l_sum + stats(jnp.exp(stats(sink[..., None] - m))))
+  # A row no key attends has l = 0 and p = 0: its output is 0.
+  l_safe = jnp.where(l_sum == 0, jnp.ones_like(l_sum), l_sum)
+  p = ar.round(stats(p * stats(1.0 / l_safe)), "probs")
 
   o = ar.einsum("bkgts,bskd->btkgd", p, v)
   o = ar.stored(ar.round(o, "out_accum"), "output")
   return o.reshape(batch, q_len, heads, head_dim)
 
 
-def xla_attention(q, k, v, *, policy: Precision, causal: bool):
+def xla_attention(q, k, v, ops: MaskOperands, *, policy: Precision, spec):
   """`jax.nn.dot_product_attention` as users call it (implementation="xla").
 
   It honors only the input and output formats of the policy; everything in
   between is its own choice (it computes the softmax in FP32 whatever the
-  input format, so even an FP64 policy is only FP32-accurate here).
+  input format, so even an FP64 policy is only FP32-accurate here). Masks
+  reach it as one dense mask; a row no key attends is set to 0, as in every
+  implementation here (jax alone would average every value).
   """
+  mask = None
+  if spec.skips_blocks or spec.dense_mask is not None:
+    mask = allowed_pairs(spec, ops, q.shape[1], k.shape[1])
   out = jax.nn.dot_product_attention(
-    q, k, v, is_causal=causal, implementation="xla"
+    q,
+    k,
+    v,
+    bias=ops.bias,
+    mask=mask,
+    scale=spec.scale,
+    implementation="xla",
   )
+  if mask is not None:
+    has_key = jnp.any(mask, axis=-1)  # [B|1, H|1, T]
+    out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], out, 0)
   return out.astype(policy.dtype("output"))

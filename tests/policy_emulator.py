@@ -57,10 +57,78 @@ class Emulator:
     wide = np.log(np.asarray(x, np.float64))
     return self.r(wide.astype(self.carrier), "softmax_stats")
 
-  def scores(self, q, k, scale, mask):
-    s = self.dot(q, k.T)
-    s = self.r(self.r(s * self.carrier(scale), "scores"), "softmax_stats")
-    return np.where(mask, s, -np.inf).astype(self.carrier)
+  def scores(self, q, k, f, mask, bias=None):
+    """(S, tanh of the softcap or None) of one tile; -inf where masked."""
+    c = self.carrier
+    x = self.dot(q, k.T)
+    tanh = None
+    if f.softcap is None:
+      s = self.r(x * c(f.scale), "scores")
+    else:
+      tanh = np.tanh((x * c(f.scale / f.softcap)).astype(np.float64)).astype(c)
+      s = self.r(c(f.softcap) * tanh, "scores")
+    s = self.r(s, "softmax_stats")
+    if bias is not None:
+      s = self.r(s + self.r(bias, "scores"), "softmax_stats")
+    return np.where(mask, s, -np.inf).astype(c), tanh
+
+
+class Features:
+  """The attention features, from `stableattn.attention`'s arguments, as
+  documented: a pair attends iff every feature in use allows it."""
+
+  def __init__(self, head_dim, causal=False, **kw):
+    self.causal = causal
+    self.alignment = kw.get("causal_alignment", "top_left")
+    window = kw.get("local_window_size")
+    if isinstance(window, int):
+      window = (window, window)
+    self.window = window
+    self.q_lengths = kw.get("query_seq_lengths")
+    self.kv_lengths = kw.get("key_value_seq_lengths")
+    segments = kw.get("segment_ids")
+    if segments is not None and not isinstance(segments, tuple):
+      segments = (segments, segments)
+    self.segments = segments
+    self.bias = kw.get("bias")
+    self.mask = kw.get("mask")
+    scale = kw.get("scale")
+    self.scale = head_dim**-0.5 if scale is None else scale
+    self.softcap = kw.get("softcap")
+    self.sink = kw.get("sink")
+
+  def allowed(self, b, h, t, s_len, padded_t, padded_s):
+    """[padded_t, padded_s] boolean for example b, query head h."""
+    q_n = t if self.q_lengths is None else int(self.q_lengths[b])
+    kv_n = s_len if self.kv_lengths is None else int(self.kv_lengths[b])
+    i = np.arange(padded_t)[:, None]
+    j = np.arange(padded_s)[None, :]
+    a = (i < q_n) & (j < kv_n)
+    key_pos = j - (kv_n - q_n if self.alignment == "bottom_right" else 0)
+    if self.causal:
+      a &= key_pos <= i
+    if self.window is not None:
+      left, right = (None if w in (None, -1) else w for w in self.window)
+      if left is not None:
+        a &= key_pos >= i - left
+      if right is not None:
+        a &= key_pos <= i + right
+    if self.segments is not None:
+      q_seg = _pad(np.asarray(self.segments[0][b]), padded_t)
+      kv_seg = _pad(np.asarray(self.segments[1][b]), padded_s)
+      a &= q_seg[:, None] == kv_seg[None, :]
+    if self.mask is not None:
+      m = self.mask[b if self.mask.shape[0] > 1 else 0]
+      m = m[h if m.shape[0] > 1 else 0]
+      a &= _pad(_pad(m, padded_t).T, padded_s).T
+    return a
+
+  def bias_of(self, b, h, padded_t, padded_s):
+    if self.bias is None:
+      return None
+    x = self.bias[b if self.bias.shape[0] > 1 else 0]
+    x = np.asarray(x[h if x.shape[0] > 1 else 0], np.float64)
+    return _pad(_pad(x, padded_t).T, padded_s).T
 
 
 def tie_safe_max(em, s, r_m, tie_beta):
@@ -89,134 +157,161 @@ def _pad(x, length):
   )
 
 
-def _mask(q_start, k_start, bq, bk, kv_len, causal):
-  qi = q_start + np.arange(bq)[:, None]
-  kj = k_start + np.arange(bk)[None, :]
-  m = kj < kv_len
-  if causal:
-    m = m & (kj <= qi)
-  return m
-
-
 def _heads(q, k):
   heads, kv_heads = q.shape[2], k.shape[2]
   return [(h, h // (heads // kv_heads)) for h in range(heads)]
 
 
 def forward(
-  q, k, v, stages, *, block_q, block_k, scheme, causal, tie_beta=None
+  q, k, v, stages, *, block_q, block_k, scheme, causal, tie_beta=None, **kw
 ):
-  """Flash forward (fa1 or fa2). Returns (out float64, lse float64 [B,H,T])."""
+  """Flash forward (fa1 or fa2). Returns (out float64, lse float64 [B,H,T]);
+  `kw` are the features (`Features`)."""
   em = Emulator(stages)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
+  f = Features(d, causal, **kw)
   tp = math.ceil(t / block_q) * block_q
   sp = math.ceil(s_len / block_k) * block_k
-  scale = d**-0.5
   out = np.zeros((batch, tp, heads, d))
   lse = np.zeros((batch, heads, tp))
   for b in range(batch):
     for h, hk in _heads(q, k):
       qh, kh = _pad(q[b, :, h], tp), _pad(k[b, :, hk], sp)
       vh = _pad(v[b, :, hk], sp)
+      allowed = f.allowed(b, h, t, s_len, tp, sp)
+      bias = f.bias_of(b, h, tp, sp)
+      sink = None if f.sink is None else f.sink[h]
       for qs in range(0, tp, block_q):
+        rows = slice(qs, qs + block_q)
         o, m, l_ = _forward_rows(
           em,
-          qh[qs : qs + block_q],
+          qh[rows],
           kh,
           vh,
-          qs,
-          scale,
-          s_len,
+          f,
+          allowed[rows],
+          None if bias is None else bias[rows],
+          sink,
           block_k,
           scheme,
-          causal,
           tie_beta,
         )
-        out[b, qs : qs + block_q, h] = o
-        lse[b, h, qs : qs + block_q] = em.r(m + em.log(l_), "softmax_stats")
+        out[b, rows, h] = o
+        with np.errstate(divide="ignore"):
+          lse_rows = em.r(m + em.log(np.where(l_ == 0, 1, l_)), "softmax_stats")
+        lse[b, h, rows] = np.where(l_ == 0, np.inf, lse_rows)
   return out[:, :t], lse
 
 
 def _forward_rows(
-  em, qb, kh, vh, qs, scale, kv_len, block_k, scheme, causal, tie_beta
+  em, qb, kh, vh, f, allowed, bias, sink, block_k, scheme, tie_beta
 ):
   bq, d = qb.shape
   sp = kh.shape[0]
-  n_k = sp // block_k
-  upper = min((qs + bq - 1) // block_k + 1, n_k) if causal else n_k
-  acc = np.zeros((bq, d), em.carrier)
-  m = np.full((bq,), -np.inf, em.carrier)
-  l_ = np.zeros((bq,), em.carrier)
+  c = em.carrier
+  acc = np.zeros((bq, d), c)
+  if sink is None:
+    m = np.full((bq,), -np.inf, c)
+    l_ = np.zeros((bq,), c)
+  else:  # the sink: a logit with value 0, counted from the start
+    m = np.full((bq,), em.r(sink, "softmax_stats"), c)
+    l_ = np.ones((bq,), c)
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   oa = lambda x: em.r(x, "out_accum")  # noqa: E731
-  for j in range(upper):
-    ks = j * block_k
-    kb, vb = kh[ks : ks + block_k], vh[ks : ks + block_k]
-    s = em.scores(qb, kb, scale, _mask(qs, ks, bq, block_k, kv_len, causal))
+  for ks in range(0, sp, block_k):
+    cols = slice(ks, ks + block_k)
+    if not allowed[:, cols].any():
+      continue  # an empty block changes nothing
+    kb, vb = kh[cols], vh[cols]
+    s, _ = em.scores(
+      qb, kb, f, allowed[:, cols], None if bias is None else bias[:, cols]
+    )
     m_block = tie_safe_max(em, s, s.max(-1), tie_beta)
     m_new = np.maximum(m, m_block)
-    with np.errstate(invalid="ignore"):
-      alpha = em.exp(st(m - m_new))
+    m_use = np.where(m_new == -np.inf, c(0), m_new)
+    alpha = em.exp(st(m - m_use))
     row_sum = lambda p: st(em.total(p, "matmul_accum"))  # noqa: E731
     if scheme == "fa2":
-      p = em.exp(st(s - m_new[:, None]))
+      p = em.exp(st(s - m_use[:, None]))
       l_ = st(st(alpha * l_) + row_sum(p))
       pv = oa(em.dot(em.r(p, "probs"), vb))
       acc = oa(oa(oa(alpha)[:, None] * acc) + pv)
     else:
-      m_ref = np.where(m_block == -np.inf, m_new, m_block)
+      m_ref = np.where(m_block == -np.inf, m_use, m_block)
       p = em.exp(st(s - m_ref[:, None]))
-      beta = em.exp(st(m_ref - m_new))
+      beta = em.exp(st(m_ref - m_use))
       old_sum = st(alpha * l_)
       l_ = st(old_sum + st(beta * row_sum(p)))
       pv = oa(em.dot(em.r(p, "probs"), vb))
-      old_w = oa(st(old_sum / l_))
-      new_w = oa(st(beta / l_))
+      l_safe = np.where(l_ == 0, c(1), l_)
+      old_w = oa(st(old_sum / l_safe))
+      new_w = oa(st(beta / l_safe))
       acc = oa(oa(old_w[:, None] * acc) + oa(new_w[:, None] * pv))
     m = m_new
   if scheme == "fa2":
-    acc = oa(acc * oa(st(em.carrier(1.0) / l_))[:, None])
+    l_safe = np.where(l_ == 0, c(1), l_)
+    acc = oa(acc * oa(st(c(1.0) / l_safe))[:, None])
   return em.r(acc, "output"), m, l_
 
 
-def reference(q, k, v, stages, *, causal, tie_beta=None):
-  """Materialized baseline attention."""
+def reference(q, k, v, stages, *, causal, tie_beta=None, **kw):
+  """Materialized baseline attention; `kw` are the features."""
   em = Emulator(stages)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
+  f = Features(d, causal, **kw)
+  c = em.carrier
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   out = np.zeros(q.shape)
-  mask = _mask(0, 0, t, s_len, s_len, causal)
   for b in range(batch):
     for h, hk in _heads(q, k):
-      s = em.scores(q[b, :, h], k[b, :, hk], d**-0.5, mask)
-      m = tie_safe_max(em, s, s.max(-1), tie_beta)[:, None]
+      allowed = f.allowed(b, h, t, s_len, t, s_len)
+      s, _ = em.scores(
+        q[b, :, h], k[b, :, hk], f, allowed, f.bias_of(b, h, t, s_len)
+      )
+      m = tie_safe_max(em, s, s.max(-1), tie_beta)
+      if f.sink is not None:
+        sink = em.r(f.sink[h], "softmax_stats")
+        m = np.maximum(m, sink)
+      m = np.where(m == -np.inf, c(0), m)[:, None]
       p = em.exp(st(s - m))
       l_ = st(em.total(p, "matmul_accum", keepdims=True))
+      if f.sink is not None:
+        l_ = st(l_ + em.exp(st(sink - m)))
+      l_ = np.where(l_ == 0, c(1), l_)
       p = em.r(st(p * st(1.0 / l_)), "probs")
       o = em.r(em.r(em.dot(p, v[b, :, hk]), "out_accum"), "output")
       out[b, :, h] = o
   return out
 
 
-def _probs_and_ds(em, x, qs, ks, block_q, block_k, kv_len, causal):
-  """Recomputed P and dS of one tile, both rounded to `probs`."""
+def _probs_and_ds(em, x, f, qs, ks, block_q, block_k):
+  """Recomputed P, dS (both rounded to `probs`; dS with the softcap's
+  slope) and dS of the biased scores (the bias gradient) of one tile."""
   st = lambda y: em.r(y, "softmax_stats")  # noqa: E731
   rows, cols = slice(qs, qs + block_q), slice(ks, ks + block_k)
-  d = x["q"].shape[-1]
-  mask = _mask(qs, ks, block_q, block_k, kv_len, causal)
-  s = em.scores(x["q"][rows], x["k"][cols], d**-0.5, mask)
-  p = em.exp(st(s - st(x["lse"][rows])[:, None]))
+  bias = None if x["bias"] is None else x["bias"][rows, cols]
+  s, tanh = em.scores(
+    x["q"][rows], x["k"][cols], f, x["allowed"][rows, cols], bias
+  )
+  with np.errstate(invalid="ignore"):
+    p = em.exp(st(s - st(x["lse"][rows])[:, None]))
+  p = np.where(np.isnan(p), 0, p)  # a row no key attends: lse = +inf
   dp = st(em.dot(x["do"][rows], x["v"][cols].T))
-  ds = st(p * st(dp - st(x["delta"][rows])[:, None]))
-  return em.r(p, "probs"), em.r(ds, "probs")
+  ds_logits = st(p * st(dp - st(x["delta"][rows])[:, None]))
+  ds = ds_logits
+  if tanh is not None:
+    ds = st(ds * st(1.0 - st(tanh * tanh)))
+  return em.r(p, "probs"), em.r(ds, "probs"), ds_logits
 
 
-def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal):
-  """(dq, dk, dv) of the flash kernel: delta, dK/dV and dQ passes."""
+def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, **kw):
+  """(dq, dk, dv) of the flash kernel: delta, dK/dV and dQ passes; then
+  d bias (per example and head, [B, H, T, S]) if a bias is given and
+  d sink if a sink is given."""
   em = Emulator(stages)
   out, lse = forward(
     q,
@@ -227,18 +322,22 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal):
     block_k=block_k,
     scheme=scheme,
     causal=causal,
+    **kw,
   )
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   d_out = em.r(d_out, "output")
   batch, t, heads, d = q.shape
   s_len, kv_heads = k.shape[1], k.shape[2]
+  f = Features(d, causal, **kw)
   tp = math.ceil(t / block_q) * block_q
   sp = math.ceil(s_len / block_k) * block_k
-  scale = em.carrier(d**-0.5)
+  scale = em.carrier(f.scale)
   g = lambda x: em.r(x, "grad_accum")  # noqa: E731
   dq = np.zeros((batch, t, heads, d))
   dk_per_head = np.zeros((batch, sp, heads, d), em.carrier)
   dv_per_head = np.zeros((batch, sp, heads, d), em.carrier)
+  d_bias = np.zeros((batch, heads, tp, sp))
+  d_sink = np.zeros(heads)
   for b in range(batch):
     for h, hk in _heads(q, k):
       qh, doh = _pad(q[b, :, h], tp), _pad(d_out[b, :, h], tp)
@@ -248,17 +347,27 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal):
         em.r(em.r(oh, "delta") * em.r(doh, "delta"), "delta"), "delta"
       )
       lse_h = lse[b, h]
+      if f.sink is not None:
+        p_sink = np.exp(np.float64(f.sink[h]) - lse_h[:t])
+        d_sink[h] -= np.sum(p_sink * delta[:t])
 
-      rows_of = dict(q=qh, k=kh, v=vh, do=doh, lse=lse_h, delta=delta)
+      rows_of = dict(
+        q=qh,
+        k=kh,
+        v=vh,
+        do=doh,
+        lse=lse_h,
+        delta=delta,
+        allowed=f.allowed(b, h, t, s_len, tp, sp),
+        bias=f.bias_of(b, h, tp, sp),
+      )
       for ks in range(0, sp, block_k):
         dk_acc = np.zeros((block_k, d), em.carrier)
         dv_acc = np.zeros((block_k, d), em.carrier)
-        lower = ks // block_q if causal else 0
-        for qi in range(lower, tp // block_q):
-          qs = qi * block_q
-          p, ds = _probs_and_ds(
-            em, rows_of, qs, ks, block_q, block_k, s_len, causal
-          )
+        for qs in range(0, tp, block_q):
+          if not rows_of["allowed"][qs : qs + block_q, ks : ks + block_k].any():
+            continue  # an empty tile adds exact zeros
+          p, ds, _ = _probs_and_ds(em, rows_of, f, qs, ks, block_q, block_k)
           dv_step = g(em.dot(p.T, doh[qs : qs + block_q]))
           dk_step = em.r(
             em.dot(ds.T, qh[qs : qs + block_q]) * scale, "matmul_accum"
@@ -269,13 +378,13 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal):
         dv_per_head[b, ks : ks + block_k, h] = dv_acc
       for qs in range(0, tp, block_q):
         dq_acc = np.zeros((block_q, d), em.carrier)
-        n_k = sp // block_k
-        upper = min((qs + block_q - 1) // block_k + 1, n_k) if causal else n_k
-        for j in range(upper):
-          ks = j * block_k
-          _, ds = _probs_and_ds(
-            em, rows_of, qs, ks, block_q, block_k, s_len, causal
+        for ks in range(0, sp, block_k):
+          if not rows_of["allowed"][qs : qs + block_q, ks : ks + block_k].any():
+            continue
+          _, ds, ds_logits = _probs_and_ds(
+            em, rows_of, f, qs, ks, block_q, block_k
           )
+          d_bias[b, h, qs : qs + block_q, ks : ks + block_k] = ds_logits
           dq_step = em.r(
             em.dot(ds, kh[ks : ks + block_k]) * scale, "matmul_accum"
           )
@@ -291,4 +400,9 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal):
     return em.total(x, "grad_accum", axis=3)
 
   dk, dv = sum_groups(dk_per_head), sum_groups(dv_per_head)
-  return tuple(em.r(x, "inputs").astype(np.float64) for x in (dq, dk, dv))
+  grads = [em.r(x, "inputs").astype(np.float64) for x in (dq, dk, dv)]
+  if f.bias is not None:
+    grads.append(em.r(d_bias[:, :, :t, :s_len], "grad_accum"))
+  if f.sink is not None:
+    grads.append(d_sink)
+  return tuple(grads)

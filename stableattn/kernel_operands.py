@@ -1,0 +1,138 @@
+"""The feature operands of the Pallas kernels: BlockSpecs and tile reads.
+
+The kernels run on two kinds of grid. Query-major (forward, dQ): program
+(i, b, h) owns query block i and loops over key blocks. Key-major (dK/dV):
+program (j, b, h) owns key block j and loops over query blocks. Each
+feature operand (see `masking.py`) is given to a program as the slice its
+loop reads: the owned block's rows or columns, and the whole other axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+
+from stableattn.masking import MaskOperands, MaskSpec, tile_mask
+
+# Operand names in the order the kernels receive them.
+ORDER = ("ranges", "q_ids", "kv_ids", "kv_pos", "bias", "mask", "sink_rows")
+
+
+def _select(per_item: bool, index):
+  return index if per_item else 0
+
+
+def operand_specs(
+  spec: MaskSpec,
+  ops: MaskOperands,
+  ranges,
+  *,
+  query_major: bool,
+  block_q: int,
+  block_k: int,
+  q_len_padded: int,
+  kv_len_padded: int,
+  with_sink: bool,
+):
+  """(names, arrays, BlockSpecs) of the feature operands of one kernel.
+
+  `ranges` is the kernel's block-range array from `masking.block_ranges`
+  (or None when no block can be skipped by structure); `ops` are padded.
+  """
+  arrays = {}
+  if ranges is not None:
+    arrays["ranges"] = ranges
+  if spec.token_ids:
+    arrays["q_ids"], arrays["kv_ids"] = ops.q_ids, ops.kv_ids
+  if spec.key_positions:
+    arrays["kv_pos"] = ops.kv_pos
+  if spec.bias is not None:
+    arrays["bias"] = ops.bias
+  if spec.dense_mask is not None:
+    arrays["mask"] = ops.mask
+  if with_sink and spec.sink:
+    arrays["sink_rows"] = ops.sink
+  names = tuple(n for n in ORDER if n in arrays)
+
+  def block_spec(name, x):
+    per_example = x.shape[0] > 1
+    if name == "ranges":
+      return pl.BlockSpec(
+        (None, None, 2), lambda o, b, h: (_select(per_example, b), o, 0)
+      )
+    if name == "sink_rows":
+      return pl.BlockSpec((None, block_q), lambda o, b, h: (h, o))
+    query_side = name == "q_ids"
+    if name in ("q_ids", "kv_ids", "kv_pos"):
+      owned = query_side == query_major
+      block = (block_q if query_side else block_k) if owned else None
+      if owned:
+        return pl.BlockSpec((None, block), lambda o, b, h: (b, o))
+      whole = q_len_padded if query_side else kv_len_padded
+      return pl.BlockSpec((None, whole), lambda o, b, h: (b, 0))
+    per_head = x.shape[1] > 1
+    if query_major:
+      return pl.BlockSpec(
+        (None, None, block_q, kv_len_padded),
+        lambda o, b, h: (_select(per_example, b), _select(per_head, h), o, 0),
+      )
+    return pl.BlockSpec(
+      (None, None, q_len_padded, block_k),
+      lambda o, b, h: (_select(per_example, b), _select(per_head, h), 0, o),
+    )
+
+  return (
+    names,
+    [arrays[n] for n in names],
+    [block_spec(n, arrays[n]) for n in names],
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class TileReader:
+  """Reads the feature operands of one tile inside a kernel."""
+
+  refs: dict
+  spec: MaskSpec
+  query_major: bool
+
+  def block_range(self, default_end):
+    """(first, end) of the loop over the other axis's blocks."""
+    if "ranges" not in self.refs:
+      return 0, default_end
+    ranges = self.refs["ranges"]
+    return ranges[0], ranges[1]
+
+  def _read(self, name, q_rows, k_cols):
+    ref = self.refs[name]
+    if name == "q_ids":
+      return ref[...] if self.query_major else ref[q_rows]
+    if name in ("kv_ids", "kv_pos"):
+      return ref[k_cols] if self.query_major else ref[...]
+    return ref[:, k_cols] if self.query_major else ref[q_rows, :]
+
+  def mask(self, q_start, k_start, block_q, block_k, *, kv_len, kv_len_padded):
+    q_rows, k_cols = pl.ds(q_start, block_q), pl.ds(k_start, block_k)
+
+    def read(name):
+      return self._read(name, q_rows, k_cols) if name in self.refs else None
+
+    return tile_mask(
+      self.spec,
+      q_start,
+      k_start,
+      block_q,
+      block_k,
+      kv_len=kv_len,
+      kv_len_padded=kv_len_padded,
+      q_ids=read("q_ids"),
+      kv_ids=read("kv_ids"),
+      kv_pos=read("kv_pos"),
+      dense=read("mask"),
+    )
+
+  def bias(self, q_start, k_start, block_q, block_k):
+    if "bias" not in self.refs:
+      return None
+    return self._read("bias", pl.ds(q_start, block_q), pl.ds(k_start, block_k))
