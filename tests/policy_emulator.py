@@ -404,5 +404,5 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, **kw):
   if f.bias is not None:
     grads.append(em.r(d_bias[:, :, :t, :s_len], "grad_accum"))
   if f.sink is not None:
-    grads.append(d_sink)
+    grads.append(em.r(d_sink, "grad_accum"))
   return tuple(grads)

@@ -265,3 +265,165 @@ def test_tie_fix_matches_emulator(preset, scheme, tie_beta):
   base = sa.attention(q, k, v, implementation="reference", **kwargs)
   want = emu.reference(q, k, v, stages, causal=False, tie_beta=tie_beta)
   _check(want, np.asarray(base.astype(jnp.float64)), "bf16", "baseline")
+
+
+# Every attention feature, bit for bit against the emulator: batch 2, ragged
+# tiles (72 keys in 32-wide blocks), GQA; presets cycle over the features.
+FEATURE_SHAPE = (48, 72, 2, 1, 16)
+
+
+def _feature_arguments(name):
+  rng = np.random.default_rng(sorted(FEATURES).index(name))
+  q_len, kv_len, heads = FEATURE_SHAPE[:3]
+  if name == "segments":
+    q_ids = np.repeat(np.array([0, 1, 2]), [10, 20, 18])
+    kv_ids = np.repeat(np.array([0, 1, 2]), [30, 12, 30])
+    return dict(
+      segment_ids=(np.stack([q_ids, q_ids[::-1]]), np.stack([kv_ids] * 2))
+    )
+  if name == "bias":
+    return dict(bias=on_grid(rng.standard_normal((1, heads, q_len, kv_len))))
+  if name == "mask":
+    return dict(mask=rng.random((2, heads, q_len, kv_len)) < 0.6)
+  if name == "sink":
+    return dict(sink=on_grid(rng.standard_normal(heads)), causal=True)
+  return dict(FEATURES[name])
+
+
+FEATURES = {
+  "lengths_bottom_right": dict(
+    causal=True,
+    causal_alignment="bottom_right",
+    query_seq_lengths=np.array([48, 30], np.int32),
+    key_value_seq_lengths=np.array([61, 72], np.int32),
+  ),
+  "segments": None,
+  "window": dict(local_window_size=(9, 4)),
+  "softcap": dict(softcap=5.0),
+  "scale": dict(scale=0.3),
+  "bias": None,
+  "mask": None,
+  "sink": None,
+}
+FEATURE_NAMES = sorted(FEATURES)
+
+
+def _feature_inputs(seed):
+  q_len, kv_len, heads, kv_heads, head_dim = FEATURE_SHAPE
+  q, k, v = random_qkv(
+    seed,
+    batch=2,
+    q_len=q_len,
+    kv_len=kv_len,
+    heads=heads,
+    kv_heads=kv_heads,
+    head_dim=head_dim,
+  )
+  return [on_grid(x) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("name", FEATURE_NAMES)
+def test_features_forward_match_emulator(name):
+  """Kernel (fa2 or fa1) and Baseline, each under a different preset."""
+  i = FEATURE_NAMES.index(name)
+  q, k, v = _feature_inputs(i)
+  kw = _feature_arguments(name)
+  causal = kw.pop("causal", False)
+  # Offsets chosen so softcap and scale run where `scores` is coarser than
+  # `softmax_stats` (a "framework" preset), which shows their rounding.
+  preset, scheme = PRESETS[(i + 1) % len(PRESETS)], ("fa2", "fa1")[i % 2]
+  out = sa.attention(
+    q,
+    k,
+    v,
+    precision=preset,
+    block_q=16,
+    block_k=32,
+    scheme=scheme,
+    causal=causal,
+    **kw,
+  )
+  want, _ = emu.forward(
+    q,
+    k,
+    v,
+    _stages(preset),
+    block_q=16,
+    block_k=32,
+    scheme=scheme,
+    causal=causal,
+    **kw,
+  )
+  _check(want, np.asarray(out.astype(jnp.float64)), preset, f"{name} output")
+  preset = PRESETS[(i + 6) % len(PRESETS)]
+  base = sa.attention(
+    q,
+    k,
+    v,
+    implementation="reference",
+    precision=preset,
+    causal=causal,
+    **kw,
+  )
+  want = emu.reference(q, k, v, _stages(preset), causal=causal, **kw)
+  _check(want, np.asarray(base.astype(jnp.float64)), preset, f"{name} base")
+
+
+@pytest.mark.parametrize("name", FEATURE_NAMES)
+def test_features_backward_match_emulator(name):
+  """dq, dk, dv (and the bias and sink gradients) of the kernel."""
+  i = FEATURE_NAMES.index(name)
+  q, k, v = _feature_inputs(i + 20)
+  d_out = on_grid(np.random.default_rng(i).standard_normal(q.shape))
+  kw = _feature_arguments(name)
+  causal = kw.pop("causal", False)
+  preset = ("bf16", "bf16-fa2", "fp16", "fp16-framework")[i % 4]
+  policy = sa.Precision.from_name(preset)
+  extra = {n: jnp.asarray(kw.pop(n)) for n in ("bias", "sink") if n in kw}
+
+  def fn(q, k, v, extra):
+    return sa.attention(
+      q,
+      k,
+      v,
+      precision=preset,
+      block_q=16,
+      block_k=32,
+      causal=causal,
+      **kw,
+      **extra,
+    )
+
+  _, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)), extra)
+  *grads, d_extra = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))
+  want = emu.backward(
+    q,
+    k,
+    v,
+    d_out,
+    _stages(preset),
+    block_q=16,
+    block_k=32,
+    scheme="fa2",
+    causal=causal,
+    **kw,
+    **{n: np.asarray(x) for n, x in extra.items()},
+  )
+  for what, g, w in zip(("dq", "dk", "dv"), grads, want):
+    _check(w, np.asarray(g, np.float64), preset, f"{name} {what}")
+  if "bias" in extra:
+    # The bias is shared by the batch: its gradient sums the examples.
+    d_bias = policy_sum(want[3], preset)
+    _check(d_bias, np.asarray(d_extra["bias"], np.float64), preset, "dbias")
+  if "sink" in extra:
+    fmt = policy.grad_accum
+    got = np.asarray(d_extra["sink"], np.float64)
+    assert ulps_at_largest(want[3], got, fmt) <= 4.0
+
+
+def policy_sum(d_bias, preset):
+  """The per-example bias gradient summed over the batch, rounded once to
+  `grad_accum` as the kernel's wrapper does."""
+  fmt = emu.FORMATS[sa.Precision.from_name(preset).grad_accum]
+  total = np.sum(d_bias, axis=0, keepdims=True).astype(np.float32)
+  return total.astype(fmt).astype(np.float64)
