@@ -1,69 +1,16 @@
-"""`make_attention_fn`: our attention as `flax.nnx.MultiHeadAttention`'s."""
+"""`make_attention_fn`: our attention as Flax's `attention_fn` (nnx and
+linen `MultiHeadAttention`)."""
 
 from __future__ import annotations
 
-import numpy as np
+import jax.numpy as jnp
 
 from stableattn.dispatch import attention, check_tie_beta
 from stableattn.precision import Precision
 
 
-def mask_as_kernel_options(
-  mask, q_len: int, kv_len: int, causal: bool
-) -> tuple[bool, int]:
-  """(causal, keys used) that reproduce `mask` (AND causal, if set).
-
-  The flash kernel represents: every key, the top-left causal mask, and a
-  key-padding mask whose valid keys are the same prefix [0, n) for every
-  example, head and query (it attends to the first n keys only), alone or
-  with causal. Anything else raises.
-  """
-  try:
-    mask = np.asarray(mask).astype(bool)
-  except Exception as e:  # a tracer: the values are unknown at trace time
-    raise ValueError(
-      "make_attention_fn cannot use an attention mask computed under jit: "
-      "the flash kernel needs to know its form (none, causal, or a key "
-      "prefix) when the program is built. Pass is_causal=True to the module "
-      "call (or make_attention_fn(causal=True)), or a concrete mask."
-    ) from e
-  mask = np.broadcast_to(mask, mask.shape[:-2] + (q_len, kv_len))
-  causal_TxS = np.tril(np.ones((q_len, kv_len), dtype=bool))
-  if causal:
-    mask = mask & causal_TxS
-  keys = mask.any(axis=tuple(range(mask.ndim - 1)))
-  n = int(keys.sum())
-  if n == 0 or not keys[:n].all():
-    raise ValueError(
-      "make_attention_fn supports masks of the forms: all keys, causal, or "
-      "a key-padding prefix (the first n keys) shared by every example, "
-      "alone or with causal. This mask "
-      + ("masks every key." if n == 0 else "is not a key prefix.")
-      + " Per-example padding, segment and other masks are not supported "
-      "by the flash kernel."
-    )
-  for uses_causal in (False, True):
-    form = np.ones((q_len, n), dtype=bool)
-    if uses_causal:
-      form = causal_TxS[:, :n]
-    if (mask[..., :n] == form).all():
-      return uses_causal, n
-  raise ValueError(
-    "make_attention_fn supports masks of the forms: all keys, causal, or a "
-    "key-padding prefix (the first n keys) shared by every example, alone "
-    "or with causal; this mask differs between examples, heads or queries "
-    "in another way. Per-example padding and segment masks are not "
-    "supported by the flash kernel."
-  )
-
-
-def _refuse_unsupported(bias, dropout_rate, deterministic, module) -> None:
+def _refuse_unsupported(dropout_rate, deterministic, module) -> None:
   """Raises for the Flax options the flash kernel does not have."""
-  if bias is not None:
-    raise ValueError(
-      "make_attention_fn does not support an attention bias; the flash "
-      "kernel computes softmax(QK^T/sqrt(d))V with an optional causal mask."
-    )
   if dropout_rate > 0.0 and not deterministic:
     raise ValueError(
       f"make_attention_fn does not support attention dropout (got "
@@ -77,6 +24,20 @@ def _refuse_unsupported(bias, dropout_rate, deterministic, module) -> None:
     )
 
 
+def _as_4d(x, name: str, query):
+  """Flax's [batch..., heads|1, q_len, kv_len] as [batch|1, heads|1, ...]."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim > 4:
+    raise ValueError(
+      f"make_attention_fn needs a {name} of at most 4 dimensions [batch, "
+      f"heads, q_len, kv_len] for inputs [batch, seq, heads, head_dim]; got "
+      f"shape {x.shape} for query {query.shape}."
+    )
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
 def make_attention_fn(
   *,
   implementation: str = "pallas",
@@ -88,23 +49,28 @@ def make_attention_fn(
   interpret: bool | None = None,
   tie_beta: float | None = None,
 ):
-  """An `attention_fn` for `flax.nnx.MultiHeadAttention`.
+  """An `attention_fn` for `flax.nnx.MultiHeadAttention` (and linen's).
+
+  Every mask Flax builds reaches the kernel, under `jax.jit` too:
+  `make_attention_mask` padding (per example), `make_causal_mask`,
+  their `combine_masks`, any boolean or 0/1 mask broadcastable to [batch,
+  heads, q_len, kv_len]; Flax's additive `bias` too. One difference from
+  Flax's own attention: a query row whose keys are all masked gives 0
+  here (Flax averages every value there).
 
   Args:
     implementation, precision, block_q, block_k, scheme, interpret,
       tie_beta: as for `stableattn.attention`.
     causal: always apply the causal mask (also applied when Flax passes
-      `is_causal=True` or a concrete lower-triangular `mask`). A concrete
-      `mask` is combined with it; see `mask_as_kernel_options` for the
-      masks the kernel can represent.
+      `is_causal=True`); a `mask` is combined with it.
 
   Returns:
     A function with Flax's `dot_product_attention` signature. Its output is
     cast back to the query's dtype, as Flax's own attention returns it.
 
   Raises (when called):
-    ValueError: for features the flash kernel does not have: attention bias,
-      dropout, sown attention weights, masks it cannot represent.
+    ValueError: for features the flash kernel does not have (dropout,
+      sown attention weights) and for malformed masks.
   """
 
   def attention_fn(
@@ -124,18 +90,15 @@ def make_attention_fn(
     is_causal=False,
   ):
     del broadcast_dropout, dropout_rng, dtype, precision, promote_dtype
-    _refuse_unsupported(bias, dropout_rate, deterministic, module)
-    apply_causal = causal or bool(is_causal)
-    if mask is not None:
-      apply_causal, keys_used = mask_as_kernel_options(
-        mask, query.shape[-3], key.shape[-3], apply_causal
-      )
-      key, value = key[..., :keys_used, :, :], value[..., :keys_used, :, :]
+    _refuse_unsupported(dropout_rate, deterministic, module)
     if query.ndim != 4:
       raise ValueError(
         "make_attention_fn needs inputs [batch, seq, heads, head_dim]; got "
         f"query shape {query.shape}."
       )
+    mask = _as_4d(mask, "mask", query)
+    if mask is not None and mask.dtype != bool:
+      mask = mask != 0  # make_attention_mask builds 0/1 floats
     out = attention(
       query,
       key,
@@ -145,7 +108,9 @@ def make_attention_fn(
       block_q=block_q,
       block_k=block_k,
       scheme=scheme,
-      causal=apply_causal,
+      causal=causal or bool(is_causal),
+      mask=mask,
+      bias=_as_4d(bias, "bias", query),
       interpret=interpret,
       tie_beta=tie_beta,
     )

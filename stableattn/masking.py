@@ -179,20 +179,20 @@ def _positive_number(name: str, x, what: str) -> float | None:
 
 
 def _broadcast_4d(name, x, batch, heads, q_len, kv_len, kind, xp):
-  """Checks a [B|1, H|1, T, S] array; returns it and (per example, per head)."""
+  """Checks a [B|1, H|1, T|1, S|1] array; returns it at [B|1, H|1, T, S]
+  and (per example, per head)."""
   shape = getattr(x, "shape", None)
+  full = (batch, heads, q_len, kv_len)
   fits = (
     shape is not None
     and len(shape) == 4
-    and shape[0] in (1, batch)
-    and shape[1] in (1, heads)
-    and tuple(shape[2:]) == (q_len, kv_len)
+    and all(n in (1, f) for n, f in zip(shape, full))
   )
   if not fits:
     raise ValueError(
       f"{name} must be a 4-D array broadcastable to [batch, heads, q_len, "
-      f"kv_len] = [{batch}, {heads}, {q_len}, {kv_len}] (batch and heads may "
-      f"be 1), got shape {shape}."
+      f"kv_len] = [{batch}, {heads}, {q_len}, {kv_len}] (any of them may be "
+      f"1), got shape {shape}."
     )
   dtype = np.dtype(x.dtype)
   if kind == "bool" and dtype != np.bool_:
@@ -202,7 +202,8 @@ def _broadcast_4d(name, x, batch, heads, q_len, kv_len, kind, xp):
     )
   if kind == "float" and not np.issubdtype(dtype, np.floating):
     raise ValueError(f"{name} must have a floating dtype, got {dtype}.")
-  return xp.asarray(x), (shape[0] > 1, shape[1] > 1)
+  x = xp.broadcast_to(xp.asarray(x), tuple(shape[:2]) + (q_len, kv_len))
+  return x, (shape[0] > 1, shape[1] > 1)
 
 
 def build(
