@@ -324,3 +324,31 @@ def test_tied_maxima_section_separates_the_bias_the_fix_removes(tmp_path):
   assert "+0.97 for a one-sign dO and +0.05" in delta
   assert ctx.headline[f"tied_share_{policy}_no fix"] == 0.99
   assert ctx.headline[f"tied_share_{policy}_beta=2"] == 0.02
+
+
+def test_feature_verdicts_are_computed_from_rows():
+  from stableattn.experiments.forward.features import feature_verdicts
+
+  def flash_row(setting, pairing, ratio):
+    return {
+      "comparison": "flash_vs_golden",
+      "setting": setting,
+      "pairing": pairing,
+      "distribution": "normal",
+      "ratio_rmse_mean": ratio,
+    }
+
+  rows = [
+    flash_row("plain", "natural", 0.5),
+    flash_row("softcap_30", "natural", 0.6),  # 1.2x: within 1.5x
+    flash_row("plain", "all_stage", 1.0),
+    flash_row("softcap_30", "all_stage", 2.0),  # 2x: outside
+    flash_row("causal", "natural", 0.5),
+    flash_row("window_64", "natural", 0.55),
+  ]
+  verdicts = feature_verdicts(rows)
+  assert verdicts["softcap_30"]["verdict"] == "holds in part"
+  assert verdicts["window_64"]["verdict"] == "holds"
+  assert [c["change"] for c in verdicts["softcap_30"]["changes"]] == [1.2, 2.0]
+  with pytest.raises(ValueError, match="no rows for 'kv_cache'"):
+    feature_verdicts([flash_row("kv_cache", "natural", 1.0)])

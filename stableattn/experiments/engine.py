@@ -20,6 +20,53 @@ from stableattn.precision import Precision
 
 
 @dataclasses.dataclass(frozen=True)
+class Features:
+  """The attention features of a case beyond `causal`, as hashable
+  settings; `arguments` builds `stableattn.attention`'s arguments."""
+
+  causal_alignment: str = "top_left"
+  window: tuple[int | None, int | None] | None = None
+  softcap: float | None = None
+  segments: int = 1  # equal packed segments per sequence
+  sink: float | None = None  # one sink logit for every head
+  alibi: bool = False  # ALiBi (Press et al. 2022) as a bias
+
+  def arguments(self, shape: Shape) -> dict:
+    args = dict(causal_alignment=self.causal_alignment)
+    if self.window is not None:
+      args["local_window_size"] = self.window
+    if self.softcap is not None:
+      args["softcap"] = self.softcap
+    if self.segments > 1:
+      args["segment_ids"] = tuple(
+        np.broadcast_to(
+          (np.arange(n) * self.segments // n).astype(np.int32),
+          (shape.batch, n),
+        )
+        for n in (shape.q_len, shape.kv_len)
+      )
+    if self.sink is not None:
+      args["sink"] = np.full((shape.heads,), self.sink, np.float32)
+    if self.alibi:
+      args["bias"] = self._alibi(shape)
+    return args
+
+  def _alibi(self, shape: Shape):
+    """-m_h |i - j| with m_h = 2^(-8h/H), positions aligned as the mask."""
+    heads = np.arange(1, shape.heads + 1)
+    slopes = 2.0 ** (-8.0 * heads / shape.heads)
+    offset = (
+      shape.kv_len - shape.q_len
+      if self.causal_alignment == "bottom_right"
+      else 0
+    )
+    i = np.arange(shape.q_len)[:, None] + offset
+    j = np.arange(shape.kv_len)[None, :]
+    bias = -slopes[:, None, None] * np.abs(i - j)[None]
+    return bias[None].astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
   """Inputs of one measurement: distribution, shape, storage format, seed."""
 
@@ -29,6 +76,10 @@ class Case:
   seed: int
   causal: bool = False
   tied: TiedMaximaSpec | None = None  # the "tied_maxima" construction
+  features: Features = Features()
+
+  def attention_arguments(self) -> dict:
+    return dict(causal=self.causal, **self.features.arguments(self.shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +142,18 @@ class Engine:
   def golden(self, case: Case):
     return self._memo(
       ("golden", case),
-      lambda: golden_attention(*self.inputs(case), causal=case.causal),
+      lambda: golden_attention(
+        *self.inputs(case), **case.attention_arguments()
+      ),
     )
 
   def golden_grads(self, case: Case, sign: str = "random"):
     return self._memo(
       ("golden_grads", case, sign),
       lambda: golden_attention_vjp(
-        *self.inputs(case), self.d_out(case, sign), causal=case.causal
+        *self.inputs(case),
+        self.d_out(case, sign),
+        **case.attention_arguments(),
       ),
     )
 
@@ -112,9 +167,9 @@ class Engine:
       block_q=kernel.block_q,
       block_k=kernel.block_k,
       scheme=kernel.scheme,
-      causal=case.causal,
       interpret=interpret,
       tie_beta=kernel.tie_beta,
+      **case.attention_arguments(),
     )
 
   def output(self, kernel: Kernel, case: Case) -> np.ndarray:

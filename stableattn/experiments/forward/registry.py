@@ -15,6 +15,7 @@ STUDY_MODULES = (
   "fa3_table3",
   "tied_maxima",
   "backward",
+  "features",
 )
 
 
