@@ -26,6 +26,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.repeats = 5
   c.memory_implementations = "pallas,reference"
   c.tile_search = True  # GPU only
+  # Block skipping: our kernel with each mask vs "full", at masks_seq_len.
+  c.mask_settings = "full,causal,window_256,window_1024"
 
   c.cpu = ml_collections.ConfigDict()
   c.cpu.dtypes = "fp32"  # each timed under its flash policy (bf16: bf16-fa2)
@@ -37,6 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.cpu.block_k = 64
   c.cpu.memory_seq_lens = "1024,2048,4096,8192"
   c.cpu.search_seq_len = 2048  # unused: the tile search runs on a GPU only
+  c.cpu.masks_seq_len = 4096
 
   c.gpu = ml_collections.ConfigDict()
   c.gpu.dtypes = "bf16"
@@ -48,6 +51,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.gpu.block_k = 64
   c.gpu.memory_seq_lens = "2048,8192,16384"
   c.gpu.search_seq_len = 8192  # length of the tile search
+  c.gpu.masks_seq_len = 4096
 
   if arg == "smoke":
     c.head_dims = "64"
@@ -56,6 +60,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.cpu.seq_lens = "256,512"
     c.cpu.heads = 2
     c.cpu.memory_seq_lens = "512,1024"
+    c.cpu.masks_seq_len = 1024
+    c.mask_settings = "full,causal,window_256"
   elif arg not in (None, "", "default"):
     raise ValueError(f"Unknown config variant {arg!r}; valid: default, smoke.")
   return c

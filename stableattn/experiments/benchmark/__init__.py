@@ -22,7 +22,11 @@ from stableattn.experiments.benchmark.settings import (
   settings_from_config,
 )
 from stableattn.experiments.benchmark.tile_search import tile_search
-from stableattn.experiments.benchmark.timing import flops, time_point
+from stableattn.experiments.benchmark.timing import (
+  flops,
+  time_masks,
+  time_point,
+)
 from stableattn.experiments.rundir import RunDir
 
 __all__ = ["MODES", "Settings", "flops", "run", "settings_from_config"]
@@ -42,12 +46,15 @@ def run(config, workdir, *, restart: bool = False) -> dict:
 
 
 def _measurements(s: Settings):
-  """Lists of rows: timings, then memory, then the GPU tile search."""
+  """Lists of rows: timings, block skipping, memory, the GPU tile search."""
   points = list(
     itertools.product(s.modes, s.causal, s.precisions, s.head_dims, s.seq_lens)
   )
   for point in tqdm(points, desc="benchmark", unit="point"):
     yield time_point(s, *point)
+  if s.mask_settings:
+    for mode, precision in itertools.product(s.modes, s.precisions):
+      yield time_masks(s, mode, precision, s.head_dims[-1], s.masks_seq_len)
   runs = list(itertools.product(s.memory_implementations, s.memory_seq_lens))
   for name, seq_len in tqdm(runs, desc="memory", unit="run"):
     yield [

@@ -17,6 +17,7 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
   timings = [r for r in rows if r["kind"] == "timing"]
   memory = [r for r in rows if r["kind"] == "memory"]
   searches = [r for r in rows if r["kind"] == "tile_search"]
+  masks = [r for r in rows if r["kind"] == "masks"]
   run_dir.write_csv("summary.csv", timings + memory)
   device, jax_version = _measured_on(timings)
   parts = [header(s, device, jax_version)]
@@ -30,6 +31,10 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
   if finding:
     parts.append(finding[0])
     headline["forward_time_ratio_vs_reference"] = finding[1]
+  if masks:
+    text, savings = masks_section(masks)
+    parts.append(text)
+    headline["mask_time_vs_full"] = savings
   if memory:
     text, share = memory_section(s, memory)
     parts.append(text)
@@ -146,6 +151,44 @@ def forward_finding(s: Settings, timings) -> tuple[str, float] | None:
     f"reference {num(ref)} ms ({ratio:.2f}x the reference's time).",
     ratio,
   )
+
+
+# Targets for skipping the key blocks a mask empties, at length 4096
+# (forward time vs full attention).
+MASK_TARGETS = {"causal": 0.6, "window_256": 0.2}
+
+
+def masks_section(masks) -> tuple[str, dict]:
+  """Time of our kernel under each mask vs full attention."""
+  body, savings = [], {}
+  for r in masks:
+    if "error" in r:
+      body.append([r["mode"], r["precision"], r["mask"], "failed", "-", "-"])
+      continue
+    ratio = r.get("time_vs_full")
+    target = MASK_TARGETS.get(r["mask"]) if r["mode"] == "forward" else None
+    met = "-"
+    if target is not None and ratio is not None:
+      met = f"<= {target}: " + ("yes" if ratio <= target else "no")
+    body.append(
+      [
+        r["mode"],
+        r["precision"],
+        r["mask"],
+        num(r["median_ms"]),
+        num(ratio),
+        met,
+      ]
+    )
+    savings[f"{r['mode']}/{r['precision']}/{r['mask']}"] = ratio
+  first = masks[0]
+  text = (
+    f"## Skipping key blocks a mask empties (ours, length "
+    f"{first['seq_len']}, head dim {first['head_dim']})\n\n"
+    + table(["mode", "precision", "mask", "ms", "time / full", "target"], body)
+    + "\n\nwindow_w is causal with a (w, 0) window (Mistral-style)."
+  )
+  return text, savings
 
 
 def memory_section(s: Settings, memory) -> tuple[str, float | None]:

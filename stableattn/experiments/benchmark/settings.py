@@ -40,6 +40,8 @@ class Settings:
   memory_implementations: tuple[str, ...]
   tile_search: bool
   search_seq_len: int
+  mask_settings: tuple[str, ...]  # block skipping: timed at masks_seq_len
+  masks_seq_len: int
 
 
 def settings_from_config(c) -> Settings:
@@ -66,7 +68,21 @@ def settings_from_config(c) -> Settings:
     ),
     tile_search=bool(c.tile_search) and gpu,
     search_seq_len=field(c, f"{g}.search_seq_len", minimum=1),
+    mask_settings=_mask_settings(c),
+    masks_seq_len=field(c, f"{g}.masks_seq_len", minimum=1),
   )
+
+
+def _mask_settings(c) -> tuple[str, ...]:
+  from stableattn.experiments.benchmark.timing import MASK_SETTINGS
+
+  names = _choices(c, "mask_settings", tuple(MASK_SETTINGS), allow_empty=True)
+  if names and "full" not in names:
+    raise ValueError(
+      f"config.mask_settings {list(names)} needs 'full': every other "
+      "setting is timed against it."
+    )
+  return names
 
 
 def _implementations(c, gpu: bool) -> tuple[str, ...]:

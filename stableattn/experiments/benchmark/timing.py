@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stableattn.attention_fns import resolve
+from stableattn.dispatch import attention
 from stableattn.experiments.benchmark.settings import Settings
 from stableattn.precision import Precision
 
@@ -153,3 +154,57 @@ def _timing_row(labels: dict, name: str, times, work: float) -> dict:
     "min_ms": 1e3 * float(ts.min()),
     "tflops": work / median / 1e12,
   }
+
+
+# What each mask setting of the block-skipping measurement passes to
+# `stableattn.attention`.
+MASK_SETTINGS = {
+  "full": {},
+  "causal": dict(causal=True),
+  "window_256": dict(causal=True, local_window_size=(256, 0)),
+  "window_1024": dict(causal=True, local_window_size=(1024, 0)),
+}
+
+
+def time_masks(s: Settings, mode, precision, head_dim, seq_len):
+  """Our kernel under each mask setting, timed in alternation: what
+  skipping the key blocks a mask empties saves (time vs "full")."""
+  shape = (s.batch, seq_len, s.heads, head_dim)
+  args = random_inputs(jax.random.key(seq_len), shape, precision)
+  fns = {
+    name: timed_fn(
+      functools.partial(
+        attention,
+        precision=precision,
+        block_q=s.block_q,
+        block_k=s.block_k,
+        **MASK_SETTINGS[name],
+      ),
+      mode,
+    )
+    for name in s.mask_settings
+  }
+  compiled = compile_all(fns, args)
+  runnable = {name: fn for name, fn in compiled.items() if callable(fn)}
+  times = _alternating_times(runnable, args, s.warmup, s.repeats)
+  labels = {
+    "kind": "masks",
+    "device": jax.devices()[0].device_kind,
+    "mode": mode,
+    "precision": precision,
+    "head_dim": head_dim,
+    "seq_len": seq_len,
+  }
+  rows = [
+    {**labels, "mask": name, "median_ms": 1e3 * float(np.median(ts))}
+    for name, ts in times.items()
+  ]
+  full = next((r for r in rows if r["mask"] == "full"), None)
+  for r in rows:
+    if full is not None:
+      r["time_vs_full"] = r["median_ms"] / full["median_ms"]
+  return rows + [
+    {**labels, "mask": name, "error": error}
+    for name, error in compiled.items()
+    if name not in runnable
+  ]
