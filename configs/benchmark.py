@@ -39,7 +39,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.cpu.block_k = 64
   c.cpu.memory_seq_lens = "1024,2048,4096,8192"
   c.cpu.search_seq_len = 2048  # unused: the tile search runs on a GPU only
-  c.cpu.masks_seq_len = 4096
+  c.cpu.masks_seq_len = 1024  # interpret mode: per-program copies dominate
 
   c.gpu = ml_collections.ConfigDict()
   c.gpu.dtypes = "bf16"

@@ -150,6 +150,7 @@ def bar_plot(
   ylabel: str,
   logy: bool = True,
   reference_line: float | None = None,
+  legend_outside: bool = False,
 ) -> pathlib.Path:
   """Grouped bars: one bar per group at each label."""
   fig, ax = plt.subplots(
@@ -164,6 +165,9 @@ def bar_plot(
     ax.axhline(reference_line, color="black", linewidth=0.8, linestyle="--")
   ax.set(title=title, ylabel=ylabel)
   ax.grid(True, axis="y", which="both", alpha=0.3)
+  if len(groups) > 1 and legend_outside:
+    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
+    return _save(fig, path, tight_box=True)
   if len(groups) > 1:
     ax.legend(fontsize=8)
   return _save(fig, path)

@@ -280,6 +280,7 @@ def _plot(ctx, rows):
     title="Flash / Baseline error (RMSE vs FP64) per attention feature",
     ylabel="Flash RMSE / Baseline RMSE",
     reference_line=1.0,
+    legend_outside=True,
   )
 
 
