@@ -46,6 +46,44 @@ def test_smoke_writes_timings_ratios_and_memory(tmp_path):
   assert result["memory_ratio_vs_reference"] < 1
   for name in ("report.md", "summary.csv", "tflops.png", "memory.png"):
     assert (tmp_path / name).stat().st_size > 0
+  # Block skipping: every mask timed against full attention.
+  savings = result["mask_time_vs_full"]
+  assert savings["forward/fp32/full"] == 1.0
+  assert 0 < savings["forward/fp32/window_256"] < 10
+  assert "Skipping key blocks" in (tmp_path / "report.md").read_text()
+
+
+def test_masks_section_checks_the_targets():
+  from stableattn.experiments.benchmark.report import masks_section
+
+  def row(mask, ratio):
+    return {
+      "kind": "masks",
+      "mode": "forward",
+      "precision": "bf16",
+      "mask": mask,
+      "seq_len": 4096,
+      "head_dim": 128,
+      "median_ms": 10.0 * ratio,
+      "time_vs_full": ratio,
+    }
+
+  text, savings = masks_section(
+    [row("full", 1.0), row("causal", 0.55), row("window_256", 0.3)]
+  )
+  assert "<= 0.6: yes" in text and "<= 0.2: no" in text
+  assert savings == {
+    "forward/bf16/full": 1.0,
+    "forward/bf16/causal": 0.55,
+    "forward/bf16/window_256": 0.3,
+  }
+
+
+def test_mask_settings_need_full():
+  config = benchmark_config.get_config("smoke")
+  config.mask_settings = "causal,window_256"
+  with pytest.raises(ValueError, match="needs 'full'"):
+    benchmark.run(config, "/nonexistent/never/written")
 
 
 def test_flop_count():
@@ -81,6 +119,8 @@ def _settings(**changes):
     memory_implementations=("pallas", "reference"),
     tile_search=False,
     search_seq_len=512,
+    mask_settings=(),
+    masks_seq_len=512,
   )
   return dataclasses.replace(base, **changes)
 
