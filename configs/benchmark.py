@@ -61,7 +61,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.cpu.heads = 2
     c.cpu.memory_seq_lens = "512,1024"
     c.cpu.masks_seq_len = 512
-    c.mask_settings = "full,causal,window_256"
+    c.mask_settings = "full,window_256"
   elif arg not in (None, "", "default"):
     raise ValueError(f"Unknown config variant {arg!r}; valid: default, smoke.")
   return c

@@ -30,7 +30,9 @@ def scaled_dot(a, b, dims, ar: PolicyArithmetic, scale: float, stage: str):
   return ar.round(product * jnp.asarray(scale, product.dtype), stage)
 
 
-def block_scores(q_BqxD, k_BkxD, *, ar: PolicyArithmetic, spec, mask, bias):
+def block_scores(
+  q_BqxD, k_BkxD, *, ar: PolicyArithmetic, spec, mask, bias, scales=None
+):
   """S = Q K^T * scale (softcapped if set) in `scores`, held in
   `softmax_stats`, plus the bias (rounded to `scores`) if any.
 
@@ -40,11 +42,22 @@ def block_scores(q_BqxD, k_BkxD, *, ar: PolicyArithmetic, spec, mask, bias):
     spec: the `masking.MaskSpec`.
     mask: boolean [block_q, block_k] or None when every pair attends.
     bias: [block_q, block_k] or None.
+    scales: (q row scales [block_q], k row scales [block_k]) of operands
+      below 16 bits (see `quantization.py`), or None.
 
   Returns:
     (S, tanh of the softcap or None), both [block_q, block_k].
   """
-  s, tanh = scores(ar.dot(q_BqxD, k_BkxD, NT_DIMS), spec, ar)
+  if scales is None:
+    product = ar.dot(q_BqxD, k_BkxD, NT_DIMS)
+  else:
+    q_scale, k_scale = scales
+    product = ar.dot(
+      q_BqxD * (1.0 / q_scale)[:, None],
+      k_BkxD * (1.0 / k_scale)[:, None],
+      NT_DIMS,
+    ) * (q_scale[:, None] * k_scale[None, :])
+  s, tanh = scores(product, spec, ar)
   s = ar.round(s, "softmax_stats")
   if bias is not None:
     s = ar.round(s + ar.round(bias, "scores"), "softmax_stats")
@@ -119,3 +132,27 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, tie_beta: float | None):
   shift = jnp.where(shift > cap, wrapped, shift)
   # A row with no key here (r_m = -inf) keeps r_m.
   return jnp.where(finite, stats(r_safe + shift), r_m)
+
+
+def probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic, v_scale=None):
+  """P V with P rounded to `probs` first; result in `out_accum`.
+
+  With operands below 16 bits P enters as round(P * p_scale) and V as
+  round(V * (1 / s_v)) (s_v constant over a tile's rows); the product is
+  then multiplied by s_v * (1 / p_scale). (Divisions are written as
+  reciprocal products, which XLA would make of them anyway.)
+  """
+  p_scale = ar.policy.p_scale
+  if v_scale is None and p_scale == 1.0:
+    pv = ar.dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS)
+    return ar.round(pv, "out_accum")
+  dtype = p_BqxBk.dtype
+  p_hat = ar.round(p_BqxBk * jnp.asarray(p_scale, dtype), "probs")
+  if v_scale is None:
+    pv = ar.dot(p_hat, v_BkxD, NN_DIMS)
+    descale = jnp.asarray(1.0 / p_scale, dtype)
+  else:
+    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS)
+    # One value over the tile (a max: Triton cannot slice a vector).
+    descale = jnp.max(v_scale) * jnp.asarray(1.0 / p_scale, dtype)
+  return ar.round(pv * descale, "out_accum")

@@ -9,11 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn import masking
+from stableattn import masking, quantization
 from stableattn.flash_attention import (
   flash_attention,
   flash_attention_with_lse,
   padded_head_dim,
+  quantized_flash_attention,
 )
 from stableattn.masking import MaskSpec
 from stableattn.pallas_forward import SCHEMES, KernelConfig
@@ -361,6 +362,12 @@ def _check_implementation_options(
   """Raises for options the chosen implementation does not have."""
   if implementation == "xla" and xla_unsupported_reason(cfg.policy):
     raise ValueError(xla_unsupported_reason(cfg.policy))
+  if implementation == "xla" and cfg.policy.quantizes:
+    raise ValueError(
+      f"implementation='xla' cannot run precision {cfg.policy.name!r}: "
+      "jax.nn.dot_product_attention has no FP8/FP4/INT8 operands with "
+      "scaling; use 'pallas' or 'reference'."
+    )
   if implementation == "xla":
     missing = [
       name
@@ -393,12 +400,26 @@ def _compute(
   # the next op widens it again (see `rounding.py`).
   ar = PolicyArithmetic(cfg.policy)
   q, k, v = (ar.round_inputs(x) for x in (q, k, v))
+  scales = None
+  if cfg.policy.quantizes:
+    q, k, v, scales = quantization.prepare(
+      q, k, v, cfg.policy, cfg.block_q, cfg.block_k
+    )
   if implementation == "pallas":
     if return_lse:
-      return flash_attention_with_lse(q, k, v, ops, cfg)
+      return flash_attention_with_lse(q, k, v, ops, cfg, scales)
+    if scales is not None:
+      return quantized_flash_attention(q, k, v, ops, scales, cfg)
     return flash_attention(q, k, v, ops, cfg)
   if implementation == "reference":
     return reference_attention(
-      q, k, v, ops, policy=cfg.policy, spec=cfg.mask, tie_beta=cfg.tie_beta
+      q,
+      k,
+      v,
+      ops,
+      policy=cfg.policy,
+      spec=cfg.mask,
+      tie_beta=cfg.tie_beta,
+      scales=scales,
     )
   return xla_attention(q, k, v, ops, policy=cfg.policy, spec=cfg.mask)

@@ -24,6 +24,7 @@ from stableattn.masking import (
 )
 from stableattn.pallas_backward import flash_backward
 from stableattn.pallas_forward import KernelConfig, flash_forward
+from stableattn.quantization import QuantScales
 from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import MIN_GPU_BLOCK, next_power_of_two
 
@@ -87,7 +88,24 @@ def _ranges(ops: MaskOperands, cfg: KernelConfig, block_q: int, block_k: int):
   )
 
 
-def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
+  """Row scales at the padded lengths: padding rows repeat the last row's
+  scale, so a tile's V scale stays one value (padded rows are zeros)."""
+  if scales is None:
+    return None
+  q_len_padded, kv_len_padded = cfg.padded_lengths
+
+  def pad(x, length):
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])), mode="edge")
+
+  return QuantScales(
+    q=pad(scales.q, q_len_padded),
+    k=pad(scales.k, kv_len_padded),
+    v=pad(scales.v, kv_len_padded),
+  )
+
+
+def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None):
   q_len_padded, kv_len_padded = cfg.padded_lengths
   head_dim_padded = padded_head_dim(cfg.head_dim, cfg.interpret)
   q_p = _pad_to(q, q_len_padded, head_dim_padded)
@@ -96,7 +114,9 @@ def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig):
   ops_p = _pad_operands(ops, cfg)
   ranges = _ranges(ops_p, cfg, cfg.block_q, cfg.block_k)
   key_ranges = None if ranges is None else ranges[0]
-  out_p, lse = flash_forward(q_p, k_p, v_p, ops_p, key_ranges, cfg)
+  out_p, lse = flash_forward(
+    q_p, k_p, v_p, ops_p, key_ranges, cfg, _pad_scales(scales, cfg)
+  )
   out = out_p[:, : cfg.q_len, :, : cfg.head_dim]
   return out, (q_p, k_p, v_p, ops_p, out_p, lse)
 
@@ -108,11 +128,37 @@ def flash_attention(q, k, v, ops: MaskOperands, cfg: KernelConfig):
   return _forward(q, k, v, ops, cfg)[0]
 
 
-def flash_attention_with_lse(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+def flash_attention_with_lse(
+  q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None
+):
   """Forward only; also returns the log-sum-exp [B, H, T] (no gradient;
   +inf for a row no key attends, as FlashAttention)."""
-  out, residuals = _forward(q, k, v, ops, cfg)
+  out, residuals = _forward(q, k, v, ops, cfg, scales)
   return out, residuals[-1][:, :, : cfg.q_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def quantized_flash_attention(q, k, v, ops, scales, cfg: KernelConfig):
+  """The forward of a policy with operands below 16 bits (FP8, FP4, INT8;
+  `scales` from `quantization.prepare`). It has no kernel backward yet."""
+  return _forward(q, k, v, ops, cfg, scales)[0]
+
+
+def _quantized_fwd(q, k, v, ops, scales, cfg):
+  return quantized_flash_attention(q, k, v, ops, scales, cfg), None
+
+
+def _quantized_bwd(cfg, residuals, d_out):
+  raise ValueError(
+    f"The kernel's backward below 16 bits is not built yet (precision "
+    f"{cfg.policy.name!r} has {cfg.policy.matmul_operands} matmul "
+    "operands; FlashAttention-3's FP8 kernel is forward-only too). For "
+    "gradients use implementation='reference', whose autodiff passes "
+    "cotangents straight through the roundings."
+  )
+
+
+quantized_flash_attention.defvjp(_quantized_fwd, _quantized_bwd)
 
 
 def _flash_fwd(q, k, v, ops, cfg: KernelConfig):

@@ -16,7 +16,18 @@ from jax.experimental import pallas as pl
 from stableattn.masking import MaskOperands, MaskSpec, tile_mask
 
 # Operand names in the order the kernels receive them.
-ORDER = ("ranges", "q_ids", "kv_ids", "kv_pos", "bias", "mask", "sink_rows")
+ORDER = (
+  "ranges",
+  "q_ids",
+  "kv_ids",
+  "kv_pos",
+  "bias",
+  "mask",
+  "sink_rows",
+  "q_scale",
+  "k_scale",
+  "v_scale",
+)
 
 
 def _select(per_item: bool, index):
@@ -34,11 +45,15 @@ def operand_specs(
   q_len_padded: int,
   kv_len_padded: int,
   with_sink: bool,
+  scales=None,
+  group: int = 1,
 ):
   """(names, arrays, BlockSpecs) of the feature operands of one kernel.
 
   `ranges` is the kernel's block-range array from `masking.block_ranges`
-  (or None when no block can be skipped by structure); `ops` are padded.
+  (or None when no block can be skipped by structure); `ops` are padded,
+  and so are `scales` (`quantization.QuantScales` or None); `group` is
+  the number of query heads per key/value head.
   """
   arrays = {}
   if ranges is not None:
@@ -53,9 +68,27 @@ def operand_specs(
     arrays["mask"] = ops.mask
   if with_sink and spec.sink:
     arrays["sink_rows"] = ops.sink
+  if scales is not None:
+    arrays["q_scale"], arrays["k_scale"] = scales.q, scales.k
+    arrays["v_scale"] = scales.v
   names = tuple(n for n in ORDER if n in arrays)
 
+  def scale_spec(name):
+    query_side = name == "q_scale"
+    owned = query_side == query_major
+
+    def head(h):
+      return h if query_side else h // group
+
+    if owned:
+      block = block_q if query_side else block_k
+      return pl.BlockSpec((None, None, block), lambda o, b, h: (b, head(h), o))
+    whole = q_len_padded if query_side else kv_len_padded
+    return pl.BlockSpec((None, None, whole), lambda o, b, h: (b, head(h), 0))
+
   def block_spec(name, x):
+    if name.endswith("_scale"):
+      return scale_spec(name)
     per_example = x.shape[0] > 1
     if name == "ranges":
       return pl.BlockSpec(
@@ -131,6 +164,16 @@ class TileReader:
       kv_pos=read("kv_pos"),
       dense=read("mask"),
     )
+
+  def scales(self, q_start, k_start, block_q, block_k):
+    """(q, k, v) row scales of the tile, or None without quantization."""
+    if "q_scale" not in self.refs:
+      return None
+    q_rows, k_cols = pl.ds(q_start, block_q), pl.ds(k_start, block_k)
+    q_ref, k_ref, v_ref = (self.refs[f"{n}_scale"] for n in "qkv")
+    if self.query_major:
+      return q_ref[...], k_ref[k_cols], v_ref[k_cols]
+    return q_ref[q_rows], k_ref[...], v_ref[...]
 
   def bias(self, q_start, k_start, block_q, block_k):
     if "bias" not in self.refs:

@@ -27,9 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from stableattn.block_math import (
-  NN_DIMS,
   block_scores,
   no_key_safe,
+  probs_times_values,
   row_sum,
   stats_exp,
   tie_safe_max,
@@ -124,9 +124,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
 
   q_start = pl.program_id(0) * block_q
   q_BqxD = q_ref[...]
+  forward_order = cfg.policy.key_order == "forward"
 
-  def body(k_index, carry):
+  first, end = tiles.block_range(kv_len_padded // block_k)
+
+  def body(step, carry):
     acc_BqxD, m_Bq, l_Bq = carry
+    # Key blocks in order, or last to first (policy option key_order).
+    k_index = step if forward_order else first + end - 1 - step
     k_start = pl.multiple_of(k_index * block_k, block_k)
     k_BkxD = k_ref[pl.ds(k_start, block_k), :]
     v_BkxD = v_ref[pl.ds(k_start, block_k), :]
@@ -138,6 +143,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       kv_len=cfg.kv_len,
       kv_len_padded=cfg.kv_len_padded,
     )
+    scales = tiles.scales(q_start, k_start, block_q, block_k)
+    v_scale = None if scales is None else scales[2]
     s_BqxBk, _ = block_scores(
       q_BqxD,
       k_BkxD,
@@ -145,6 +152,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       spec=cfg.mask,
       mask=mask,
       bias=tiles.bias(q_start, k_start, block_q, block_k),
+      scales=None if scales is None else scales[:2],
     )
     m_block_Bq = tie_safe_max(
       s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.tie_beta
@@ -156,7 +164,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     if cfg.scheme == "fa2":
       p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar)
       l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
-      pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, ar)
+      pv_BqxD = probs_times_values(p_BqxBk, v_BkxD, ar, v_scale)
       acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
     else:
       # Probabilities against the block's own max (Dao et al. 2022, Alg. 1
@@ -168,7 +176,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar)
       old_sum_Bq = stats(alpha_Bq * l_Bq)
       l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
-      pv_BqxD = _probs_times_values(p_BqxBk, v_BkxD, ar)
+      pv_BqxD = probs_times_values(p_BqxBk, v_BkxD, ar, v_scale)
       l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
       old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
       new_weight_Bq = accum(stats(beta_Bq / l_safe_Bq))
@@ -178,7 +186,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       )
     return acc_BqxD, m_new_Bq, l_new_Bq
 
-  first, end = tiles.block_range(kv_len_padded // block_k)
   carrier = ar.carrier
   if "sink_rows" in tiles.refs:
     # The sink is a key with logit `sink` and value 0: it starts the
@@ -203,13 +210,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   lse_ref[...] = ar.stored(lse_Bq, "softmax_stats")
 
 
-def _probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic):
-  """P V with P rounded to `probs` first; result in `out_accum`."""
-  pv_BqxD = ar.dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS)
-  return ar.round(pv_BqxD, "out_accum")
-
-
-def flash_forward(q, k, v, ops: MaskOperands, ranges, cfg: KernelConfig):
+def flash_forward(
+  q, k, v, ops: MaskOperands, ranges, cfg: KernelConfig, scales=None
+):
   """Runs the forward kernel on padded inputs.
 
   Args:
@@ -219,6 +222,8 @@ def flash_forward(q, k, v, ops: MaskOperands, ranges, cfg: KernelConfig):
       rows [heads, q_len_padded]).
     ranges: key-block ranges [B|1, n_q_blocks, 2], or None.
     cfg: static configuration; lengths padded to multiples of the tiles.
+    scales: padded row scales (`quantization.QuantScales`) of a policy
+      with operands below 16 bits, or None.
 
   Returns:
     (out [batch, q_len_padded, heads, head_dim_padded] in `output`,
@@ -249,6 +254,8 @@ def flash_forward(q, k, v, ops: MaskOperands, ranges, cfg: KernelConfig):
     q_len_padded=q_len_padded,
     kv_len_padded=kv_len_padded,
     with_sink=True,
+    scales=scales,
+    group=group,
   )
   lse_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, b, h: (b, h, i))
   out_shape = (

@@ -19,7 +19,14 @@ _FORMATS = {
   "fp32": jnp.float32,
   "fp16": jnp.float16,
   "bf16": jnp.bfloat16,
+  # Below 16 bits (see `LOW_FORMATS` in rounding.py for their ranges).
+  "fp8_e4m3": jnp.float8_e4m3fn,
+  "fp8_e5m2": jnp.float8_e5m2,
+  "fp4_e2m1": jnp.float4_e2m1fn,
+  "int8": jnp.int8,
 }
+# The formats every stage can take and each has presets (and a study axis).
+WIDE_FORMATS = ("fp64", "fp32", "fp16", "bf16")
 _ALIASES = {
   "float64": "fp64",
   "f64": "fp64",
@@ -31,9 +38,29 @@ _ALIASES = {
   "f16": "fp16",
   "half": "fp16",
   "bfloat16": "bf16",
+  "e4m3": "fp8_e4m3",
+  "fp8": "fp8_e4m3",
+  "float8_e4m3fn": "fp8_e4m3",
+  "e5m2": "fp8_e5m2",
+  "float8_e5m2": "fp8_e5m2",
+  "e2m1": "fp4_e2m1",
+  "fp4": "fp4_e2m1",
+  "float4_e2m1fn": "fp4_e2m1",
 }
-# Mantissa bits (explicit fraction bits) of each format, for reports.
-MANTISSA_BITS = {"fp64": 52, "fp32": 23, "fp16": 10, "bf16": 7}
+# Mantissa bits (explicit fraction bits) of each format, for reports; int8
+# has 7 magnitude bits.
+MANTISSA_BITS = {
+  "fp64": 52,
+  "fp32": 23,
+  "fp16": 10,
+  "bf16": 7,
+  "fp8_e4m3": 3,
+  "fp8_e5m2": 2,
+  "fp4_e2m1": 1,
+  "int8": 7,
+}
+# Where int8 is allowed: an integer format holds quantized matmul operands.
+INT8_STAGES = ("matmul_operands",)
 
 STAGES = (
   "inputs",
@@ -97,7 +124,10 @@ def to_dtype(name: str) -> np.dtype:
 class Precision:
   """Number format of every rounding stage of attention.
 
-  Each field holds a format name: 'fp64', 'fp32', 'fp16' or 'bf16'. See
+  Each field holds a format name: 'fp64', 'fp32', 'fp16', 'bf16', or below
+  16 bits 'fp8_e4m3' (e4m3fn: no infinity, casts saturate at +-448),
+  'fp8_e5m2', 'fp4_e2m1' (saturates at +-6) and 'int8' (matmul operands
+  only). See
   `STAGE_DESCRIPTIONS` for what each stage rounds. `name` is a label for
   reports; it is the preset name, or the preset name plus the changes made
   with `with_stage`.
@@ -114,10 +144,23 @@ class Precision:
   delta: str
   grad_accum: str
   name: str = "custom"
+  # How operands below 16 bits are scaled before their cast (see
+  # `QUANT_OPTIONS`); none of these change a policy of 16 bits or more.
+  scaling: str = "none"
+  p_scale: float = 1.0
+  hadamard: bool = False
+  key_order: str = "forward"
 
   def __post_init__(self):
     for stage in STAGES:
       object.__setattr__(self, stage, format_name(getattr(self, stage)))
+      if getattr(self, stage) == "int8" and stage not in INT8_STAGES:
+        raise ValueError(
+          f"int8 can only be the format of {list(INT8_STAGES)} (quantized "
+          f"operands of a matmul, with scaling), not of {stage!r}; use "
+          "fp8_e4m3, fp8_e5m2 or fp4_e2m1 below 16 bits there."
+        )
+    check_quant_options(self)
 
   @classmethod
   def from_name(cls, name: str | Precision) -> Precision:
@@ -144,18 +187,46 @@ class Precision:
         f"{preset_names()}, optionally followed by '+stage=format' changes "
         "(e.g. 'bf16-fa2+out_accum=bf16')."
       )
-    stages = {}
+    stages, options = {}, {}
     for change in changes:
       stage, sep, fmt = change.partition("=")
       if not sep:
         raise ValueError(
           f"Bad stage change {change!r} in precision {name!r}: write "
-          "'stage=format', e.g. 'bf16-fa2+out_accum=bf16'."
+          "'stage=format', e.g. 'bf16-fa2+out_accum=bf16', or "
+          "'option=value', e.g. 'fp8-fa3+hadamard=off'."
         )
-      stages[stage.strip()] = fmt.strip()
-    if not stages:
-      return _PRESETS[preset]
-    return _PRESETS[preset].with_stage(**stages)
+      stage, fmt = stage.strip(), fmt.strip()
+      if stage in QUANT_OPTIONS or stage == "block_quant":
+        options[stage] = _parse_option(stage, fmt, name)
+      else:
+        stages[stage] = fmt
+    policy = _PRESETS[preset]
+    if stages:
+      policy = policy.with_stage(**stages)
+    if options:
+      policy = policy.with_options(**options)
+    return policy
+
+  def with_options(self, **options) -> Precision:
+    """A copy with quantization options changed (see `QUANT_OPTIONS`);
+    `block_quant=False` is `scaling="tensor"` (FlashAttention-3's
+    ablation)."""
+    if "block_quant" in options:
+      options["scaling"] = "block" if options.pop("block_quant") else "tensor"
+    unknown = sorted(set(options) - set(QUANT_OPTIONS))
+    if unknown:
+      raise ValueError(
+        f"Unknown precision option(s) {unknown}; valid: "
+        f"{list(QUANT_OPTIONS) + ['block_quant']}."
+      )
+    changed = [
+      f"{k}={_option_text(v)}"
+      for k, v in options.items()
+      if getattr(self, k) != v
+    ]
+    label = self.name + "".join(f"+{c}" for c in changed)
+    return dataclasses.replace(self, name=label, **options)
 
   def with_stage(self, **stages: DtypeLike) -> Precision:
     """A copy with the given stages set to other formats.
@@ -192,9 +263,104 @@ class Precision:
   def uses_fp64(self) -> bool:
     return "fp64" in self.stages().values()
 
+  @property
+  def quantizes(self) -> bool:
+    """Whether matmul operands are below 16 bits (scaling applies)."""
+    return self.matmul_operands not in WIDE_FORMATS
+
+  def options(self) -> dict:
+    return {k: getattr(self, k) for k in QUANT_OPTIONS}
+
   def __str__(self) -> str:
     body = " ".join(f"{k}={v}" for k, v in self.stages().items())
+    if self.quantizes or self.options() != _DEFAULT_OPTIONS:
+      body += " " + " ".join(
+        f"{k}={_option_text(v)}" for k, v in self.options().items()
+      )
     return f"{self.name} [{body}]"
+
+
+# Quantization options of a policy with operands below 16 bits:
+QUANT_OPTIONS = {
+  # "none": operands are rounded as they are (values beyond the format
+  # saturate); "tensor": one scale per array (Q, K, V), amax / max finite;
+  # "block": one scale per kernel tile of block_q query or block_k key rows
+  # of one (batch, head). Scales are applied before the cast and removed
+  # after the matmul, in FP32 (FlashAttention-3's descaling).
+  "scaling": ("none", "tensor", "block"),
+  # P is multiplied by this before its cast to `probs` and divided out of
+  # P V after it (e.g. 448 or 256 for e4m3, whose subnormals end at 2^-9).
+  "p_scale": "a number > 0",
+  # Q and K rotated by one random orthogonal matrix (random signs times a
+  # normalized Hadamard matrix) along the head dimension before scaling:
+  # QK^T is unchanged in exact arithmetic, outliers are spread out
+  # (FlashAttention-3's incoherent processing; head dim a power of two).
+  "hadamard": (False, True),
+  # Order in which the forward kernel visits key blocks.
+  "key_order": ("forward", "reversed"),
+}
+_DEFAULT_OPTIONS = {
+  "scaling": "none",
+  "p_scale": 1.0,
+  "hadamard": False,
+  "key_order": "forward",
+}
+
+
+def _option_text(value) -> str:
+  if isinstance(value, bool):
+    return "on" if value else "off"
+  return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _parse_option(option: str, text: str, name: str):
+  """An option's value from its text in a policy name."""
+  if option in ("hadamard", "block_quant"):
+    if text in ("on", "true", "1"):
+      return True
+    if text in ("off", "false", "0"):
+      return False
+    raise ValueError(
+      f"Bad value {text!r} for {option} in precision {name!r}; valid: on, off."
+    )
+  if option == "p_scale":
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError(
+        f"Bad value {text!r} for p_scale in precision {name!r}; give a "
+        "number > 0, e.g. 448."
+      ) from None
+  return text
+
+
+def check_quant_options(policy: Precision) -> None:
+  """Raises ValueError for options that are unknown or meaningless."""
+  for option in ("scaling", "key_order"):
+    valid = QUANT_OPTIONS[option]
+    if getattr(policy, option) not in valid:
+      raise ValueError(
+        f"Unknown {option} {getattr(policy, option)!r}; valid: {list(valid)}."
+      )
+  if not isinstance(policy.hadamard, bool):
+    raise ValueError(
+      f"hadamard must be True or False, got {policy.hadamard!r}."
+    )
+  p_scale = policy.p_scale
+  if (
+    isinstance(p_scale, bool)
+    or not isinstance(p_scale, (int, float))
+    or not np.isfinite(p_scale)
+    or p_scale <= 0
+  ):
+    raise ValueError(f"p_scale must be a finite number > 0, got {p_scale!r}.")
+  object.__setattr__(policy, "p_scale", float(p_scale))
+  if policy.scaling != "none" and policy.matmul_operands in WIDE_FORMATS:
+    raise ValueError(
+      f"scaling={policy.scaling!r} needs matmul operands below 16 bits "
+      f"(fp8_e4m3, fp8_e5m2, fp4_e2m1, int8); this policy's are "
+      f"{policy.matmul_operands}."
+    )
 
 
 def _uniform(fmt: str, name: str, **overrides: str) -> Precision:
@@ -232,6 +398,36 @@ def _build_presets() -> dict[str, Precision]:
       delta="fp32",
       grad_accum="fp32",
     )
+  # FlashAttention-3, Table 3 (FP8 e4m3): the baseline scales each of Q, K,
+  # V once per tensor, accumulates matmuls in FP32 and keeps the softmax
+  # intermediates in FP16; FlashAttention-3 scales per tile ("block
+  # quantization") and rotates Q and K ("incoherent processing"), with
+  # FP32 statistics. Ablations: "+block_quant=off", "+hadamard=off".
+  fp8 = dict(
+    inputs="fp16",
+    matmul_operands="fp8_e4m3",
+    matmul_accum="fp32",
+    probs="fp8_e4m3",
+    out_accum="fp32",
+    output="fp16",
+    delta="fp32",
+    grad_accum="fp32",
+  )
+  presets["fp8-baseline"] = Precision(
+    name="fp8-baseline",
+    scores="fp16",
+    softmax_stats="fp16",
+    scaling="tensor",
+    **fp8,
+  )
+  presets["fp8-fa3"] = Precision(
+    name="fp8-fa3",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="block",
+    hadamard=True,
+    **fp8,
+  )
   return presets
 
 
@@ -249,6 +445,11 @@ def natural_policy(fmt: str, kernel: str) -> str:
   framework attention stores S and P in the format ("<fmt>-framework").
   """
   fmt = format_name(fmt)
+  if fmt not in WIDE_FORMATS:
+    raise ValueError(
+      f"No natural policy at {fmt}: below 16 bits a kernel is a set of "
+      "choices (scaling, rotation), named by presets such as fp8-fa3."
+    )
   if kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}.")
   if fmt in ("fp32", "fp64"):

@@ -18,6 +18,7 @@ from jax import lax
 from stableattn.block_math import no_key_safe, tie_safe_max
 from stableattn.masking import MaskOperands, MaskSpec, allowed_pairs, scores
 from stableattn.precision import Precision
+from stableattn.quantization import QuantScales
 from stableattn.rounding import PolicyArithmetic
 
 
@@ -37,11 +38,15 @@ def reference_attention(
   policy: Precision,
   spec: MaskSpec,
   tie_beta: float | None = None,
+  scales: QuantScales | None = None,
 ):
   """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`.
 
   Each operation's result is rounded to its stage (see `rounding.py`).
-  `tie_beta` applies Qiu & Yao's safe softmax to each whole row.
+  `tie_beta` applies Qiu & Yao's safe softmax to each whole row. `scales`
+  (operands below 16 bits, `quantization.py`) scale Q, K and V as in the
+  kernel; with one scale per key block of V, the Baseline, which has no
+  blocks, multiplies V's scales back (in FP32) before its one P V matmul.
   """
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -52,7 +57,19 @@ def reference_attention(
     return ar.round(x, "softmax_stats")
 
   q_BxTxKxGxD = q.reshape(batch, q_len, kv_heads, group, head_dim)
-  s, _ = scores(ar.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k), spec, ar)
+  if scales is None:
+    product = ar.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k)
+  else:
+    q_scale = scales.q.reshape(batch, kv_heads, group, q_len)
+    k_scale = scales.k[:, :, None, None, :]  # [B, Hkv, 1, 1, S]
+    q_rows = q_scale.transpose(0, 3, 1, 2)[..., None]  # [B, T, Hkv, G, 1]
+    k_rows = scales.k.transpose(0, 2, 1)[..., None]  # [B, S, Hkv, 1]
+    product = ar.einsum(
+      "btkgd,bskd->bkgts",
+      q_BxTxKxGxD * (1.0 / q_rows),
+      k * (1.0 / k_rows),
+    ) * (q_scale[..., None] * k_scale)
+  s, _ = scores(product, spec, ar)
   s = stats(s)
   if ops.bias is not None:
     s = stats(s + ar.round(_grouped(ops.bias, kv_heads), "scores"))
@@ -71,11 +88,39 @@ def reference_attention(
     l_sum = stats(l_sum + stats(jnp.exp(stats(sink[..., None] - m))))
   # A row no key attends has l = 0 and p = 0: its output is 0.
   l_safe = jnp.where(l_sum == 0, jnp.ones_like(l_sum), l_sum)
-  p = ar.round(stats(p * stats(1.0 / l_safe)), "probs")
-
-  o = ar.einsum("bkgts,bskd->btkgd", p, v)
+  if scales is None and policy.p_scale == 1.0:
+    p = ar.round(stats(p * stats(1.0 / l_safe)), "probs")
+    o = ar.einsum("bkgts,bskd->btkgd", p, v)
+  else:
+    o = _scaled_pv(stats(p * stats(1.0 / l_safe)), v, ar, scales)
   o = ar.stored(ar.round(o, "out_accum"), "output")
   return o.reshape(batch, q_len, heads, head_dim)
+
+
+def _scaled_pv(p, v, ar: PolicyArithmetic, scales):
+  """P V with P as round(P * p_scale) and V as round(V * (1 / s_v)), then
+  times s_v * (1 / p_scale); per-block V scales are multiplied back before
+  the matmul."""
+  dtype = p.dtype
+  p_scale = ar.policy.p_scale
+  p_hat = ar.round(p * jnp.asarray(p_scale, dtype), "probs")
+  if scales is None:
+    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v)
+    return o * jnp.asarray(1.0 / p_scale, dtype)
+  v_rows = scales.v.transpose(0, 2, 1)[..., None]  # [B, S, Hkv, 1]
+  if ar.policy.scaling != "block":
+    # One scale for all of V: it factors out of the sum over keys.
+    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v * (1.0 / v_rows))
+    return o * (scales.v[0, 0, 0] * jnp.asarray(1.0 / p_scale, dtype))
+  v_dequantized = ar.round(v * (1.0 / v_rows), "matmul_operands") * v_rows
+  o = jnp.einsum(
+    "bkgts,bskd->btkgd",
+    ar.round(p_hat, "matmul_operands"),
+    v_dequantized,
+    precision=lax.Precision.HIGHEST,
+    preferred_element_type=ar.carrier,
+  )
+  return ar.round(o, "matmul_accum") * jnp.asarray(1.0 / p_scale, dtype)
 
 
 def xla_attention(q, k, v, ops: MaskOperands, *, policy: Precision, spec):

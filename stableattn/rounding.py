@@ -54,6 +54,65 @@ FORMAT_BITS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class LowFormat:
+  """A format below 16 bits, by its numbers (OCP FP8 and MX specs).
+
+  Rounding: to nearest, ties to even, with `mantissa_bits` fraction bits
+  above `min_normal` and a fixed `spacing` below it (subnormals; integers
+  for int8); beyond `max_finite` a saturating format clamps to it, the
+  others overflow to infinity.
+  """
+
+  mantissa_bits: int
+  min_normal: float
+  spacing: float
+  max_finite: float
+  saturates: bool
+
+
+LOW_FORMATS = {
+  # e4m3fn as kernels use it: no infinity; our casts saturate at +-448
+  # (as FlashAttention-3's and Transformer Engine's do).
+  "fp8_e4m3": LowFormat(3, 2.0**-6, 2.0**-9, 448.0, True),
+  "fp8_e5m2": LowFormat(2, 2.0**-14, 2.0**-16, 57344.0, False),
+  # e2m1 (MX / NVFP4 elements): values 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+  "fp4_e2m1": LowFormat(1, 1.0, 0.5, 6.0, True),
+  # Symmetric-range integers as quantized operands: round to nearest
+  # even integer, saturate at +-127.
+  "int8": LowFormat(23, float("inf"), 1.0, 127.0, True),
+}
+
+
+def _round_low(x, fmt: str):
+  """x rounded to a format below 16 bits, held in x's dtype."""
+  f = LOW_FORMATS[fmt]
+  dtype = x.dtype
+  normal = lax.reduce_precision(
+    x,
+    exponent_bits=jnp.finfo(dtype).nexp,
+    mantissa_bits=f.mantissa_bits,
+  )
+  spacing = jnp.asarray(f.spacing, dtype)
+  fixed = lax.round(x / spacing, lax.RoundingMethod.TO_NEAREST_EVEN) * spacing
+  rounded = jnp.where(jnp.abs(x) < f.min_normal, fixed, normal)
+  limit = jnp.asarray(f.max_finite, dtype)
+  beyond = jnp.abs(rounded) > limit
+  if f.saturates:
+    return jnp.where(beyond, jnp.sign(x) * limit, rounded)
+  return jnp.where(beyond, jnp.sign(x) * jnp.inf, rounded)
+
+
+def saturated_count(x, fmt: str) -> int:
+  """How many finite values of x lie beyond a saturating format's range
+  (each would be clamped to +-max by a cast)."""
+  f = LOW_FORMATS.get(format_name(fmt))
+  if f is None or not f.saturates:
+    return 0
+  x = np.asarray(x, np.float64)
+  return int(np.sum(np.isfinite(x) & (np.abs(x) > f.max_finite)))
+
+
 def carrier_dtype(policy: Precision) -> np.dtype:
   """The format every value of `policy` is held and computed in."""
   return jnp.dtype(jnp.float64 if policy.uses_fp64 else jnp.float32)
@@ -64,6 +123,8 @@ def _format_of(dtype) -> str:
 
 
 def _needs_rounding(value_fmt: str, fmt: str) -> bool:
+  if fmt in LOW_FORMATS:
+    return value_fmt != fmt
   e_value, m_value = FORMAT_BITS[value_fmt]
   e_fmt, m_fmt = FORMAT_BITS[fmt]
   return e_fmt < e_value or m_fmt < m_value
@@ -93,6 +154,8 @@ def _round_subnormals_too(x, fmt: str):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _round_in_xla(x, fmt: str):
+  if fmt in LOW_FORMATS:
+    return _round_low(x, fmt)
   return _round_subnormals_too(x, fmt)
 
 
@@ -100,7 +163,11 @@ def _round_in_xla(x, fmt: str):
 def _round_in_xla_jvp(fmt, primals, tangents):
   # Autodiff rounds a cotangent where the forward rounded its value (the
   # transpose of a cast); reduce_precision is linear, so it transposes.
+  # Below 16 bits a cotangent passes straight through (quantization-aware
+  # training's estimator): unscaled, it would mostly round to zero.
   (x,), (t,) = primals, tangents
+  if fmt in LOW_FORMATS:
+    return _round_in_xla(x, fmt), t
   exponent_bits, mantissa_bits = FORMAT_BITS[fmt]
   return _round_in_xla(x, fmt), lax.reduce_precision(
     t, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits
@@ -121,6 +188,15 @@ def round_to(x, fmt: str, *, casts_round: bool = False):
     x = x.astype(jnp.float32)
   if not _needs_rounding(_format_of(x.dtype), fmt):
     return x
+  if casts_round and fmt in LOW_FORMATS:
+    # Clamp first: the hardware's saturating conversion (an e4m3fn cast
+    # of a value beyond 448 would give NaN); int8 rounds, then converts.
+    f = LOW_FORMATS[fmt]
+    limit = f.max_finite if f.saturates else float("inf")
+    x = jnp.clip(x, -limit, limit)
+    if fmt == "int8":
+      x = lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
+    return x.astype(to_dtype(fmt)).astype(x.dtype)
   if casts_round:
     return x.astype(to_dtype(fmt)).astype(x.dtype)
   return _round_in_xla(x, fmt)
@@ -184,13 +260,21 @@ class PolicyArithmetic:
   def _matmul_precision(self):
     # FP32 operands at HIGHEST: the GPU lowering would otherwise use TF32.
     wide = self.policy.dtype("matmul_operands").itemsize >= 4
-    return lax.Precision.HIGHEST if wide else lax.Precision.DEFAULT
+    low = self.policy.matmul_operands in LOW_FORMATS  # held in the carrier
+    return lax.Precision.HIGHEST if wide or low else lax.Precision.DEFAULT
+
+  def _operand(self, x):
+    if self.policy.matmul_operands in LOW_FORMATS:
+      # FP8/FP4/INT8 values are exact in the carrier, whose dot every
+      # backend has (the sum is FP32 either way).
+      return self.round(x, "matmul_operands")
+    return self.stored(x, "matmul_operands")
 
   def dot(self, a, b, dims):
     """A block matmul: operands in `matmul_operands`; the sum rounded once."""
     out = lax.dot_general(
-      self.stored(a, "matmul_operands"),
-      self.stored(b, "matmul_operands"),
+      self._operand(a),
+      self._operand(b),
       dims,
       precision=self._matmul_precision,
       preferred_element_type=self.carrier,
@@ -201,8 +285,8 @@ class PolicyArithmetic:
     """`dot` for an einsum spec (the reference implementation's matmuls)."""
     out = jnp.einsum(
       spec,
-      self.stored(a, "matmul_operands"),
-      self.stored(b, "matmul_operands"),
+      self._operand(a),
+      self._operand(b),
       precision=self._matmul_precision,
       preferred_element_type=self.carrier,
     )

@@ -24,19 +24,44 @@ FORMATS = {
   "fp16": np.float16,
   "fp32": np.float32,
   "fp64": np.float64,
+  "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+  "fp8_e5m2": ml_dtypes.float8_e5m2,
+  "fp4_e2m1": ml_dtypes.float4_e2m1fn,
+  "int8": "int8",
 }
+# Formats whose casts saturate (documented): the largest finite value.
+SATURATING = {"fp8_e4m3": 448.0, "fp4_e2m1": 6.0, "int8": 127.0}
+LARGEST = {**SATURATING, "fp8_e5m2": 57344.0}
+
+
+def cast(x, fmt_name):
+  """x rounded to a format (a NumPy/ml_dtypes cast; saturating formats
+  clip first, int8 rounds half to even), back in x's dtype."""
+  x = np.asarray(x)
+  if fmt_name in SATURATING:
+    x = np.clip(x, -SATURATING[fmt_name], SATURATING[fmt_name])
+  if fmt_name == "int8":
+    return np.round(x).astype(x.dtype)
+  with np.errstate(over="ignore"):
+    return x.astype(FORMATS[fmt_name]).astype(x.dtype)
 
 
 class Emulator:
-  def __init__(self, stages: dict[str, str]):
+  def __init__(self, stages: dict[str, str], options: dict | None = None):
     self.stages = dict(stages)
+    self.options = dict(
+      scaling="none", p_scale=1.0, hadamard=False, key_order="forward"
+    )
+    self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32
+
+  @property
+  def quantizes(self):
+    return self.stages["matmul_operands"] in LARGEST
 
   def r(self, x, stage):
     """x rounded to `stage`, held in the carrier."""
-    fmt = FORMATS[self.stages[stage]]
-    with np.errstate(over="ignore"):
-      return np.asarray(x, self.carrier).astype(fmt).astype(self.carrier)
+    return cast(np.asarray(x, self.carrier), self.stages[stage])
 
   def dot(self, a, b):
     a = self.r(a, "matmul_operands").astype(np.float64)
@@ -57,10 +82,20 @@ class Emulator:
     wide = np.log(np.asarray(x, np.float64))
     return self.r(wide.astype(self.carrier), "softmax_stats")
 
-  def scores(self, q, k, f, mask, bias=None):
-    """(S, tanh of the softcap or None) of one tile; -inf where masked."""
+  def scores(self, q, k, f, mask, bias=None, scales=None):
+    """(S, tanh of the softcap or None) of one tile; -inf where masked.
+    `scales`: (q row scales, k row scales): Q/s_q and K/s_k enter the
+    matmul, whose product is multiplied by s_q s_k."""
     c = self.carrier
-    x = self.dot(q, k.T)
+    if scales is None:
+      x = self.dot(q, k.T)
+    else:
+      sq, sk = (np.asarray(v, c) for v in scales)
+      x = self.dot(
+        (q * (c(1) / sq)[:, None]).astype(c),
+        (k * (c(1) / sk)[:, None]).T.astype(c),
+      )
+      x = (x * (sq[:, None] * sk[None, :]).astype(c)).astype(c)
     tanh = None
     if f.softcap is None:
       s = self.r(x * c(f.scale), "scores")
@@ -162,13 +197,100 @@ def _heads(q, k):
   return [(h, h // (heads // kv_heads)) for h in range(heads)]
 
 
+def hadamard_rotation(d):
+  """diag(signs) H / sqrt(d) as documented: Sylvester's H, random signs
+  from NumPy's default_rng(0).choice([-1, 1], d)."""
+  h = np.ones((1, 1))
+  while h.shape[0] < d:
+    h = np.block([[h, h], [h, -h]])
+  signs = np.random.default_rng(0).choice([-1.0, 1.0], d)
+  return signs[:, None] * h, np.float32(d**-0.5)
+
+
+def row_scales(x, em, block):
+  """[B, heads, T] scales of x [B, T, heads, D]: amax / largest value of
+  the operand format per group (the whole array, or block rows of one
+  (batch, head)); 1 for an all-zero group or without scaling."""
+  batch, t, heads, _ = x.shape
+  scaling = em.options["scaling"]
+  if scaling == "none":
+    return np.ones((batch, heads, t), np.float32)
+  largest = np.float32(LARGEST[em.stages["matmul_operands"]])
+  mag = np.abs(x).astype(np.float32)
+
+  def scale(amax):
+    s = (np.float32(amax) * np.float32(1 / np.float64(largest))).astype(
+      np.float32
+    )
+    return np.where(s > 0, s, np.float32(1))
+
+  if scaling == "tensor":
+    return np.full((batch, heads, t), scale(mag.max()), np.float32)
+  out = np.zeros((batch, heads, t), np.float32)
+  for b in range(batch):
+    for h in range(heads):
+      for start in range(0, t, block):
+        out[b, h, start : start + block] = scale(
+          mag[b, start : start + block, h].max()
+        )
+  return out
+
+
+def quantize_inputs(em, q, k, v, block_q, block_k):
+  """Rotated q, k (if `hadamard`) and the row scales of q, k, v."""
+  if em.options["hadamard"]:
+    signed_h, norm = hadamard_rotation(q.shape[-1])
+    q, k = (
+      ((x.astype(np.float64) @ signed_h).astype(np.float32) * norm)
+      for x in (q, k)
+    )
+  return (
+    q,
+    k,
+    v,
+    (
+      row_scales(q, em, block_q),
+      row_scales(k, em, block_k),
+      row_scales(v, em, block_k),
+    ),
+  )
+
+
+def _pv(em, p, vb, sv):
+  """P V: round(P * p_scale) and round(V / s_v) (s_v one value per tile),
+  times s_v / p_scale; the plain product without scaling."""
+  c = em.carrier
+  p_scale = em.options["p_scale"]
+  if sv is None and p_scale == 1.0:
+    return em.dot(em.r(p, "probs"), vb)
+  p_hat = em.r((p * c(p_scale)).astype(c), "probs")
+  if sv is None:
+    return (em.dot(p_hat, vb) * c(1.0 / p_scale)).astype(c)
+  pv = em.dot(p_hat, (vb * (c(1) / sv)[:, None]).astype(c))
+  return (pv * (c(sv[0]) * c(1.0 / p_scale))).astype(c)
+
+
 def forward(
-  q, k, v, stages, *, block_q, block_k, scheme, causal, tie_beta=None, **kw
+  q,
+  k,
+  v,
+  stages,
+  *,
+  block_q,
+  block_k,
+  scheme,
+  causal,
+  tie_beta=None,
+  options=None,
+  **kw,
 ):
   """Flash forward (fa1 or fa2). Returns (out float64, lse float64 [B,H,T]);
-  `kw` are the features (`Features`)."""
-  em = Emulator(stages)
+  `options` are the policy's quantization options, `kw` the features."""
+  em = Emulator(stages, options)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
+  scales = None
+  if em.quantizes:
+    q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
   f = Features(d, causal, **kw)
@@ -183,6 +305,14 @@ def forward(
       allowed = f.allowed(b, h, t, s_len, tp, sp)
       bias = f.bias_of(b, h, tp, sp)
       sink = None if f.sink is None else f.sink[h]
+      head_scales = None
+      if scales is not None:
+        sq, sk, sv = scales
+        head_scales = (  # padding rows repeat the last row's scale
+          np.pad(sq[b, h], (0, tp - t), mode="edge"),
+          np.pad(sk[b, hk], (0, sp - s_len), mode="edge"),
+          np.pad(sv[b, hk], (0, sp - s_len), mode="edge"),
+        )
       for qs in range(0, tp, block_q):
         rows = slice(qs, qs + block_q)
         o, m, l_ = _forward_rows(
@@ -197,6 +327,9 @@ def forward(
           block_k,
           scheme,
           tie_beta,
+          None
+          if head_scales is None
+          else (head_scales[0][rows], head_scales[1], head_scales[2]),
         )
         out[b, rows, h] = o
         with np.errstate(divide="ignore"):
@@ -206,7 +339,7 @@ def forward(
 
 
 def _forward_rows(
-  em, qb, kh, vh, f, allowed, bias, sink, block_k, scheme, tie_beta
+  em, qb, kh, vh, f, allowed, bias, sink, block_k, scheme, tie_beta, scales
 ):
   bq, d = qb.shape
   sp = kh.shape[0]
@@ -220,13 +353,25 @@ def _forward_rows(
     l_ = np.ones((bq,), c)
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   oa = lambda x: em.r(x, "out_accum")  # noqa: E731
-  for ks in range(0, sp, block_k):
+  starts = list(range(0, sp, block_k))
+  if em.options["key_order"] == "reversed":
+    starts = starts[::-1]
+  for ks in starts:
     cols = slice(ks, ks + block_k)
     if not allowed[:, cols].any():
       continue  # an empty block changes nothing
     kb, vb = kh[cols], vh[cols]
+    tile_scales = sv = None
+    if scales is not None:
+      tile_scales = (scales[0], scales[1][cols])
+      sv = scales[2][cols]
     s, _ = em.scores(
-      qb, kb, f, allowed[:, cols], None if bias is None else bias[:, cols]
+      qb,
+      kb,
+      f,
+      allowed[:, cols],
+      None if bias is None else bias[:, cols],
+      tile_scales,
     )
     m_block = tie_safe_max(em, s, s.max(-1), tie_beta)
     m_new = np.maximum(m, m_block)
@@ -236,7 +381,7 @@ def _forward_rows(
     if scheme == "fa2":
       p = em.exp(st(s - m_use[:, None]))
       l_ = st(st(alpha * l_) + row_sum(p))
-      pv = oa(em.dot(em.r(p, "probs"), vb))
+      pv = oa(_pv(em, p, vb, sv))
       acc = oa(oa(oa(alpha)[:, None] * acc) + pv)
     else:
       m_ref = np.where(m_block == -np.inf, m_use, m_block)
@@ -244,7 +389,7 @@ def _forward_rows(
       beta = em.exp(st(m_ref - m_use))
       old_sum = st(alpha * l_)
       l_ = st(old_sum + st(beta * row_sum(p)))
-      pv = oa(em.dot(em.r(p, "probs"), vb))
+      pv = oa(_pv(em, p, vb, sv))
       l_safe = np.where(l_ == 0, c(1), l_)
       old_w = oa(st(old_sum / l_safe))
       new_w = oa(st(beta / l_safe))
@@ -256,10 +401,27 @@ def _forward_rows(
   return em.r(acc, "output"), m, l_
 
 
-def reference(q, k, v, stages, *, causal, tie_beta=None, **kw):
-  """Materialized baseline attention; `kw` are the features."""
-  em = Emulator(stages)
+def reference(
+  q,
+  k,
+  v,
+  stages,
+  *,
+  causal,
+  tie_beta=None,
+  options=None,
+  block_q=64,
+  block_k=64,
+  **kw,
+):
+  """Materialized baseline attention; `options` are the policy's
+  quantization options (block scaling groups block_q / block_k rows), `kw`
+  the features."""
+  em = Emulator(stages, options)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
+  scales = None
+  if em.quantizes:
+    q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
   f = Features(d, causal, **kw)
@@ -269,8 +431,16 @@ def reference(q, k, v, stages, *, causal, tie_beta=None, **kw):
   for b in range(batch):
     for h, hk in _heads(q, k):
       allowed = f.allowed(b, h, t, s_len, t, s_len)
+      head_scales = None
+      if scales is not None:
+        head_scales = (scales[0][b, h], scales[1][b, hk])
       s, _ = em.scores(
-        q[b, :, h], k[b, :, hk], f, allowed, f.bias_of(b, h, t, s_len)
+        q[b, :, h],
+        k[b, :, hk],
+        f,
+        allowed,
+        f.bias_of(b, h, t, s_len),
+        head_scales,
       )
       m = tie_safe_max(em, s, s.max(-1), tie_beta)
       if f.sink is not None:
@@ -282,10 +452,34 @@ def reference(q, k, v, stages, *, causal, tie_beta=None, **kw):
       if f.sink is not None:
         l_ = st(l_ + em.exp(st(sink - m)))
       l_ = np.where(l_ == 0, c(1), l_)
-      p = em.r(st(p * st(1.0 / l_)), "probs")
-      o = em.r(em.r(em.dot(p, v[b, :, hk]), "out_accum"), "output")
-      out[b, :, h] = o
+      p = st(p * st(1.0 / l_))
+      sv = None if scales is None else scales[2][b, hk]
+      o = _reference_pv(em, p, v[b, :, hk], sv)
+      out[b, :, h] = em.r(em.r(o, "out_accum"), "output")
   return out
+
+
+def _reference_pv(em, p, v, sv):
+  """The Baseline's P V: one scale of V factors out of the sum over keys;
+  per-block scales are multiplied back into V before the matmul."""
+  c = em.carrier
+  p_scale = em.options["p_scale"]
+  if sv is None and p_scale == 1.0:
+    return em.dot(em.r(p, "probs"), v)
+  p_hat = em.r((p * c(p_scale)).astype(c), "probs")
+  if sv is None:
+    return (em.dot(p_hat, v) * c(1.0 / p_scale)).astype(c)
+  if em.options["scaling"] != "block":
+    pv = em.dot(p_hat, (v * (c(1) / sv)[:, None]).astype(c))
+    return (pv * (c(sv[0]) * c(1.0 / p_scale))).astype(c)
+  v_dq = (
+    em.r((v * (c(1) / sv)[:, None]).astype(c), "matmul_operands") * sv[:, None]
+  )
+  wide = em.r(p_hat, "matmul_operands").astype(np.float64) @ v_dq.astype(
+    c
+  ).astype(np.float64)
+  pv = em.r(wide.astype(c), "matmul_accum")
+  return (pv * c(1.0 / p_scale)).astype(c)
 
 
 def _probs_and_ds(em, x, f, qs, ks, block_q, block_k):

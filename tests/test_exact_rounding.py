@@ -18,7 +18,10 @@ from helpers import random_qkv
 import stableattn as sa
 from stableattn.rounding import round_to
 
-PRESETS = sa.preset_names()
+# Policies of 16 bits or more; FP8/FP4/INT8 policies have their own tests.
+PRESETS = [
+  p for p in sa.preset_names() if not sa.Precision.from_name(p).quantizes
+]
 HALF_OUTPUT = [p for p in PRESETS if not p.startswith("fp32") and p != "fp64"]
 # (q_len, kv_len, heads, kv_heads, head_dim, block_q, block_k, causal):
 # ragged last blocks both ways, GQA, cross attention, causal.
@@ -427,3 +430,66 @@ def policy_sum(d_bias, preset):
   fmt = emu.FORMATS[sa.Precision.from_name(preset).grad_accum]
   total = np.sum(d_bias, axis=0, keepdims=True).astype(np.float32)
   return total.astype(fmt).astype(np.float64)
+
+
+# Below 16 bits: every format and scaling, forward (both schemes) and
+# Baseline, against the emulator; one outlier feature in Q.
+QUANT_POLICIES = [
+  "fp8-baseline",
+  "fp8-fa3",
+  "fp8-fa3+block_quant=off",
+  "fp8-fa3+hadamard=off",
+  "fp8-fa3+p_scale=448+key_order=reversed",
+  "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2",
+  "bf16-fa2+matmul_operands=int8+scaling=block",
+  "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
+]
+
+
+@pytest.mark.parametrize("name", QUANT_POLICIES)
+def test_quantized_policies_match_emulator(name):
+  policy = sa.Precision.from_name(name)
+  q, k, v = _inputs(QUANT_POLICIES.index(name), SHAPES[0])
+  q[0, 3, 0, 2] = 30.0  # an outlier feature
+  tiles = dict(block_q=16, block_k=32)
+  options = policy.options()
+  for scheme in ("fa2", "fa1"):
+    out = sa.attention(q, k, v, precision=policy, scheme=scheme, **tiles)
+    want, _ = emu.forward(
+      q,
+      k,
+      v,
+      policy.stages(),
+      scheme=scheme,
+      causal=False,
+      options=options,
+      **tiles,
+    )
+    got = np.asarray(out.astype(jnp.float64))
+    _check(want, got, "fp16", f"{name} {scheme}")
+  base = sa.attention(q, k, v, implementation="reference", precision=policy)
+  want = emu.reference(q, k, v, policy.stages(), causal=False, options=options)
+  got = np.asarray(base.astype(jnp.float64))
+  if policy.scaling != "block":
+    _check(want, got, "fp16", f"{name} base")
+  else:
+    # The Baseline multiplies per-block V scales back before one P V
+    # matmul over every key: a sum of values off any grid, whose FP32
+    # order (XLA's vs the emulator's) moves about 1% of outputs by an ulp.
+    assert identical_share(want, got) >= 0.98
+    assert ulps_at_largest(want, got, "fp16") <= 2.0
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8"])
+@pytest.mark.parametrize("casts_round", [False, True])
+def test_low_formats_round_like_ml_dtypes(fmt, casts_round):
+  """To nearest even, subnormals exact, e4m3/e2m1/int8 saturating."""
+  rng = np.random.default_rng(2)
+  x = (rng.standard_normal(50000) * 10.0 ** rng.integers(-6, 4, 50000)).astype(
+    np.float32
+  )
+  x[:5] = [0.0, 448.0, 464.0, -1e9, 2.0**-10]
+  got = np.asarray(
+    jax.jit(lambda x: round_to(x, fmt, casts_round=casts_round))(x)
+  )
+  np.testing.assert_array_equal(got, emu.cast(x, fmt))

@@ -15,7 +15,11 @@ from helpers import random_qkv, value_and_grads
 
 import stableattn as sa
 
-GPU_PRESETS = [p for p in sa.preset_names() if p != "fp64"]
+GPU_PRESETS = [
+  p
+  for p in sa.preset_names()
+  if p != "fp64" and not sa.Precision.from_name(p).quantizes
+]
 # Every preset except FP64 compiles: half-precision arithmetic runs in FP32
 # and each result is rounded by a cast, a real rounding in a Triton kernel.
 CONFIGS = [
@@ -203,3 +207,14 @@ def test_every_feature_lowers_for_cuda(name):
   fn = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+@pytest.mark.parametrize("precision", ["fp8-baseline", "fp8-fa3"])
+def test_fp8_forward_lowers_for_cuda(precision):
+  """FP8 policies (scales, rotation, saturating casts) lower to Triton."""
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float16)
+  fn = jax.jit(
+    lambda q, k, v: sa.attention(q, k, v, precision=precision, interpret=False)
+  )
+  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 1

@@ -63,7 +63,7 @@ def test_with_stage_rejects_unknown_stage_and_format():
   with pytest.raises(ValueError, match="valid stages"):
     base.with_stage(softmax="fp16")
   with pytest.raises(ValueError, match="valid formats"):
-    base.with_stage(scores="fp8")
+    base.with_stage(scores="fp12")
 
 
 def test_str_names_preset_and_every_stage():

@@ -20,7 +20,7 @@ from stableattn.experiments.reporting import num, one
 from stableattn.inputs import DISTRIBUTIONS, Shape
 from stableattn.metrics import compare, safe_ratio
 from stableattn.pallas_forward import SCHEMES
-from stableattn.precision import Precision, format_name
+from stableattn.precision import WIDE_FORMATS, Precision, format_name
 
 
 def formats(raw, name: str) -> tuple[str, ...]:
@@ -29,6 +29,13 @@ def formats(raw, name: str) -> tuple[str, ...]:
     names = tuple(format_name(f) for f in as_tuple(raw))
   except ValueError as e:
     raise ValueError(f"config.{name}: {e}") from None
+  narrow = [f for f in names if f not in WIDE_FORMATS]
+  if narrow:
+    raise ValueError(
+      f"config.{name}: {narrow} have no presets of their own; valid formats "
+      f"are {list(WIDE_FORMATS)} (FP8/FP4 run through policies such as "
+      "fp8-fa3 in the fa3_table3 study)."
+    )
   if not names:
     raise ValueError(f"config.{name} is empty; give at least one format.")
   return names

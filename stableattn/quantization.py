@@ -1,0 +1,107 @@
+"""Operands below 16 bits: scales, the Hadamard rotation, P's scale.
+
+For a policy whose matmul operands are FP8, FP4 or INT8 (`Precision.
+quantizes`), Q, K and V are prepared once before any implementation runs:
+
+1. `hadamard`: Q and K are multiplied by one random orthogonal matrix
+   R = diag(random signs) H / sqrt(d) (H the Sylvester Hadamard matrix)
+   along the head dimension, in FP32. QK^T is unchanged in exact
+   arithmetic; an outlier feature is spread over every dimension
+   (FlashAttention-3's incoherent processing).
+2. Row scales s = amax * (1 / largest finite value of the format) over
+   each scaling group ("none": 1; "tensor": the whole array; "block": the
+   rows of one kernel tile of one (batch, head)); an all-zero group gets 1.
+
+Inside the kernels (and the reference) an operand x enters its matmul as
+round(x * (1 / s)) and the product is multiplied by the scales afterwards,
+in FP32: S = (Q/s_q)(K/s_k)^T * s_q s_k. P enters P V as
+round(P * p_scale) and the product is multiplied by s_v * (1 / p_scale).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from stableattn.precision import Precision
+from stableattn.rounding import LOW_FORMATS
+
+# The rotation's random signs come from this seed (one matrix per head dim).
+HADAMARD_SEED = 0
+
+
+class QuantScales(NamedTuple):
+  """Row scales: q [B, H, T], k and v [B, Hkv, S] (FP32)."""
+
+  q: object
+  k: object
+  v: object
+
+
+def hadamard_matrix(head_dim: int) -> tuple[np.ndarray, np.float32]:
+  """(diag(signs) H, 1 / sqrt(d)): R is their product, orthogonal; float32.
+
+  Raises ValueError unless head_dim is a power of two.
+  """
+  if head_dim < 1 or head_dim & (head_dim - 1):
+    raise ValueError(
+      f"hadamard=on needs a head dim that is a power of two (Sylvester's "
+      f"construction), got {head_dim}; use hadamard=off."
+    )
+  h = np.ones((1, 1))
+  while h.shape[0] < head_dim:
+    h = np.block([[h, h], [h, -h]])
+  signs = np.random.default_rng(HADAMARD_SEED).choice([-1.0, 1.0], head_dim)
+  return (signs[:, None] * h).astype(np.float32), np.float32(head_dim**-0.5)
+
+
+def rotate(x, head_dim: int):
+  """x [..., d] times R (sums of +-x in FP32, then one scaling)."""
+  signed_h, norm = hadamard_matrix(head_dim)
+  y = jnp.einsum(
+    "...d,de->...e",
+    x.astype(jnp.float32),
+    jnp.asarray(signed_h),
+    precision=lax.Precision.HIGHEST,
+  )
+  return y * norm
+
+
+def row_scales(x, policy: Precision, block: int):
+  """Scales [B, heads, T] of x [B, T, heads, D] for the policy's scaling."""
+  batch, length, heads, _ = x.shape
+  if policy.scaling == "none":
+    return jnp.ones((batch, heads, length), jnp.float32)
+  largest = LOW_FORMATS[policy.matmul_operands].max_finite
+  magnitude = jnp.abs(x.astype(jnp.float32))
+  if policy.scaling == "tensor":
+    amax = jnp.max(magnitude)
+    scale = _scale(amax, largest)
+    return jnp.broadcast_to(scale, (batch, heads, length))
+  padded = -(-length // block) * block
+  per_row = jnp.max(magnitude, axis=-1).transpose(0, 2, 1)  # [B, H, T]
+  per_row = jnp.pad(per_row, ((0, 0), (0, 0), (0, padded - length)))
+  amax = per_row.reshape(batch, heads, padded // block, block).max(-1)
+  scale = jnp.repeat(_scale(amax, largest), block, axis=-1)
+  return scale[..., :length]
+
+
+def _scale(amax, largest: float):
+  scale = amax * jnp.asarray(1.0 / largest, jnp.float32)
+  return jnp.where(scale > 0, scale, jnp.ones_like(scale))
+
+
+def prepare(q, k, v, policy: Precision, block_q: int, block_k: int):
+  """(q, k, v, QuantScales) for a quantizing policy; q and k rotated if
+  `hadamard`. The inputs are already rounded to the `inputs` format."""
+  if policy.hadamard:
+    q, k = rotate(q, q.shape[-1]), rotate(k, k.shape[-1])
+  scales = QuantScales(
+    q=row_scales(q, policy, block_q),
+    k=row_scales(k, policy, block_k),
+    v=row_scales(v, policy, block_k),
+  )
+  return q, k, v, scales
