@@ -146,8 +146,12 @@ def make_inputs(
   *,
   scale: float = 8.0,
   tied: TiedMaximaSpec | None = None,
+  outlier_std: float = 10.0,
 ):
   """Random q, k, v (float64) from a named distribution.
+
+  `outlier_std` is the standard deviation of the "outliers" spikes (10:
+  FlashAttention-3's N(0, 100) read as variance 100).
 
   Raises:
     ValueError: for an unknown distribution name.
@@ -166,7 +170,7 @@ def make_inputs(
 
     def draw(s):
       # N(0, 100) read as variance 100 (standard deviation 10).
-      spikes = rng.standard_normal(s) * 10.0 * (rng.random(s) < 0.001)
+      spikes = rng.standard_normal(s) * outlier_std * (rng.random(s) < 0.001)
       return rng.standard_normal(s) + spikes
 
     return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.kv_shape)

@@ -3,7 +3,11 @@
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+# Runs every cell (about a minute cold): CI's slow step.
+pytestmark = pytest.mark.slow
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "launch" / "colab_quickstart.ipynb"

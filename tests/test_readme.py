@@ -25,9 +25,11 @@ def test_quickstart_has_the_two_commands():
   lines = [line for line in block.splitlines() if line.strip()]
   assert len(lines) == 2
   assert "launch/forward_deviation.py" in lines[0]
-  assert lines[1].endswith("python -m pytest -n 2")
+  test_command = 'python -m pytest -n 2 -m "not slow"'
+  assert lines[1].endswith(test_command)
   ci = (REPO / ".ci" / "run").read_text()
-  assert "python -m pytest -n 2" in ci
+  assert test_command in ci
+  assert "python -m pytest -n 2 -m slow" in ci
 
 
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
@@ -38,6 +40,7 @@ def test_python_blocks_run(index):
   )
 
 
+@pytest.mark.slow  # three experiment launchers end to end
 def test_shell_commands_run(tmp_path):
   commands = [
     line

@@ -22,6 +22,9 @@ from stableattn.experiments.training_drift.pairs import BY_NAME
 from stableattn.model import AttentionSpec, ModelSpec
 from stableattn.training import OptimizerSpec, RunSpec, Trainer
 
+# Trains the smoke model end to end (minutes cold): CI's slow step.
+pytestmark = pytest.mark.slow
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 

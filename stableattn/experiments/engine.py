@@ -77,6 +77,7 @@ class Case:
   causal: bool = False
   tied: TiedMaximaSpec | None = None  # the "tied_maxima" construction
   features: Features = Features()
+  outlier_std: float = 10.0  # the "outliers" spikes' standard deviation
 
   def attention_arguments(self) -> dict:
     return dict(causal=self.causal, **self.features.arguments(self.shape))
@@ -115,10 +116,18 @@ class Engine:
         case.shape,
         scale=self._scale,
         tied=case.tied,
+        outlier_std=case.outlier_std,
       )
       return tuple(round_to(x, case.fmt) for x in qkv)
 
-    key = (case.distribution, case.shape, case.fmt, case.seed, case.tied)
+    key = (
+      case.distribution,
+      case.shape,
+      case.fmt,
+      case.seed,
+      case.tied,
+      case.outlier_std,
+    )
     return self._memo(("inputs", *key), compute)
 
   def d_out(self, case: Case, sign: str = "random"):

@@ -13,6 +13,7 @@ STUDY_MODULES = (
   "tiles",
   "stage_attribution",
   "fa3_table3",
+  "fa3_fp8",
   "tied_maxima",
   "backward",
   "features",

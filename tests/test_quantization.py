@@ -1,0 +1,119 @@
+"""Policies below 16 bits: options, scales, bad input, FlashAttention-3's
+Table 3 claims from rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stableattn as sa
+from stableattn.experiments.forward.fa3_fp8 import table3_claims
+from stableattn.quantization import hadamard_matrix, row_scales
+
+
+def test_presets_and_ablations_read_back_and_print_every_choice():
+  fa3 = sa.Precision.from_name("fp8-fa3")
+  assert (fa3.scaling, fa3.hadamard, fa3.matmul_operands) == (
+    "block",
+    True,
+    "fp8_e4m3",
+  )
+  for name in ("fp8-fa3+hadamard=off", "fp8-fa3+block_quant=off"):
+    policy = sa.Precision.from_name(name)
+    assert sa.Precision.from_name(policy.name) == policy
+  assert sa.Precision.from_name("fp8-fa3+block_quant=off").scaling == "tensor"
+  text = str(sa.Precision.from_name("fp8-baseline"))
+  for piece in ("scaling=tensor", "hadamard=off", "p_scale=1", "fp8_e4m3"):
+    assert piece in text
+
+
+@pytest.mark.parametrize(
+  "name, message",
+  [
+    ("fp8-fa3+scaling=mx", r"valid: \['none', 'tensor', 'block'\]"),
+    ("fp8-fa3+hadamard=maybe", "valid: on, off"),
+    ("fp8-fa3+p_scale=-3", "finite number > 0"),
+    ("fp8-fa3+key_order=random", "forward"),
+    ("bf16-fa2+scaling=block", "below 16 bits"),
+    ("fp8-fa3+scores=int8", "int8 can only be"),
+    ("fp8-fa3+probs=fp7", "valid formats"),
+  ],
+)
+def test_bad_policies_name_the_valid_choices(name, message):
+  with pytest.raises(ValueError, match=message):
+    sa.Precision.from_name(name)
+
+
+def test_an_all_zero_block_gets_a_finite_scale():
+  policy = sa.Precision.from_name("fp8-fa3")
+  x = np.ones((1, 64, 1, 16), np.float32)
+  x[:, 16:32] = 0.0  # one whole block of zeros
+  scales = np.asarray(row_scales(jnp.asarray(x), policy, 16))
+  assert np.isfinite(scales).all() and (scales > 0).all()
+  np.testing.assert_array_equal(scales[0, 0, 16:32], 1.0)
+  out = sa.attention(x, x, x, precision=policy, block_q=16, block_k=16)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_rotation_is_orthogonal_and_needs_a_power_of_two():
+  signed_h, norm = hadamard_matrix(64)
+  r = signed_h.astype(np.float64) * float(norm)
+  np.testing.assert_allclose(r @ r.T, np.eye(64), atol=1e-12)
+  with pytest.raises(ValueError, match="power of two"):
+    hadamard_matrix(48)
+
+
+def test_fp8_kernel_gradient_says_what_to_use_instead():
+  q = np.random.default_rng(0).standard_normal((1, 32, 1, 16))
+  q = q.astype(np.float32)
+
+  def loss(q, implementation):
+    out = sa.attention(
+      q, q, q, implementation=implementation, precision="fp8-fa3"
+    )
+    return jnp.sum(out.astype(jnp.float32))
+
+  with pytest.raises(ValueError, match="implementation='reference'"):
+    jax.grad(loss)(q, "pallas")
+  grad = jax.grad(loss)(q, "reference")  # straight through the roundings
+  assert np.isfinite(np.asarray(grad)).all() and np.abs(grad).max() > 0
+
+
+def _rows(head_dim, std, **rmse):
+  return [
+    {
+      "comparison": name,
+      "head_dim": head_dim,
+      "outlier_std": std,
+      "rmse_mean": value,
+    }
+    for name, value in rmse.items()
+  ]
+
+
+def test_table3_claims_are_computed_from_rows():
+  rows = _rows(
+    128,
+    10.0,
+    fp8_baseline=2.4e-2,
+    fp8_fa3=9.1e-3,
+    fp8_fa3_no_block_quant=9.3e-3,
+    fp8_fa3_no_hadamard=2.4e-2,
+  ) + _rows(
+    64,
+    100.0,
+    fp8_baseline=0.3,
+    fp8_fa3=0.33,  # no gain
+    fp8_fa3_no_block_quant=0.5,
+    fp8_fa3_no_hadamard=0.3,
+  )
+  claims = table3_claims(rows)
+  assert claims["gain"]["verdict"] == "reproduced in part"
+  assert claims["hadamard"]["verdict"] == "reproduced in part"
+  assert claims["block_quant"]["verdict"] == "reproduced in part"
+  values = {
+    m["outlier_std"]: m["value"] for m in claims["hadamard"]["settings"]
+  }
+  assert values[10.0] == pytest.approx(1.0) and values[100.0] is None
+  with pytest.raises(ValueError, match="no setting"):
+    table3_claims(_rows(64, 10.0, fp8_fa3=1.0))
