@@ -53,7 +53,7 @@ class Config:
   head_dims: tuple[int, ...] = spec(default=(64, 128), minimum=1)
   # Standard deviation of the outlier spikes: 10 is FlashAttention-3's
   # N(0, 100) read as a variance, 100 as a standard deviation.
-  outlier_stds: tuple[float, ...] = spec(default=(10.0, 100.0), minimum=0.0)
+  outlier_stds: tuple[float, ...] = spec(default=(10.0,), minimum=0.0)
   seeds: int = spec(default=2, minimum=1)
 
 
@@ -63,7 +63,12 @@ class FA3FP8(Study):
   Config = Config
   extendable = ("seeds",)
   variants = {
-    "paper": {"seq_len": 1024, "head_dims": (64, 128, 256), "seeds": 3},
+    "paper": {
+      "seq_len": 1024,
+      "head_dims": (64, 128, 256),
+      "outlier_stds": (10.0, 100.0),
+      "seeds": 3,
+    },
     "smoke": {
       "seq_len": 64,
       "heads": 1,
