@@ -14,7 +14,7 @@ values live with the fields they set, in `stableattn.experiments.forward`
 changes for a variant (its `variants`); this file holds the common block's
 smoke sizes.
 
-Variants: default (about 105 seconds on 2 CPU cores; every study but
+Variants: default (about 90 seconds on 2 CPU cores; every study but
 `features` and `fa3_fp8`, which add about 30 seconds: select them with
 `--config.studies=`), `paper` (every study, lengths to 8192, more tiles
 and tie conditions; under 12 minutes on 2 CPU cores), `smoke` (every
