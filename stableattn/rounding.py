@@ -103,16 +103,6 @@ def _round_low(x, fmt: str):
   return jnp.where(beyond, jnp.sign(x) * jnp.inf, rounded)
 
 
-def saturated_count(x, fmt: str) -> int:
-  """How many finite values of x lie beyond a saturating format's range
-  (each would be clamped to +-max by a cast)."""
-  f = LOW_FORMATS.get(format_name(fmt))
-  if f is None or not f.saturates:
-    return 0
-  x = np.asarray(x, np.float64)
-  return int(np.sum(np.isfinite(x) & (np.abs(x) > f.max_finite)))
-
-
 def carrier_dtype(policy: Precision) -> np.dtype:
   """The format every value of `policy` is held and computed in."""
   return jnp.dtype(jnp.float64 if policy.uses_fp64 else jnp.float32)
