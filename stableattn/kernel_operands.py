@@ -129,6 +129,19 @@ class TileReader:
   refs: dict
   spec: MaskSpec
   query_major: bool
+  kv_len: int  # true key length: keys at or beyond it are padding
+  kv_len_padded: int
+
+  @classmethod
+  def of(cls, cfg, names, feature_refs, *, query_major: bool):
+    """The reader of one kernel's feature refs (`cfg`: a KernelConfig)."""
+    return cls(
+      dict(zip(names, feature_refs)),
+      cfg.mask,
+      query_major,
+      cfg.kv_len,
+      cfg.kv_len_padded,
+    )
 
   def block_range(self, default_end):
     """(first, end) of the loop over the other axis's blocks."""
@@ -145,7 +158,7 @@ class TileReader:
       return ref[k_cols] if self.query_major else ref[...]
     return ref[:, k_cols] if self.query_major else ref[q_rows, :]
 
-  def mask(self, q_start, k_start, block_q, block_k, *, kv_len, kv_len_padded):
+  def mask(self, q_start, k_start, block_q, block_k):
     q_rows, k_cols = pl.ds(q_start, block_q), pl.ds(k_start, block_k)
 
     def read(name):
@@ -157,8 +170,8 @@ class TileReader:
       k_start,
       block_q,
       block_k,
-      kv_len=kv_len,
-      kv_len_padded=kv_len_padded,
+      kv_len=self.kv_len,
+      kv_len_padded=self.kv_len_padded,
       q_ids=read("q_ids"),
       kv_ids=read("kv_ids"),
       kv_pos=read("kv_pos"),

@@ -81,7 +81,7 @@ def _dkdv_kernel(
 ):
   """One program: one key block of one (batch, query head)."""
   *feature_refs, dk_ref, dv_ref = refs
-  tiles = TileReader(dict(zip(names, feature_refs)), cfg.mask, False)
+  tiles = TileReader.of(cfg, names, feature_refs, query_major=False)
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
   q_len_padded = q_ref.shape[0]
@@ -94,14 +94,7 @@ def _dkdv_kernel(
     dk_BkxD, dv_BkxD = carry
     q_start = pl.multiple_of(q_index * block_q, block_q)
     rows = pl.ds(q_start, block_q)
-    mask = tiles.mask(
-      q_start,
-      k_start,
-      block_q,
-      block_k,
-      kv_len=cfg.kv_len,
-      kv_len_padded=cfg.kv_len_padded,
-    )
+    mask = tiles.mask(q_start, k_start, block_q, block_k)
     do_BqxD = do_ref[rows, :]
     q_BqxD = q_ref[rows, :]
     p_BqxBk, ds_BqxBk, _ = _probs_and_dscores(
@@ -146,7 +139,7 @@ def _dq_kernel(
     *feature_refs, dq_ref, dbias_ref = refs
   else:
     *feature_refs, dq_ref = refs
-  tiles = TileReader(dict(zip(names, feature_refs)), cfg.mask, True)
+  tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
   kv_len_padded = k_ref.shape[0]
@@ -161,14 +154,7 @@ def _dq_kernel(
     k_start = pl.multiple_of(k_index * block_k, block_k)
     cols = pl.ds(k_start, block_k)
     k_BkxD = k_ref[cols, :]
-    mask = tiles.mask(
-      q_start,
-      k_start,
-      block_q,
-      block_k,
-      kv_len=cfg.kv_len,
-      kv_len_padded=kv_len_padded,
-    )
+    mask = tiles.mask(q_start, k_start, block_q, block_k)
     _, ds_BqxBk, ds_logits_BqxBk = _probs_and_dscores(
       q_BqxD,
       k_BkxD,

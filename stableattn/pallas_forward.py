@@ -110,7 +110,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   stage named beside it (see `rounding.py`).
   """
   *feature_refs, o_ref, lse_ref = refs
-  tiles = TileReader(dict(zip(names, feature_refs)), cfg.mask, True)
+  tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
   kv_len_padded = k_ref.shape[0]
@@ -135,14 +135,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     k_start = pl.multiple_of(k_index * block_k, block_k)
     k_BkxD = k_ref[pl.ds(k_start, block_k), :]
     v_BkxD = v_ref[pl.ds(k_start, block_k), :]
-    mask = tiles.mask(
-      q_start,
-      k_start,
-      block_q,
-      block_k,
-      kv_len=cfg.kv_len,
-      kv_len_padded=cfg.kv_len_padded,
-    )
+    mask = tiles.mask(q_start, k_start, block_q, block_k)
     scales = tiles.scales(q_start, k_start, block_q, block_k)
     v_scale = None if scales is None else scales[2]
     s_BqxBk, _ = block_scores(

@@ -460,18 +460,14 @@ def reference(
 
 
 def _reference_pv(em, p, v, sv):
-  """The Baseline's P V: one scale of V factors out of the sum over keys;
-  per-block scales are multiplied back into V before the matmul."""
+  """The Baseline's P V: one scale of V factors out of the sum over keys
+  (as in the kernel's `_pv`); per-block scales are multiplied back into V
+  before the matmul."""
   c = em.carrier
   p_scale = em.options["p_scale"]
-  if sv is None and p_scale == 1.0:
-    return em.dot(em.r(p, "probs"), v)
+  if sv is None or em.options["scaling"] != "block":
+    return _pv(em, p, v, sv)
   p_hat = em.r((p * c(p_scale)).astype(c), "probs")
-  if sv is None:
-    return (em.dot(p_hat, v) * c(1.0 / p_scale)).astype(c)
-  if em.options["scaling"] != "block":
-    pv = em.dot(p_hat, (v * (c(1) / sv)[:, None]).astype(c))
-    return (pv * (c(sv[0]) * c(1.0 / p_scale))).astype(c)
   v_dq = (
     em.r((v * (c(1) / sv)[:, None]).astype(c), "matmul_operands") * sv[:, None]
   )
