@@ -10,6 +10,7 @@ sliced off here, so padding never reaches a result.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,7 +25,7 @@ from stableattn.masking import (
 )
 from stableattn.pallas_backward import flash_backward
 from stableattn.pallas_forward import KernelConfig, flash_forward
-from stableattn.quantization import QuantScales
+from stableattn.quantization import QuantScales, straight_through
 from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import MIN_GPU_BLOCK, next_power_of_two
 
@@ -139,23 +140,33 @@ def flash_attention_with_lse(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def quantized_flash_attention(q, k, v, ops, scales, cfg: KernelConfig):
-  """The forward of a policy with operands below 16 bits (FP8, FP4, INT8;
-  `scales` from `quantization.prepare`). It has no kernel backward yet."""
+  """Attention under a policy with operands below 16 bits (FP8, FP4, INT8;
+  `scales` from `quantization.prepare`).
+
+  The backward is straight-through (see `quantization.straight_through`):
+  the kernel backward of the operands the forward's matmuls saw,
+  dequantized, under the policy's wide stages.
+  """
   return _forward(q, k, v, ops, cfg, scales)[0]
 
 
 def _quantized_fwd(q, k, v, ops, scales, cfg):
-  return quantized_flash_attention(q, k, v, ops, scales, cfg), None
+  out, residuals = _forward(q, k, v, ops, cfg, scales)
+  return out, (residuals, ops, scales)
 
 
-def _quantized_bwd(cfg, residuals, d_out):
-  raise ValueError(
-    f"The kernel's backward below 16 bits is not built yet (precision "
-    f"{cfg.policy.name!r} has {cfg.policy.matmul_operands} matmul "
-    "operands; FlashAttention-3's FP8 kernel is forward-only too). For "
-    "gradients use implementation='reference', whose autodiff passes "
-    "cotangents straight through the roundings."
+def _quantized_bwd(cfg, saved, d_out):
+  (q_p, k_p, v_p, ops_p, out_p, lse), ops, scales = saved
+  policy, dequantized = straight_through(
+    cfg.policy, (q_p, k_p, v_p), _pad_scales(scales, cfg)
   )
+  residuals = (*dequantized, ops_p, out_p, lse)
+  bwd_cfg = dataclasses.replace(cfg, policy=policy)
+  dq, dk, dv, d_ops = _gradients(bwd_cfg, residuals, ops, d_out)
+  # Rotated q and k are FP32; their cotangents must be too.
+  grads = tuple(g.astype(x.dtype) for g, x in zip((dq, dk, dv), (q_p, k_p, v_p)))
+  no_scale_gradient = jax.tree_util.tree_map(jnp.zeros_like, scales)
+  return (*grads, d_ops, no_scale_gradient)
 
 
 quantized_flash_attention.defvjp(_quantized_fwd, _quantized_bwd)
@@ -167,7 +178,13 @@ def _flash_fwd(q, k, v, ops, cfg: KernelConfig):
 
 
 def _flash_bwd(cfg: KernelConfig, saved, d_out):
-  (q_p, k_p, v_p, ops_p, out_p, lse), ops = saved
+  residuals, ops = saved
+  return _gradients(cfg, residuals, ops, d_out)
+
+
+def _gradients(cfg: KernelConfig, residuals, ops, d_out):
+  """(dq, dk, dv, d_ops) from the padded forward residuals."""
+  q_p, k_p, v_p, ops_p, out_p, lse = residuals
   d_out_p = _pad_to(d_out.astype(out_p.dtype), out_p.shape[1], out_p.shape[3])
   ranges = _ranges(ops_p, cfg, cfg.bwd_block_q, cfg.bwd_block_k)
   dq_p, dk_p, dv_p, delta, dbias_p = flash_backward(

@@ -273,7 +273,7 @@ class Precision:
 
   def __str__(self) -> str:
     body = " ".join(f"{k}={v}" for k, v in self.stages().items())
-    if self.quantizes or self.options() != _DEFAULT_OPTIONS:
+    if self.quantizes or self.options() != DEFAULT_OPTIONS:
       body += " " + " ".join(
         f"{k}={_option_text(v)}" for k, v in self.options().items()
       )
@@ -299,7 +299,7 @@ QUANT_OPTIONS = {
   # Order in which the forward kernel visits key blocks.
   "key_order": ("forward", "reversed"),
 }
-_DEFAULT_OPTIONS = {
+DEFAULT_OPTIONS = {
   "scaling": "none",
   "p_scale": 1.0,
   "hadamard": False,

@@ -20,14 +20,15 @@ round(P * p_scale) and the product is multiplied by s_v * (1 / p_scale).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.precision import Precision
-from stableattn.rounding import LOW_FORMATS
+from stableattn.precision import DEFAULT_OPTIONS, WIDE_FORMATS, Precision
+from stableattn.rounding import LOW_FORMATS, PolicyArithmetic
 
 # The rotation's random signs come from this seed (one matrix per head dim).
 HADAMARD_SEED = 0
@@ -99,9 +100,49 @@ def prepare(q, k, v, policy: Precision, block_q: int, block_k: int):
   `hadamard`. The inputs are already rounded to the `inputs` format."""
   if policy.hadamard:
     q, k = rotate(q, q.shape[-1]), rotate(k, k.shape[-1])
+  # Scales are constants to autodiff (straight-through, see below).
   scales = QuantScales(
-    q=row_scales(q, policy, block_q),
-    k=row_scales(k, policy, block_k),
-    v=row_scales(v, policy, block_k),
+    q=lax.stop_gradient(row_scales(q, policy, block_q)),
+    k=lax.stop_gradient(row_scales(k, policy, block_k)),
+    v=lax.stop_gradient(row_scales(v, policy, block_k)),
   )
   return q, k, v, scales
+
+
+def straight_through(policy: Precision, padded_qkv, padded_scales):
+  """(policy, (q, k, v)) for the kernel backward of a quantizing policy.
+
+  The backward treats each quantization as the identity with constant
+  scales (the straight-through estimator, as the reference's autodiff
+  does): the gradients are those of attention on the operands the
+  forward's matmuls saw, round(x * (1 / s)) * s in FP32, with every stage
+  below 16 bits other than `inputs` computed in FP32. FlashAttention-3's
+  FP8 kernel has no backward; this models an FP8 forward trained with a
+  wide backward, not an FP8 backward (dS and dO are never quantized).
+
+  Args:
+    padded_qkv: the kernel's padded q [B, T, H, D], k and v [B, S, Hkv, D]
+      (q and k rotated if `hadamard`).
+    padded_scales: their row scales (`QuantScales`) at the padded lengths.
+  """
+  ar = PolicyArithmetic(policy)
+
+  def dequantize(x, scale_rows):
+    s = scale_rows.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
+    return ar.round(x * (1.0 / s), "matmul_operands") * s
+
+  dequantized = tuple(
+    dequantize(x, s) for x, s in zip(padded_qkv, padded_scales)
+  )
+  wide = {
+    stage: "fp32"
+    for stage, fmt in policy.stages().items()
+    if fmt not in WIDE_FORMATS and stage != "inputs"
+  }
+  backward_policy = dataclasses.replace(
+    policy,
+    name=f"{policy.name} (straight-through backward)",
+    **wide,
+    **DEFAULT_OPTIONS,
+  )
+  return backward_policy, dequantized

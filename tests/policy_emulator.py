@@ -498,11 +498,33 @@ def _probs_and_ds(em, x, f, qs, ks, block_q, block_k):
   return em.r(p, "probs"), em.r(ds, "probs"), ds_logits
 
 
-def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, **kw):
+def straight_through(q, k, v, stages, options, block_q, block_k):
+  """The operands a quantizing forward's matmuls saw, round(x / s) * s in
+  FP32 (after the rotation), and the backward's stages: every stage below
+  16 bits but `inputs` in FP32 (documented straight-through backward)."""
+  em = Emulator(stages, options)
+  q, k, v = (em.r(x, "inputs") for x in (q, k, v))
+  q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
+  seen = []
+  for x, s in zip((q, k, v), scales):
+    rows = s.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
+    scaled = (x * (np.float32(1) / rows)).astype(np.float32)
+    seen.append(em.r(scaled, "matmul_operands") * rows)
+  wide = {
+    stage: "fp32" if fmt in LARGEST and stage != "inputs" else fmt
+    for stage, fmt in stages.items()
+  }
+  return seen, wide
+
+
+def backward(
+  q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, options=None,
+  **kw,
+):
   """(dq, dk, dv) of the flash kernel: delta, dK/dV and dQ passes; then
   d bias (per example and head, [B, H, T, S]) if a bias is given and
-  d sink if a sink is given."""
-  em = Emulator(stages)
+  d sink if a sink is given. With operands below 16 bits, the forward is
+  quantized (`options`) and the passes are straight-through."""
   out, lse = forward(
     q,
     k,
@@ -512,9 +534,16 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, **kw):
     block_k=block_k,
     scheme=scheme,
     causal=causal,
+    options=options,
     **kw,
   )
-  q, k, v = (em.r(x, "inputs") for x in (q, k, v))
+  if Emulator(stages).quantizes:
+    (q, k, v), stages = straight_through(
+      q, k, v, stages, options, block_q, block_k
+    )
+  else:
+    q, k, v = (Emulator(stages).r(x, "inputs") for x in (q, k, v))
+  em = Emulator(stages)
   d_out = em.r(d_out, "output")
   batch, t, heads, d = q.shape
   s_len, kv_heads = k.shape[1], k.shape[2]
@@ -590,7 +619,16 @@ def backward(q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, **kw):
     return em.total(x, "grad_accum", axis=3)
 
   dk, dv = sum_groups(dk_per_head), sum_groups(dv_per_head)
-  grads = [em.r(x, "inputs").astype(np.float64) for x in (dq, dk, dv)]
+  grads = [em.r(x, "inputs") for x in (dq, dk, dv)]
+  if (options or {}).get("hadamard"):
+    # Back through the rotation x R: the gradient times R^T, in FP32.
+    signed_h, norm = hadamard_rotation(d)
+    for i in (0, 1):
+      rotated_back = (grads[i].astype(np.float64) @ signed_h.T).astype(
+        np.float32
+      )
+      grads[i] = em.r(rotated_back * norm, "inputs")
+  grads = [x.astype(np.float64) for x in grads]
   if f.bias is not None:
     grads.append(em.r(d_bias[:, :, :t, :s_len], "grad_accum"))
   if f.sink is not None:

@@ -480,6 +480,44 @@ def test_quantized_policies_match_emulator(name):
     assert ulps_at_largest(want, got, "fp16") <= 2.0
 
 
+# The straight-through backward of quantizing policies (head dim 16: the
+# rotation's 1/sqrt(d) is exact).
+QUANT_BACKWARD = [
+  "fp8-baseline",
+  "fp8-fa3",
+  "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
+]
+
+
+@pytest.mark.parametrize("name", QUANT_BACKWARD)
+def test_quantized_backward_matches_emulator(name):
+  policy = sa.Precision.from_name(name)
+  shape = SHAPES[2]
+  *_, block_q, block_k, causal = shape
+  q, k, v = _inputs(40 + QUANT_BACKWARD.index(name), shape)
+  q[0, 3, 0, 2] = 30.0
+  d_out = on_grid(np.random.default_rng(41).standard_normal(q.shape))
+  tiles = dict(block_q=block_q, block_k=block_k, causal=causal)
+
+  def fn(q, k, v):
+    return sa.attention(q, k, v, precision=policy, **tiles)
+
+  _, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
+  grads = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))
+  want = emu.backward(
+    q, k, v, d_out, policy.stages(), scheme="fa2", options=policy.options(),
+    **tiles,
+  )
+  for what, g, w in zip(("dq", "dk", "dv"), grads, want):
+    # The dequantized operands round(x / s) * s are FP32 values off any
+    # short grid, so their products round in FP32 and a sum's order
+    # (XLA's vs the emulator's exact one) moves up to 1% of gradients by
+    # an ulp, as in the Baseline with block scales above.
+    got = np.asarray(g, np.float64)
+    assert identical_share(w, got) >= 0.99, what
+    assert ulps_at_largest(w, got, "fp16") <= 2.0, what
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8"])
 @pytest.mark.parametrize("casts_round", [False, True])
 def test_low_formats_round_like_ml_dtypes(fmt, casts_round):
