@@ -5,6 +5,7 @@ Public API:
             causal, interpret)
   golden_attention(q, k, v, causal) / golden_attention_vjp(...)
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
+  round_to(x, format): x rounded to a format (FP8/FP4 casts saturate)
   Precision, preset_names; tiles_from_sram
   check(fn, precision=..., shapes=...) -> CheckReport (FlashAttention rule)
   audit(fn, precision=..., shapes=..., causal=...) -> AuditReport: output
@@ -26,6 +27,7 @@ from stableattn.metrics import (
 )
 from stableattn.pallas_forward import SCHEMES
 from stableattn.precision import STAGES, Precision, preset_names
+from stableattn.rounding import round_to
 from stableattn.tiling import tiles_from_sram
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
   "make_attention_fn",
   "passes_fa_rule",
   "preset_names",
+  "round_to",
   "rounding_floor",
   "tiles_from_sram",
 ]

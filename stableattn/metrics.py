@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from stableattn.precision import format_name, to_dtype
+from stableattn.rounding import LOW_FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,11 @@ class Deviation:
   signed_share: float
   n_nan: int  # NaNs in actual
   n_inf: int  # infinities in actual
+  # Where |expected| exceeds the largest finite value of `ulp_format`:
+  # actual held at +-that value (a saturating cast: e4m3fn, e2m1, int8),
+  # or actual infinite or NaN (an overflowing one: e5m2, FP16, BF16).
+  n_saturated: int
+  n_overflow: int
   argmax: tuple[int, ...]  # index of the largest |actual - expected|
   size: int
 
@@ -50,6 +56,8 @@ def _float64(x) -> np.ndarray:
 
 def ulp(x: np.ndarray, fmt: str) -> np.ndarray:
   """Spacing of `fmt` at each value of x (subnormal spacing near zero)."""
+  if format_name(fmt) == "int8":
+    return np.ones_like(_float64(x))
   info = ml_dtypes.finfo(to_dtype(fmt))
   magnitude = np.abs(_float64(x))
   with np.errstate(divide="ignore"):
@@ -58,6 +66,25 @@ def ulp(x: np.ndarray, fmt: str) -> np.ndarray:
     np.nan_to_num(exponent, neginf=info.minexp), info.minexp
   )
   return np.exp2(exponent - info.nmant)
+
+
+def largest_finite(fmt: str) -> float:
+  """The largest finite value of a format (127 for int8)."""
+  fmt = format_name(fmt)
+  if fmt in LOW_FORMATS:
+    return float(LOW_FORMATS[fmt].max_finite)
+  return float(ml_dtypes.finfo(to_dtype(fmt)).max)
+
+
+def _range_counts(e: np.ndarray, a: np.ndarray, fmt: str) -> dict:
+  """n_saturated and n_overflow of `Deviation` (see there)."""
+  largest = largest_finite(fmt)
+  beyond = np.isfinite(e) & (np.abs(e) > largest)
+  held = np.abs(a) == largest
+  return dict(
+    n_saturated=int((beyond & held).sum()),
+    n_overflow=int((beyond & ~np.isfinite(a)).sum()),
+  )
 
 
 def wasserstein_1d(a: np.ndarray, b: np.ndarray) -> float:
@@ -79,7 +106,10 @@ def compare(expected, actual, *, ulp_format: str | None = None) -> Deviation:
 
   Returns:
     A `Deviation`. NaN or Inf in `actual` propagate into the magnitudes and
-    are counted in `n_nan` / `n_inf`.
+    are counted in `n_nan` / `n_inf`. With `actual` a cast of `expected`
+    (e.g. `compare(x, x.astype(jnp.float8_e4m3fn))`, or an FP32-carried
+    cast with `ulp_format="fp8_e4m3"`), `n_saturated` and `n_overflow`
+    count the values the cast clipped or sent to infinity.
 
   Raises:
     ValueError: if the shapes differ or an input is empty.
@@ -119,6 +149,7 @@ def compare(expected, actual, *, ulp_format: str | None = None) -> Deviation:
     signed_share=signed_share(expected, actual),
     n_nan=int(np.isnan(a).sum()),
     n_inf=int(np.isinf(a).sum()),
+    **_range_counts(e, a, ulp_format),
     argmax=tuple(int(i) for i in argmax),
     size=int(e.size),
   )

@@ -1,3 +1,4 @@
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
@@ -39,6 +40,25 @@ def test_compare_counts_nan_and_inf_and_does_not_hide_them():
   assert d.n_nan == 1 and d.n_inf == 1
   assert np.isnan(d.max_abs)
   assert d.argmax == (1,)
+
+
+@pytest.mark.parametrize(
+  "fmt, saturated, overflow",
+  [
+    ("fp8_e4m3", 2, 0),  # e4m3fn saturates at +-448
+    ("fp8_e5m2", 0, 1),  # e5m2 overflows to infinity beyond 57344
+    ("fp4_e2m1", 3, 0),  # e2m1 saturates at +-6 (7 too)
+    ("int8", 2, 0),  # +-127
+    ("fp16", 0, 1),  # 65504
+  ],
+)
+def test_compare_counts_saturated_and_overflowing_casts(
+  fmt, saturated, overflow
+):
+  x = np.array([0.5, 7.0, -500.0, 1e5, 3.0, -6.0])
+  cast = sa.round_to(jnp.asarray(x, jnp.float32), fmt)
+  d = sa.compare(x, cast, ulp_format=fmt)
+  assert (d.n_saturated, d.n_overflow) == (saturated, overflow)
 
 
 def test_compare_rejects_shape_mismatch():
