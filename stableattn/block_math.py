@@ -134,13 +134,16 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, tie_beta: float | None):
   return jnp.where(finite, stats(r_safe + shift), r_m)
 
 
-def probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic, v_scale=None):
+def probs_times_values(
+  p_BqxBk, v_BkxD, ar: PolicyArithmetic, v_scale=None, per_channel=False
+):
   """P V with P rounded to `probs` first; result in `out_accum`.
 
   With operands below 16 bits P enters as round(P * p_scale) and V as
-  round(V * (1 / s_v)) (s_v constant over a tile's rows); the product is
-  then multiplied by s_v * (1 / p_scale). (Divisions are written as
-  reciprocal products, which XLA would make of them anyway.)
+  round(V * (1 / s_v)) (s_v constant over a tile's rows, or one per
+  column if `per_channel`); the product is then multiplied by s_v * (1 /
+  p_scale). (Divisions are written as reciprocal products, which XLA
+  would make of them anyway.)
   """
   p_scale = ar.policy.p_scale
   if v_scale is None and p_scale == 1.0:
@@ -151,6 +154,9 @@ def probs_times_values(p_BqxBk, v_BkxD, ar: PolicyArithmetic, v_scale=None):
   if v_scale is None:
     pv = ar.dot(p_hat, v_BkxD, NN_DIMS)
     descale = jnp.asarray(1.0 / p_scale, dtype)
+  elif per_channel:
+    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[None, :], NN_DIMS)
+    descale = (v_scale * jnp.asarray(1.0 / p_scale, dtype))[None, :]
   else:
     pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS)
     # One value over the tile (a max: Triton cannot slice a vector).

@@ -384,6 +384,12 @@ def _check_implementation_options(
         "(jax.nn.dot_product_attention has no such option); use 'pallas' "
         "or 'reference'."
       )
+  if cfg.policy.smooth_k and cfg.mask.softcap is not None:
+    raise ValueError(
+      "smooth_k=on subtracts K's mean, which moves each score row by a "
+      "constant: softmax removes it, a softcap's tanh does not. Use "
+      "smooth_k=off with softcap."
+    )
   check_flag("return_lse", return_lse)
   if return_lse and implementation != "pallas":
     raise ValueError("return_lse=True is only available for 'pallas'.")

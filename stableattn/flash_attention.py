@@ -25,7 +25,11 @@ from stableattn.masking import (
 )
 from stableattn.pallas_backward import flash_backward
 from stableattn.pallas_forward import KernelConfig, flash_forward
-from stableattn.quantization import QuantScales, straight_through
+from stableattn.quantization import (
+  QuantScales,
+  straight_through,
+  v_per_channel,
+)
 from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import MIN_GPU_BLOCK, next_power_of_two
 
@@ -99,10 +103,13 @@ def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
   def pad(x, length):
     return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])), mode="edge")
 
+  if v_per_channel(cfg.policy):
+    # Per-channel V scales: padded head columns are zeros; any scale does.
+    v_scales = pad(scales.v, padded_head_dim(cfg.head_dim, cfg.interpret))
+  else:
+    v_scales = pad(scales.v, kv_len_padded)
   return QuantScales(
-    q=pad(scales.q, q_len_padded),
-    k=pad(scales.k, kv_len_padded),
-    v=pad(scales.v, kv_len_padded),
+    q=pad(scales.q, q_len_padded), k=pad(scales.k, kv_len_padded), v=v_scales
   )
 
 
@@ -164,7 +171,9 @@ def _quantized_bwd(cfg, saved, d_out):
   bwd_cfg = dataclasses.replace(cfg, policy=policy)
   dq, dk, dv, d_ops = _gradients(bwd_cfg, residuals, ops, d_out)
   # Rotated q and k are FP32; their cotangents must be too.
-  grads = tuple(g.astype(x.dtype) for g, x in zip((dq, dk, dv), (q_p, k_p, v_p)))
+  grads = tuple(
+    g.astype(x.dtype) for g, x in zip((dq, dk, dv), (q_p, k_p, v_p))
+  )
   no_scale_gradient = jax.tree_util.tree_map(jnp.zeros_like, scales)
   return (*grads, d_ops, no_scale_gradient)
 

@@ -14,6 +14,7 @@ import dataclasses
 from jax.experimental import pallas as pl
 
 from stableattn.masking import MaskOperands, MaskSpec, tile_mask
+from stableattn.quantization import v_per_channel
 
 # Operand names in the order the kernels receive them.
 ORDER = (
@@ -47,13 +48,15 @@ def operand_specs(
   with_sink: bool,
   scales=None,
   group: int = 1,
+  policy=None,
 ):
   """(names, arrays, BlockSpecs) of the feature operands of one kernel.
 
   `ranges` is the kernel's block-range array from `masking.block_ranges`
   (or None when no block can be skipped by structure); `ops` are padded,
-  and so are `scales` (`quantization.QuantScales` or None); `group` is
-  the number of query heads per key/value head.
+  and so are `scales` (`quantization.QuantScales` or None, with the
+  `policy` that made them); `group` is the number of query heads per
+  key/value head.
   """
   arrays = {}
   if ranges is not None:
@@ -79,6 +82,12 @@ def operand_specs(
 
     def head(h):
       return h if query_side else h // group
+
+    if name == "v_scale" and v_per_channel(policy):
+      channels = scales.v.shape[-1]
+      return pl.BlockSpec(
+        (None, None, channels), lambda o, b, h: (b, head(h), 0)
+      )
 
     if owned:
       block = block_q if query_side else block_k
@@ -131,6 +140,7 @@ class TileReader:
   query_major: bool
   kv_len: int  # true key length: keys at or beyond it are padding
   kv_len_padded: int
+  v_per_channel: bool = False  # V's scales: one per column, not per row
 
   @classmethod
   def of(cls, cfg, names, feature_refs, *, query_major: bool):
@@ -141,6 +151,7 @@ class TileReader:
       query_major,
       cfg.kv_len,
       cfg.kv_len_padded,
+      v_per_channel(cfg.policy),
     )
 
   def block_range(self, default_end):
@@ -179,13 +190,15 @@ class TileReader:
     )
 
   def scales(self, q_start, k_start, block_q, block_k):
-    """(q, k, v) row scales of the tile, or None without quantization."""
+    """(q, k, v) scales of the tile (V's per row, or per channel), or None
+    without quantization."""
     if "q_scale" not in self.refs:
       return None
     q_rows, k_cols = pl.ds(q_start, block_q), pl.ds(k_start, block_k)
     q_ref, k_ref, v_ref = (self.refs[f"{n}_scale"] for n in "qkv")
     if self.query_major:
-      return q_ref[...], k_ref[k_cols], v_ref[k_cols]
+      v_scale = v_ref[...] if self.v_per_channel else v_ref[k_cols]
+      return q_ref[...], k_ref[k_cols], v_scale
     return q_ref[q_rows], k_ref[...], v_ref[...]
 
   def bias(self, q_start, k_start, block_q, block_k):

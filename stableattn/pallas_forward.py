@@ -157,7 +157,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     if cfg.scheme == "fa2":
       p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar)
       l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
-      pv_BqxD = probs_times_values(p_BqxBk, v_BkxD, ar, v_scale)
+      pv_BqxD = probs_times_values(
+        p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel
+      )
       acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
     else:
       # Probabilities against the block's own max (Dao et al. 2022, Alg. 1
@@ -169,7 +171,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar)
       old_sum_Bq = stats(alpha_Bq * l_Bq)
       l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
-      pv_BqxD = probs_times_values(p_BqxBk, v_BkxD, ar, v_scale)
+      pv_BqxD = probs_times_values(
+        p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel
+      )
       l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
       old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
       new_weight_Bq = accum(stats(beta_Bq / l_safe_Bq))
@@ -249,6 +253,7 @@ def flash_forward(
     with_sink=True,
     scales=scales,
     group=group,
+    policy=cfg.policy,
   )
   lse_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, b, h: (b, h, i))
   out_shape = (

@@ -150,6 +150,7 @@ class Precision:
   p_scale: float = 1.0
   hadamard: bool = False
   key_order: str = "forward"
+  smooth_k: bool = False
 
   def __post_init__(self):
     for stage in STAGES:
@@ -287,7 +288,10 @@ QUANT_OPTIONS = {
   # "block": one scale per kernel tile of block_q query or block_k key rows
   # of one (batch, head). Scales are applied before the cast and removed
   # after the matmul, in FP32 (FlashAttention-3's descaling).
-  "scaling": ("none", "tensor", "block"),
+  # "token": one scale per row of Q and of K (each token) and one per
+  # channel of V (a V scale must be constant along the P V sum over keys
+  # to be removed after it; SageAttention's choice).
+  "scaling": ("none", "tensor", "block", "token"),
   # P is multiplied by this before its cast to `probs` and divided out of
   # P V after it (e.g. 448 or 256 for e4m3, whose subnormals end at 2^-9).
   "p_scale": "a number > 0",
@@ -298,12 +302,17 @@ QUANT_OPTIONS = {
   "hadamard": (False, True),
   # Order in which the forward kernel visits key blocks.
   "key_order": ("forward", "reversed"),
+  # K minus its mean over tokens (per batch, head and channel) before the
+  # rotation and scaling: each score row moves by one constant, which
+  # softmax removes (SageAttention's smoothing of K; not with a softcap).
+  "smooth_k": (False, True),
 }
 DEFAULT_OPTIONS = {
   "scaling": "none",
   "p_scale": 1.0,
   "hadamard": False,
   "key_order": "forward",
+  "smooth_k": False,
 }
 
 
@@ -315,7 +324,7 @@ def _option_text(value) -> str:
 
 def _parse_option(option: str, text: str, name: str):
   """An option's value from its text in a policy name."""
-  if option in ("hadamard", "block_quant"):
+  if option in ("hadamard", "block_quant", "smooth_k"):
     if text in ("on", "true", "1"):
       return True
     if text in ("off", "false", "0"):
@@ -342,10 +351,11 @@ def check_quant_options(policy: Precision) -> None:
       raise ValueError(
         f"Unknown {option} {getattr(policy, option)!r}; valid: {list(valid)}."
       )
-  if not isinstance(policy.hadamard, bool):
-    raise ValueError(
-      f"hadamard must be True or False, got {policy.hadamard!r}."
-    )
+  for option in ("hadamard", "smooth_k"):
+    if not isinstance(getattr(policy, option), bool):
+      raise ValueError(
+        f"{option} must be True or False, got {getattr(policy, option)!r}."
+      )
   p_scale = policy.p_scale
   if (
     isinstance(p_scale, bool)
@@ -355,12 +365,19 @@ def check_quant_options(policy: Precision) -> None:
   ):
     raise ValueError(f"p_scale must be a finite number > 0, got {p_scale!r}.")
   object.__setattr__(policy, "p_scale", float(p_scale))
-  if policy.scaling != "none" and policy.matmul_operands in WIDE_FORMATS:
-    raise ValueError(
-      f"scaling={policy.scaling!r} needs matmul operands below 16 bits "
-      f"(fp8_e4m3, fp8_e5m2, fp4_e2m1, int8); this policy's are "
-      f"{policy.matmul_operands}."
-    )
+  if policy.matmul_operands in WIDE_FORMATS:
+    # These prepare quantized operands; on wide ones they would be ignored.
+    for option, value in (
+      ("scaling", policy.scaling),
+      ("hadamard", policy.hadamard),
+      ("smooth_k", policy.smooth_k),
+    ):
+      if value != DEFAULT_OPTIONS[option]:
+        raise ValueError(
+          f"{option}={_option_text(value)} needs matmul operands below 16 "
+          f"bits (fp8_e4m3, fp8_e5m2, fp4_e2m1, int8); this policy's are "
+          f"{policy.matmul_operands}."
+        )
 
 
 def _uniform(fmt: str, name: str, **overrides: str) -> Precision:
@@ -426,6 +443,20 @@ def _build_presets() -> dict[str, Precision]:
     softmax_stats="fp32",
     scaling="block",
     hadamard=True,
+    **fp8,
+  )
+  # SageAttention 2's choices (Zhang et al., arXiv 2411.10958) in FP8: K
+  # smoothed, Q and K scaled per token, P scaled by a static 448 and V per
+  # channel, all e4m3. SageAttention 2 itself quantizes Q and K to INT4 or
+  # INT8 (here one operand format serves both matmuls), smooths Q as well,
+  # and accumulates P V in a 22-bit format (here FP32).
+  presets["fp8-sage"] = Precision(
+    name="fp8-sage",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="token",
+    smooth_k=True,
+    p_scale=448.0,
     **fp8,
   )
   return presets

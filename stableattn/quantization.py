@@ -3,19 +3,25 @@
 For a policy whose matmul operands are FP8, FP4 or INT8 (`Precision.
 quantizes`), Q, K and V are prepared once before any implementation runs:
 
+0. `smooth_k`: K minus its FP32 mean over tokens, per (batch, head,
+   channel) (SageAttention): a constant per score row, which softmax
+   removes.
 1. `hadamard`: Q and K are multiplied by one random orthogonal matrix
    R = diag(random signs) H / sqrt(d) (H the Sylvester Hadamard matrix)
    along the head dimension, in FP32. QK^T is unchanged in exact
    arithmetic; an outlier feature is spread over every dimension
    (FlashAttention-3's incoherent processing).
-2. Row scales s = amax * (1 / largest finite value of the format) over
-   each scaling group ("none": 1; "tensor": the whole array; "block": the
-   rows of one kernel tile of one (batch, head)); an all-zero group gets 1.
+2. Scales s = amax * (1 / largest finite value of the format) over each
+   scaling group ("none": 1; "tensor": the whole array; "block": the
+   rows of one kernel tile of one (batch, head); "token": each row of Q
+   and K, each channel (column) of V in one (batch, head)); an all-zero
+   group gets 1.
 
 Inside the kernels (and the reference) an operand x enters its matmul as
 round(x * (1 / s)) and the product is multiplied by the scales afterwards,
 in FP32: S = (Q/s_q)(K/s_k)^T * s_q s_k. P enters P V as
-round(P * p_scale) and the product is multiplied by s_v * (1 / p_scale).
+round(P * p_scale) and the product is multiplied by s_v * (1 / p_scale)
+(per output column when V's scales are per channel).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ HADAMARD_SEED = 0
 
 
 class QuantScales(NamedTuple):
-  """Row scales: q [B, H, T], k and v [B, Hkv, S] (FP32)."""
+  """Scales (FP32): q [B, H, T] and k [B, Hkv, S] per row; v [B, Hkv, S]
+  per row, or [B, Hkv, D] per channel (`v_per_channel`)."""
 
   q: object
   k: object
@@ -71,6 +78,18 @@ def rotate(x, head_dim: int):
   return y * norm
 
 
+def v_per_channel(policy: Precision) -> bool:
+  """Whether V's scales are per channel ([B, Hkv, D]) rather than rows."""
+  return policy.scaling == "token"
+
+
+def channel_scales(v, policy: Precision):
+  """Scales [B, heads, D] of v [B, S, heads, D]: amax over tokens."""
+  largest = LOW_FORMATS[policy.matmul_operands].max_finite
+  amax = jnp.max(jnp.abs(v.astype(jnp.float32)), axis=1)  # [B, H, D]
+  return _scale(amax, largest)
+
+
 def row_scales(x, policy: Precision, block: int):
   """Scales [B, heads, T] of x [B, T, heads, D] for the policy's scaling."""
   batch, length, heads, _ = x.shape
@@ -82,8 +101,10 @@ def row_scales(x, policy: Precision, block: int):
     amax = jnp.max(magnitude)
     scale = _scale(amax, largest)
     return jnp.broadcast_to(scale, (batch, heads, length))
-  padded = -(-length // block) * block
   per_row = jnp.max(magnitude, axis=-1).transpose(0, 2, 1)  # [B, H, T]
+  if policy.scaling == "token":
+    return _scale(per_row, largest)
+  padded = -(-length // block) * block
   per_row = jnp.pad(per_row, ((0, 0), (0, 0), (0, padded - length)))
   amax = per_row.reshape(batch, heads, padded // block, block).max(-1)
   scale = jnp.repeat(_scale(amax, largest), block, axis=-1)
@@ -97,14 +118,22 @@ def _scale(amax, largest: float):
 
 def prepare(q, k, v, policy: Precision, block_q: int, block_k: int):
   """(q, k, v, QuantScales) for a quantizing policy; q and k rotated if
-  `hadamard`. The inputs are already rounded to the `inputs` format."""
+  `hadamard` (k smoothed first if `smooth_k`). The inputs are already
+  rounded to the `inputs` format."""
+  if policy.smooth_k:
+    k = k.astype(jnp.float32)
+    k = k - jnp.mean(k, axis=1, keepdims=True)
   if policy.hadamard:
     q, k = rotate(q, q.shape[-1]), rotate(k, k.shape[-1])
   # Scales are constants to autodiff (straight-through, see below).
   scales = QuantScales(
     q=lax.stop_gradient(row_scales(q, policy, block_q)),
     k=lax.stop_gradient(row_scales(k, policy, block_k)),
-    v=lax.stop_gradient(row_scales(v, policy, block_k)),
+    v=lax.stop_gradient(
+      channel_scales(v, policy)
+      if v_per_channel(policy)
+      else row_scales(v, policy, block_k)
+    ),
   )
   return q, k, v, scales
 
@@ -127,12 +156,20 @@ def straight_through(policy: Precision, padded_qkv, padded_scales):
   """
   ar = PolicyArithmetic(policy)
 
-  def dequantize(x, scale_rows):
-    s = scale_rows.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
+  def dequantize(x, s):
     return ar.round(x * (1.0 / s), "matmul_operands") * s
 
-  dequantized = tuple(
-    dequantize(x, s) for x, s in zip(padded_qkv, padded_scales)
+  def rows(scales):
+    return scales.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
+
+  q, k, v = padded_qkv
+  v_scales = padded_scales.v
+  dequantized = (
+    dequantize(q, rows(padded_scales.q)),
+    dequantize(k, rows(padded_scales.k)),
+    dequantize(
+      v, v_scales[:, None] if v_per_channel(policy) else rows(v_scales)
+    ),
   )
   wide = {
     stage: "fp32"

@@ -18,7 +18,7 @@ from jax import lax
 from stableattn.block_math import no_key_safe, tie_safe_max
 from stableattn.masking import MaskOperands, MaskSpec, allowed_pairs, scores
 from stableattn.precision import Precision
-from stableattn.quantization import QuantScales
+from stableattn.quantization import QuantScales, v_per_channel
 from stableattn.rounding import PolicyArithmetic
 
 
@@ -107,6 +107,11 @@ def _scaled_pv(p, v, ar: PolicyArithmetic, scales):
   if scales is None:
     o = ar.einsum("bkgts,bskd->btkgd", p_hat, v)
     return o * jnp.asarray(1.0 / p_scale, dtype)
+  if v_per_channel(ar.policy):
+    # One scale per output column: it factors out of the sum over keys.
+    channels = scales.v[:, None, :, None, :]  # [B, 1, Hkv, 1, D]
+    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v * (1.0 / scales.v[:, None]))
+    return o * (channels * jnp.asarray(1.0 / p_scale, dtype))
   v_rows = scales.v.transpose(0, 2, 1)[..., None]  # [B, S, Hkv, 1]
   if ar.policy.scaling != "block":
     # One scale for all of V: it factors out of the sum over keys.

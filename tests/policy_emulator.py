@@ -50,7 +50,11 @@ class Emulator:
   def __init__(self, stages: dict[str, str], options: dict | None = None):
     self.stages = dict(stages)
     self.options = dict(
-      scaling="none", p_scale=1.0, hadamard=False, key_order="forward"
+      scaling="none",
+      p_scale=1.0,
+      hadamard=False,
+      key_order="forward",
+      smooth_k=False,
     )
     self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32
@@ -226,6 +230,8 @@ def row_scales(x, em, block):
 
   if scaling == "tensor":
     return np.full((batch, heads, t), scale(mag.max()), np.float32)
+  if scaling == "token":
+    return scale(mag.max(-1)).transpose(0, 2, 1).astype(np.float32)
   out = np.zeros((batch, heads, t), np.float32)
   for b in range(batch):
     for h in range(heads):
@@ -236,8 +242,27 @@ def row_scales(x, em, block):
   return out
 
 
+def channel_scales(v, em):
+  """[B, heads, D] scales of v: amax over tokens / largest value."""
+  largest = np.float32(LARGEST[em.stages["matmul_operands"]])
+  amax = np.abs(v).astype(np.float32).max(axis=1)
+  s = (amax * np.float32(1 / np.float64(largest))).astype(np.float32)
+  return np.where(s > 0, s, np.float32(1))
+
+
+def per_channel(em):
+  return em.options["scaling"] == "token"
+
+
 def quantize_inputs(em, q, k, v, block_q, block_k):
-  """Rotated q, k (if `hadamard`) and the row scales of q, k, v."""
+  """Smoothed k (if `smooth_k`), rotated q, k (if `hadamard`) and the
+  scales of q, k (rows) and v (rows, or channels with token scaling)."""
+  if em.options.get("smooth_k"):
+    k = k.astype(np.float32)
+    total = np.sum(k.astype(np.float64), axis=1, keepdims=True)
+    k = (k - (total.astype(np.float32) / np.float32(k.shape[1]))).astype(
+      np.float32
+    )
   if em.options["hadamard"]:
     signed_h, norm = hadamard_rotation(q.shape[-1])
     q, k = (
@@ -251,14 +276,15 @@ def quantize_inputs(em, q, k, v, block_q, block_k):
     (
       row_scales(q, em, block_q),
       row_scales(k, em, block_k),
-      row_scales(v, em, block_k),
+      channel_scales(v, em) if per_channel(em) else row_scales(v, em, block_k),
     ),
   )
 
 
 def _pv(em, p, vb, sv):
-  """P V: round(P * p_scale) and round(V / s_v) (s_v one value per tile),
-  times s_v / p_scale; the plain product without scaling."""
+  """P V: round(P * p_scale) and round(V / s_v) (s_v one value per tile,
+  or one per column), times s_v / p_scale; the plain product without
+  scaling."""
   c = em.carrier
   p_scale = em.options["p_scale"]
   if sv is None and p_scale == 1.0:
@@ -266,6 +292,9 @@ def _pv(em, p, vb, sv):
   p_hat = em.r((p * c(p_scale)).astype(c), "probs")
   if sv is None:
     return (em.dot(p_hat, vb) * c(1.0 / p_scale)).astype(c)
+  if per_channel(em):
+    pv = em.dot(p_hat, (vb * (c(1) / sv)[None, :]).astype(c))
+    return (pv * (sv * c(1.0 / p_scale)).astype(c)[None, :]).astype(c)
   pv = em.dot(p_hat, (vb * (c(1) / sv)[:, None]).astype(c))
   return (pv * (c(sv[0]) * c(1.0 / p_scale))).astype(c)
 
@@ -311,7 +340,9 @@ def forward(
         head_scales = (  # padding rows repeat the last row's scale
           np.pad(sq[b, h], (0, tp - t), mode="edge"),
           np.pad(sk[b, hk], (0, sp - s_len), mode="edge"),
-          np.pad(sv[b, hk], (0, sp - s_len), mode="edge"),
+          sv[b, hk]
+          if per_channel(em)
+          else np.pad(sv[b, hk], (0, sp - s_len), mode="edge"),
         )
       for qs in range(0, tp, block_q):
         rows = slice(qs, qs + block_q)
@@ -364,7 +395,7 @@ def _forward_rows(
     tile_scales = sv = None
     if scales is not None:
       tile_scales = (scales[0], scales[1][cols])
-      sv = scales[2][cols]
+      sv = scales[2] if per_channel(em) else scales[2][cols]
     s, _ = em.scores(
       qb,
       kb,
@@ -506,10 +537,13 @@ def straight_through(q, k, v, stages, options, block_q, block_k):
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
   seen = []
-  for x, s in zip((q, k, v), scales):
-    rows = s.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
-    scaled = (x * (np.float32(1) / rows)).astype(np.float32)
-    seen.append(em.r(scaled, "matmul_operands") * rows)
+  for name, x, s in zip("qkv", (q, k, v), scales):
+    if name == "v" and per_channel(em):
+      s = s[:, None]  # [B, 1, heads, D]
+    else:
+      s = s.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
+    scaled = (x * (np.float32(1) / s)).astype(np.float32)
+    seen.append(em.r(scaled, "matmul_operands") * s)
   wide = {
     stage: "fp32" if fmt in LARGEST and stage != "inputs" else fmt
     for stage, fmt in stages.items()
@@ -518,7 +552,17 @@ def straight_through(q, k, v, stages, options, block_q, block_k):
 
 
 def backward(
-  q, k, v, d_out, stages, *, block_q, block_k, scheme, causal, options=None,
+  q,
+  k,
+  v,
+  d_out,
+  stages,
+  *,
+  block_q,
+  block_k,
+  scheme,
+  causal,
+  options=None,
   **kw,
 ):
   """(dq, dk, dv) of the flash kernel: delta, dK/dV and dQ passes; then
@@ -620,15 +664,23 @@ def backward(
 
   dk, dv = sum_groups(dk_per_head), sum_groups(dv_per_head)
   grads = [em.r(x, "inputs") for x in (dq, dk, dv)]
-  if (options or {}).get("hadamard"):
+  options = options or {}
+  if options.get("hadamard"):
     # Back through the rotation x R: the gradient times R^T, in FP32.
     signed_h, norm = hadamard_rotation(d)
     for i in (0, 1):
       rotated_back = (grads[i].astype(np.float64) @ signed_h.T).astype(
         np.float32
       )
-      grads[i] = em.r(rotated_back * norm, "inputs")
-  grads = [x.astype(np.float64) for x in grads]
+      grads[i] = (rotated_back * norm).astype(np.float32)
+  if options.get("smooth_k"):
+    # Back through k - mean(k): the gradient minus its mean, in FP32.
+    g = grads[1].astype(np.float32)
+    total = np.sum(g.astype(np.float64), axis=1, keepdims=True)
+    grads[1] = (g - total.astype(np.float32) / np.float32(s_len)).astype(
+      np.float32
+    )
+  grads = [em.r(x, "inputs").astype(np.float64) for x in grads]
   if f.bias is not None:
     grads.append(em.r(d_bias[:, :, :t, :s_len], "grad_accum"))
   if f.sink is not None:

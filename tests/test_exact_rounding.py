@@ -443,6 +443,8 @@ QUANT_POLICIES = [
   "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2",
   "bf16-fa2+matmul_operands=int8+scaling=block",
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
+  "fp8-sage",
+  "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2+scaling=token",
 ]
 
 
@@ -486,6 +488,7 @@ QUANT_BACKWARD = [
   "fp8-baseline",
   "fp8-fa3",
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
+  "fp8-sage",
 ]
 
 
@@ -505,7 +508,13 @@ def test_quantized_backward_matches_emulator(name):
   _, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
   grads = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))
   want = emu.backward(
-    q, k, v, d_out, policy.stages(), scheme="fa2", options=policy.options(),
+    q,
+    k,
+    v,
+    d_out,
+    policy.stages(),
+    scheme="fa2",
+    options=policy.options(),
     **tiles,
   )
   for what, g, w in zip(("dq", "dk", "dv"), grads, want):
