@@ -150,7 +150,7 @@ def probs_times_values(
     pv = ar.dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS)
     return ar.round(pv, "out_accum")
   dtype = p_BqxBk.dtype
-  p_hat = ar.round(p_BqxBk * jnp.asarray(p_scale, dtype), "probs")
+  p_hat = ar.round_probs(p_BqxBk * jnp.asarray(p_scale, dtype))
   if v_scale is None:
     pv = ar.dot(p_hat, v_BkxD, NN_DIMS)
     descale = jnp.asarray(1.0 / p_scale, dtype)

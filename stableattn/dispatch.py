@@ -18,7 +18,12 @@ from stableattn.flash_attention import (
 )
 from stableattn.masking import MaskSpec
 from stableattn.pallas_forward import SCHEMES, KernelConfig
-from stableattn.precision import Precision, require_x64_if_needed, resolve
+from stableattn.precision import (
+  MICRO_GROUPS,
+  Precision,
+  require_x64_if_needed,
+  resolve,
+)
 from stableattn.reference import reference_attention, xla_attention
 from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import check_block_size, check_flag, resolve_interpret
@@ -200,6 +205,13 @@ def kernel_config(
     for_gpu=for_gpu,
     length=kv_len,
   )
+  group = MICRO_GROUPS.get(policy.scaling)
+  if group and block_k % group and kv_len > block_k:
+    raise ValueError(
+      f"scaling={policy.scaling} groups P by {group} keys, so block_k "
+      f"must be a multiple of {group} (got {block_k}): a group may not "
+      "straddle two key tiles."
+    )
   if for_gpu:
     reason = gpu_unsupported_reason(policy) or shared_memory_reason(
       policy, q_shape[3], (block_q, block_k, bwd_block_q, bwd_block_k)

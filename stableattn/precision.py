@@ -291,7 +291,12 @@ QUANT_OPTIONS = {
   # "token": one scale per row of Q and of K (each token) and one per
   # channel of V (a V scale must be constant along the P V sum over keys
   # to be removed after it; SageAttention's choice).
-  "scaling": ("none", "tensor", "block", "token"),
+  # Microscaling, one scale per group of consecutive values along each
+  # matmul's contraction (Q and K along the head dim, P and V along keys),
+  # applied inside the matmul as block-scaled tensor cores do: "mx" (OCP
+  # MX: groups of 32, power-of-two scales) and "nvfp4" (groups of 16,
+  # e4m3 scales times one FP32 scale per tensor; e2m1 values only).
+  "scaling": ("none", "tensor", "block", "token", "mx", "nvfp4"),
   # P is multiplied by this before its cast to `probs` and divided out of
   # P V after it (e.g. 448 or 256 for e4m3, whose subnormals end at 2^-9).
   "p_scale": "a number > 0",
@@ -307,6 +312,8 @@ QUANT_OPTIONS = {
   # softmax removes (SageAttention's smoothing of K; not with a softcap).
   "smooth_k": (False, True),
 }
+# Values per shared scale of each microscaling.
+MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
 DEFAULT_OPTIONS = {
   "scaling": "none",
   "p_scale": 1.0,
@@ -365,6 +372,21 @@ def check_quant_options(policy: Precision) -> None:
   ):
     raise ValueError(f"p_scale must be a finite number > 0, got {p_scale!r}.")
   object.__setattr__(policy, "p_scale", float(p_scale))
+  low_probs = policy.probs not in WIDE_FORMATS
+  if policy.scaling == "nvfp4" and (
+    policy.matmul_operands != "fp4_e2m1"
+    or (low_probs and policy.probs != "fp4_e2m1")
+  ):
+    raise ValueError(
+      "scaling=nvfp4 scales e2m1 values (NVFP4): matmul_operands and a "
+      f"probs format below 16 bits must be fp4_e2m1, not "
+      f"{policy.matmul_operands} and {policy.probs}; or use scaling=mx."
+    )
+  if policy.scaling in MICRO_GROUPS and policy.matmul_operands == "int8":
+    raise ValueError(
+      f"scaling={policy.scaling} is built for float elements (fp8_e4m3, "
+      "fp8_e5m2, fp4_e2m1); int8 takes none, tensor, block or token."
+    )
   if policy.matmul_operands in WIDE_FORMATS:
     # These prepare quantized operands; on wide ones they would be ignored.
     for option, value in (
@@ -458,6 +480,16 @@ def _build_presets() -> dict[str, Precision]:
     smooth_k=True,
     p_scale=448.0,
     **fp8,
+  )
+  # An NVFP4 attention (SageAttention 3's format, arXiv 2505.11594): Q, K,
+  # P and V in e2m1 with one e4m3 scale per 16 values along each matmul's
+  # contraction and one FP32 scale per tensor (P's static); FP32 softmax.
+  presets["fp4-nvfp4"] = Precision(
+    name="fp4-nvfp4",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="nvfp4",
+    **{**fp8, "matmul_operands": "fp4_e2m1", "probs": "fp4_e2m1"},
   )
   return presets
 

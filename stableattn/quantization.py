@@ -33,8 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.precision import DEFAULT_OPTIONS, WIDE_FORMATS, Precision
-from stableattn.rounding import LOW_FORMATS, PolicyArithmetic
+from stableattn.precision import (
+  DEFAULT_OPTIONS,
+  MICRO_GROUPS,
+  WIDE_FORMATS,
+  Precision,
+)
+from stableattn.rounding import LOW_FORMATS, PolicyArithmetic, micro_round
 
 # The rotation's random signs come from this seed (one matrix per head dim).
 HADAMARD_SEED = 0
@@ -90,10 +95,24 @@ def channel_scales(v, policy: Precision):
   return _scale(amax, largest)
 
 
+def microscaled(x, policy: Precision, axis: int):
+  """x [B, T, heads, D] quantized by groups along `axis` (1: tokens, 3:
+  the head dim) with the policy's microscaling, dequantized in FP32."""
+  fmt = policy.matmul_operands
+  tensor_scale = None
+  if policy.scaling == "nvfp4":
+    largest = LOW_FORMATS["fp8_e4m3"].max_finite * LOW_FORMATS[fmt].max_finite
+    tensor_scale = _scale(jnp.max(jnp.abs(x.astype(jnp.float32))), largest)
+  moved = jnp.moveaxis(x, axis, -1)
+  out = micro_round(moved, fmt, policy.scaling, tensor_scale=tensor_scale)
+  return jnp.moveaxis(out, -1, axis)
+
+
 def row_scales(x, policy: Precision, block: int):
-  """Scales [B, heads, T] of x [B, T, heads, D] for the policy's scaling."""
+  """Scales [B, heads, T] of x [B, T, heads, D] for the policy's scaling
+  (1 for microscaling, which `microscaled` applies)."""
   batch, length, heads, _ = x.shape
-  if policy.scaling == "none":
+  if policy.scaling in ("none", *MICRO_GROUPS):
     return jnp.ones((batch, heads, length), jnp.float32)
   largest = LOW_FORMATS[policy.matmul_operands].max_finite
   magnitude = jnp.abs(x.astype(jnp.float32))
@@ -125,6 +144,16 @@ def prepare(q, k, v, policy: Precision, block_q: int, block_k: int):
     k = k - jnp.mean(k, axis=1, keepdims=True)
   if policy.hadamard:
     q, k = rotate(q, q.shape[-1]), rotate(k, k.shape[-1])
+  if policy.scaling in MICRO_GROUPS:
+    # Groups run along each matmul's contraction: Q and K along the head
+    # dim; V along keys (P is grouped inside the kernel, by `round_probs`).
+    # The estimator is straight-through: the gradient passes unchanged.
+    q, k, v = (
+      # Exactly the quantized values (x - x is 0); the gradient is x's.
+      lax.stop_gradient(microscaled(x, policy, axis))
+      + (x - lax.stop_gradient(x)).astype(jnp.float32)
+      for x, axis in ((q, 3), (k, 3), (v, 1))
+    )
   # Scales are constants to autodiff (straight-through, see below).
   scales = QuantScales(
     q=lax.stop_gradient(row_scales(q, policy, block_q)),
@@ -164,12 +193,17 @@ def straight_through(policy: Precision, padded_qkv, padded_scales):
 
   q, k, v = padded_qkv
   v_scales = padded_scales.v
+  # Microscaled operands were prepared as the matmuls see them.
   dequantized = (
-    dequantize(q, rows(padded_scales.q)),
-    dequantize(k, rows(padded_scales.k)),
-    dequantize(
-      v, v_scales[:, None] if v_per_channel(policy) else rows(v_scales)
-    ),
+    padded_qkv
+    if policy.scaling in MICRO_GROUPS
+    else (
+      dequantize(q, rows(padded_scales.q)),
+      dequantize(k, rows(padded_scales.k)),
+      dequantize(
+        v, v_scales[:, None] if v_per_channel(policy) else rows(v_scales)
+      ),
+    )
   )
   wide = {
     stage: "fp32"

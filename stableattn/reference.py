@@ -103,7 +103,7 @@ def _scaled_pv(p, v, ar: PolicyArithmetic, scales):
   the matmul."""
   dtype = p.dtype
   p_scale = ar.policy.p_scale
-  p_hat = ar.round(p * jnp.asarray(p_scale, dtype), "probs")
+  p_hat = ar.round_probs(p * jnp.asarray(p_scale, dtype))
   if scales is None:
     o = ar.einsum("bkgts,bskd->btkgd", p_hat, v)
     return o * jnp.asarray(1.0 / p_scale, dtype)

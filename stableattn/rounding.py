@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.precision import Precision, format_name, to_dtype
+from stableattn.precision import MICRO_GROUPS, Precision, format_name, to_dtype
 
 # (exponent bits, explicit mantissa bits) of each format.
 FORMAT_BITS = {
@@ -253,7 +253,31 @@ class PolicyArithmetic:
     low = self.policy.matmul_operands in LOW_FORMATS  # held in the carrier
     return lax.Precision.HIGHEST if wide or low else lax.Precision.DEFAULT
 
+  @property
+  def microscaled(self) -> bool:
+    """Whether operands are microscaled: Q, K and V arrive quantized and
+    dequantized (`quantization.prepare`), P is quantized by `round_probs`."""
+    return self.policy.scaling in MICRO_GROUPS
+
+  def round_probs(self, p):
+    """P (already times p_scale) as it enters P V: rounded to `probs`, or
+    microscaled along keys. NVFP4's tensor scale of P is static: P * p_scale
+    is at most p_scale."""
+    fmt = self.policy.probs
+    if not self.microscaled or fmt not in LOW_FORMATS:
+      return self.round(p, "probs")
+    largest = LOW_FORMATS["fp8_e4m3"].max_finite * LOW_FORMATS[fmt].max_finite
+    return micro_round(
+      p,
+      fmt,
+      self.policy.scaling,
+      tensor_scale=self.policy.p_scale / largest,
+      casts_round=self.casts_round,
+    ).astype(self.carrier)
+
   def _operand(self, x):
+    if self.microscaled:
+      return self.lift(x)
     if self.policy.matmul_operands in LOW_FORMATS:
       # FP8/FP4/INT8 values are exact in the carrier, whose dot every
       # backend has (the sum is FP32 either way).
@@ -286,3 +310,56 @@ class PolicyArithmetic:
     """A sum accumulated in the carrier and rounded once to `stage`."""
     total = jnp.sum(self.lift(x), axis=axis, keepdims=keepdims)
     return self.round(total, stage)
+
+
+# The largest exponent of each element format's normal numbers (OCP MX).
+_ELEMENT_EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15, "fp4_e2m1": 2}
+
+
+def _floor_log2(x):
+  """floor(log2(x)) of FP32 x > 0 from its exponent bits (-127 for 0)."""
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return ((bits >> 23) & 255) - 127
+
+
+def _power_of_two(n):
+  """2.0 ** n in FP32 for integer n, built from exponent bits (exact)."""
+  n = jnp.clip(n, -126, 127)
+  return lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def micro_round(
+  x, fmt: str, scaling: str, *, tensor_scale=None, casts_round=False
+):
+  """x quantized with one shared scale per group of values along its last
+  axis and dequantized, in FP32 (microscaling; the axis length must be a
+  multiple of the group).
+
+  "mx" (OCP MX v1.0): groups of 32, scale 2^(floor(log2 amax) - emax of
+  the element format), so the largest value may saturate. "nvfp4": groups
+  of 16, scale round_e4m3(amax * (1 / (6 * t))) * t with t the FP32
+  `tensor_scale`; a group whose e4m3 scale is 0 takes 1. Elements round
+  to nearest even and saturate. Each dequantized value is exact in FP32
+  for "mx" (a power-of-two scale), so a block-scaled matmul is the dot of
+  the results. A last axis that is not a multiple of the group is padded
+  with zeros.
+  """
+  group = MICRO_GROUPS[scaling]
+  x = x.astype(jnp.float32)
+  *lead, n = x.shape
+  padded = -(-n // group) * group
+  if padded != n:  # zeros change no group's amax
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, padded - n)])
+  grouped = x.reshape(*lead, padded // group, group)
+  amax = jnp.max(jnp.abs(grouped), axis=-1, keepdims=True)
+  if scaling == "mx":
+    scale = _power_of_two(_floor_log2(amax) - _ELEMENT_EMAX[fmt])
+  else:
+    t = jnp.asarray(tensor_scale, jnp.float32)
+    largest = jnp.asarray(LOW_FORMATS[fmt].max_finite, jnp.float32)
+    block = round_to(
+      amax * (1.0 / (largest * t)), "fp8_e4m3", casts_round=casts_round
+    )
+    scale = jnp.where(block > 0, block, jnp.ones_like(block)) * t
+  elements = round_to(grouped * (1.0 / scale), fmt, casts_round=casts_round)
+  return (elements * scale).reshape(x.shape)[..., :n]

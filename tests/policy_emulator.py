@@ -46,6 +46,38 @@ def cast(x, fmt_name):
     return x.astype(FORMATS[fmt_name]).astype(x.dtype)
 
 
+# Microscaling as documented: values per shared scale, and the largest
+# exponent of each element format's normal numbers (OCP MX v1.0).
+MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
+ELEMENT_EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15, "fp4_e2m1": 2}
+
+
+def micro_round(x, fmt, scaling, tensor_scale=None):
+  """x (FP32) quantized by groups along its last axis (zero-padded to a
+  whole group) and dequantized: "mx" scales 2^(floor(log2 amax) - emax),
+  "nvfp4" scales e4m3(amax / (6 t)) * t (1 * t if that is 0)."""
+  x = np.asarray(x, np.float32)
+  group = MICRO_GROUPS[scaling]
+  *lead, n = x.shape
+  padded = -(-n // group) * group
+  xp = np.zeros((*lead, padded), np.float32)
+  xp[..., :n] = x
+  g = xp.reshape(*lead, padded // group, group)
+  amax = np.abs(g).max(-1, keepdims=True)
+  if scaling == "mx":
+    _, exponent = np.frexp(amax)  # amax = m 2^e, m in [0.5, 1)
+    shared = np.clip(exponent - 1 - ELEMENT_EMAX[fmt], -126, 127)
+    scale = np.ldexp(np.float32(1), shared).astype(np.float32)
+  else:
+    t = np.float32(tensor_scale)
+    inv = np.float32(1) / np.float32(np.float32(6) * t)
+    block = cast((amax * inv).astype(np.float32), "fp8_e4m3")
+    scale = (np.where(block > 0, block, np.float32(1)) * t).astype(np.float32)
+  elements = cast((g * (np.float32(1) / scale)).astype(np.float32), fmt)
+  out = (elements * scale).astype(np.float32).reshape(*lead, padded)
+  return out[..., :n]
+
+
 class Emulator:
   def __init__(self, stages: dict[str, str], options: dict | None = None):
     self.stages = dict(stages)
@@ -63,13 +95,31 @@ class Emulator:
   def quantizes(self):
     return self.stages["matmul_operands"] in LARGEST
 
+  @property
+  def micro(self):
+    return self.options["scaling"] in MICRO_GROUPS
+
   def r(self, x, stage):
     """x rounded to `stage`, held in the carrier."""
     return cast(np.asarray(x, self.carrier), self.stages[stage])
 
+  def round_probs(self, p):
+    """P (times p_scale) as it enters P V; microscaled along keys, with
+    NVFP4's static tensor scale p_scale / (448 * 6)."""
+    fmt = self.stages["probs"]
+    if not self.micro or fmt not in LARGEST:
+      return self.r(p, "probs")
+    t = np.float32(self.options["p_scale"] / (448.0 * 6.0))
+    return micro_round(p, fmt, self.options["scaling"], t)
+
+  def operand(self, x):
+    if self.micro:  # quantized before (Q, K, V) or by round_probs (P)
+      return np.asarray(x, self.carrier)
+    return self.r(x, "matmul_operands")
+
   def dot(self, a, b):
-    a = self.r(a, "matmul_operands").astype(np.float64)
-    b = self.r(b, "matmul_operands").astype(np.float64)
+    a = self.operand(a).astype(np.float64)
+    b = self.operand(b).astype(np.float64)
     return self.r((a @ b).astype(self.carrier), "matmul_accum")
 
   def total(self, x, stage, axis=-1, keepdims=False):
@@ -217,7 +267,7 @@ def row_scales(x, em, block):
   (batch, head)); 1 for an all-zero group or without scaling."""
   batch, t, heads, _ = x.shape
   scaling = em.options["scaling"]
-  if scaling == "none":
+  if scaling == "none" or scaling in MICRO_GROUPS:
     return np.ones((batch, heads, t), np.float32)
   largest = np.float32(LARGEST[em.stages["matmul_operands"]])
   mag = np.abs(x).astype(np.float32)
@@ -269,6 +319,17 @@ def quantize_inputs(em, q, k, v, block_q, block_k):
       ((x.astype(np.float64) @ signed_h).astype(np.float32) * norm)
       for x in (q, k)
     )
+  if em.micro:
+    fmt, scaling = em.stages["matmul_operands"], em.options["scaling"]
+
+    def tensor_scale(x):
+      s = np.float32(np.abs(x).max()) * np.float32(1 / (448.0 * 6.0))
+      return s if s > 0 else np.float32(1)
+
+    q, k = (micro_round(x, fmt, scaling, tensor_scale(x)) for x in (q, k))
+    v = np.moveaxis(
+      micro_round(np.moveaxis(v, 1, -1), fmt, scaling, tensor_scale(v)), -1, 1
+    )
   return (
     q,
     k,
@@ -289,7 +350,7 @@ def _pv(em, p, vb, sv):
   p_scale = em.options["p_scale"]
   if sv is None and p_scale == 1.0:
     return em.dot(em.r(p, "probs"), vb)
-  p_hat = em.r((p * c(p_scale)).astype(c), "probs")
+  p_hat = em.round_probs((p * c(p_scale)).astype(c))
   if sv is None:
     return (em.dot(p_hat, vb) * c(1.0 / p_scale)).astype(c)
   if per_channel(em):
@@ -536,7 +597,11 @@ def straight_through(q, k, v, stages, options, block_q, block_k):
   em = Emulator(stages, options)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
-  seen = []
+  if em.micro:
+    seen = [q, k, v]
+    scales = ()
+  else:
+    seen = []
   for name, x, s in zip("qkv", (q, k, v), scales):
     if name == "v" and per_channel(em):
       s = s[:, None]  # [B, 1, heads, D]

@@ -445,6 +445,9 @@ QUANT_POLICIES = [
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
   "fp8-sage",
   "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2+scaling=token",
+  "fp8-fa3+scaling=mx",
+  "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=mx",
+  "fp4-nvfp4",
 ]
 
 
@@ -482,6 +485,41 @@ def test_quantized_policies_match_emulator(name):
     assert ulps_at_largest(want, got, "fp16") <= 2.0
 
 
+@pytest.mark.parametrize(
+  "name", ["fp8-fa3+scaling=mx", "fp4-nvfp4+probs=fp16+inputs=bf16"]
+)
+def test_microscaling_matches_emulator_across_groups(name):
+  # Head dim 64 and 100 keys in tiles of 32: several groups per row of Q
+  # and K, groups of P and V along keys within and across tiles, and a
+  # last group that is partly padding.
+  policy = sa.Precision.from_name(name)
+  q, k, v = _inputs(60, (40, 100, 2, 1, 64))
+  k[0, 7, 0, :32] *= 4.0  # one group with a larger scale
+  for implementation in ("pallas", "reference"):
+    out = sa.attention(
+      q,
+      k,
+      v,
+      precision=policy,
+      implementation=implementation,
+      block_q=16,
+      block_k=32,
+    )
+    emulate = emu.forward if implementation == "pallas" else emu.reference
+    tiles = dict(block_q=16, block_k=32, scheme="fa2")
+    want = emulate(
+      q,
+      k,
+      v,
+      policy.stages(),
+      causal=False,
+      options=policy.options(),
+      **(tiles if implementation == "pallas" else {}),
+    )
+    want = want[0] if implementation == "pallas" else want
+    _check(want, np.asarray(out.astype(jnp.float64)), "fp16", name)
+
+
 # The straight-through backward of quantizing policies (head dim 16: the
 # rotation's 1/sqrt(d) is exact).
 QUANT_BACKWARD = [
@@ -489,6 +527,7 @@ QUANT_BACKWARD = [
   "fp8-fa3",
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
   "fp8-sage",
+  "fp4-nvfp4",
 ]
 
 

@@ -209,12 +209,22 @@ def test_every_feature_lowers_for_cuda(name):
   assert text.count("__gpu$xla.gpu.triton") == 4
 
 
-@pytest.mark.parametrize("precision", ["fp8-baseline", "fp8-fa3"])
-def test_fp8_forward_lowers_for_cuda(precision):
-  """FP8 policies (scales, rotation, saturating casts) lower to Triton."""
+LOW_PRESETS = [
+  p for p in sa.preset_names() if sa.Precision.from_name(p).quantizes
+]
+
+
+@pytest.mark.parametrize("precision", [*LOW_PRESETS, "fp8-fa3+scaling=mx"])
+def test_low_precision_forward_and_backward_lower_for_cuda(precision):
+  """Policies below 16 bits (scales per tile, token or channel, rotation,
+  smoothing, microscaling, saturating casts) lower to Triton, forward and
+  the straight-through backward."""
   q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float16)
-  fn = jax.jit(
-    lambda q, k, v: sa.attention(q, k, v, precision=precision, interpret=False)
-  )
+
+  def loss(q, k, v):
+    out = sa.attention(q, k, v, precision=precision, interpret=False)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1
+  assert text.count("__gpu$xla.gpu.triton") == 4
