@@ -24,6 +24,9 @@ _FORMATS = {
   "fp8_e5m2": jnp.float8_e5m2,
   "fp4_e2m1": jnp.float4_e2m1fn,
   "int8": jnp.int8,
+  # FP32's range with 13 fraction bits, held in FP32: the width Hopper's
+  # FP8 tensor cores accumulate in (SageAttention 2 calls it FP22).
+  "fp22": jnp.float32,
 }
 # The formats every stage can take and each has presets (and a study axis).
 WIDE_FORMATS = ("fp64", "fp32", "fp16", "bf16")
@@ -46,6 +49,7 @@ _ALIASES = {
   "e2m1": "fp4_e2m1",
   "fp4": "fp4_e2m1",
   "float4_e2m1fn": "fp4_e2m1",
+  "e8m13": "fp22",
 }
 # Mantissa bits (explicit fraction bits) of each format, for reports; int8
 # has 7 magnitude bits.
@@ -58,9 +62,12 @@ MANTISSA_BITS = {
   "fp8_e5m2": 2,
   "fp4_e2m1": 1,
   "int8": 7,
+  "fp22": 13,
 }
 # Where int8 is allowed: an integer format holds quantized matmul operands.
 INT8_STAGES = ("matmul_operands",)
+# Where fp22 is allowed: a tensor core's accumulator.
+FP22_STAGES = ("matmul_accum",)
 
 STAGES = (
   "inputs",
@@ -160,6 +167,11 @@ class Precision:
           f"int8 can only be the format of {list(INT8_STAGES)} (quantized "
           f"operands of a matmul, with scaling), not of {stage!r}; use "
           "fp8_e4m3, fp8_e5m2 or fp4_e2m1 below 16 bits there."
+        )
+      if getattr(self, stage) == "fp22" and stage not in FP22_STAGES:
+        raise ValueError(
+          f"fp22 can only be the format of {list(FP22_STAGES)} (an FP8 "
+          f"tensor core's accumulator), not of {stage!r}."
         )
     check_quant_options(self)
 

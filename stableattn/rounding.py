@@ -51,6 +51,7 @@ FORMAT_BITS = {
   "fp16": (5, 10),
   "fp32": (8, 23),
   "fp64": (11, 52),
+  "fp22": (8, 13),
 }
 
 
@@ -101,6 +102,16 @@ def _round_low(x, fmt: str):
   if f.saturates:
     return jnp.where(beyond, jnp.sign(x) * limit, rounded)
   return jnp.where(beyond, jnp.sign(x) * jnp.inf, rounded)
+
+
+def _round_fp32_bits(x, mantissa_bits: int):
+  """FP32 x rounded to nearest even at `mantissa_bits` fraction bits, on
+  its bit pattern (a carry into the exponent is the next binade, or inf)."""
+  drop = 23 - mantissa_bits
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  lowest_kept = (bits >> drop) & 1
+  bits = (bits + ((1 << (drop - 1)) - 1) + lowest_kept) & ~((1 << drop) - 1)
+  return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def carrier_dtype(policy: Precision) -> np.dtype:
@@ -178,6 +189,10 @@ def round_to(x, fmt: str, *, casts_round: bool = False):
     x = x.astype(jnp.float32)
   if not _needs_rounding(_format_of(x.dtype), fmt):
     return x
+  if casts_round and fmt == "fp22" and x.dtype == jnp.float32:
+    # No dtype to cast to: round the FP32 bits (what reduce_precision does
+    # in XLA, which has no Triton lowering).
+    return _round_fp32_bits(x, FORMAT_BITS[fmt][1])
   if casts_round and fmt in LOW_FORMATS:
     # Clamp first: the hardware's saturating conversion (an e4m3fn cast
     # of a value beyond 448 would give NaN); int8 rounds, then converts.

@@ -36,8 +36,11 @@ LARGEST = {**SATURATING, "fp8_e5m2": 57344.0}
 
 def cast(x, fmt_name):
   """x rounded to a format (a NumPy/ml_dtypes cast; saturating formats
-  clip first, int8 rounds half to even), back in x's dtype."""
+  clip first, int8 rounds half to even; fp22, FP32 with 13 fraction bits,
+  by integer arithmetic on the FP32 bits), back in x's dtype."""
   x = np.asarray(x)
+  if fmt_name == "fp22":
+    return _fp22(x.astype(np.float32)).astype(x.dtype)
   if fmt_name in SATURATING:
     x = np.clip(x, -SATURATING[fmt_name], SATURATING[fmt_name])
   if fmt_name == "int8":
@@ -76,6 +79,15 @@ def micro_round(x, fmt, scaling, tensor_scale=None):
   elements = cast((g * (np.float32(1) / scale)).astype(np.float32), fmt)
   out = (elements * scale).astype(np.float32).reshape(*lead, padded)
   return out[..., :n]
+
+
+def _fp22(x):
+  """Nearest even at 13 fraction bits: add half an ulp of the kept bits
+  (less one unless the lowest kept bit is set) and clear the dropped bits."""
+  bits = x.view(np.uint32).astype(np.uint64)
+  kept_lsb = (bits >> 10) & 1
+  bits = ((bits + 0x1FF + kept_lsb) & ~np.uint64(0x3FF)).astype(np.uint32)
+  return bits.view(np.float32)
 
 
 class Emulator:

@@ -448,6 +448,8 @@ QUANT_POLICIES = [
   "fp8-fa3+scaling=mx",
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=mx",
   "fp4-nvfp4",
+  "fp8-fa3+matmul_accum=fp22",
+  "bf16-fa2+matmul_accum=fp22",
 ]
 
 
@@ -566,7 +568,9 @@ def test_quantized_backward_matches_emulator(name):
     assert ulps_at_largest(w, got, "fp16") <= 2.0, what
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8"])
+@pytest.mark.parametrize(
+  "fmt", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8", "fp22"]
+)
 @pytest.mark.parametrize("casts_round", [False, True])
 def test_low_formats_round_like_ml_dtypes(fmt, casts_round):
   """To nearest even, subnormals exact, e4m3/e2m1/int8 saturating."""

@@ -214,7 +214,10 @@ LOW_PRESETS = [
 ]
 
 
-@pytest.mark.parametrize("precision", [*LOW_PRESETS, "fp8-fa3+scaling=mx"])
+@pytest.mark.parametrize(
+  "precision",
+  [*LOW_PRESETS, "fp8-fa3+scaling=mx", "fp8-sage+matmul_accum=fp22"],
+)
 def test_low_precision_forward_and_backward_lower_for_cuda(precision):
   """Policies below 16 bits (scales per tile, token or channel, rotation,
   smoothing, microscaling, saturating casts) lower to Triton, forward and

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from stableattn.experiments.forward.fa3_fp8 import table3_claims
 from stableattn import quantization as sa_quantization
+from stableattn.experiments.forward.fa3_fp8 import table3_claims
 from stableattn.quantization import hadamard_matrix, row_scales
 
 
