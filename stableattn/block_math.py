@@ -152,13 +152,13 @@ def probs_times_values(
   dtype = p_BqxBk.dtype
   p_hat = ar.round_probs(p_BqxBk * jnp.asarray(p_scale, dtype))
   if v_scale is None:
-    pv = ar.dot(p_hat, v_BkxD, NN_DIMS)
+    pv = ar.dot(p_hat, v_BkxD, NN_DIMS, probs=True)
     descale = jnp.asarray(1.0 / p_scale, dtype)
   elif per_channel:
-    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[None, :], NN_DIMS)
+    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[None, :], NN_DIMS, probs=True)
     descale = (v_scale * jnp.asarray(1.0 / p_scale, dtype))[None, :]
   else:
-    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS)
+    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS, probs=True)
     # One value over the tile (a max: Triton cannot slice a vector).
     descale = jnp.max(v_scale) * jnp.asarray(1.0 / p_scale, dtype)
   return ar.round(pv * descale, "out_accum")

@@ -3,9 +3,8 @@
 For a policy whose matmul operands are FP8, FP4 or INT8 (`Precision.
 quantizes`), Q, K and V are prepared once before any implementation runs:
 
-0. `smooth_k`: K minus its FP32 mean over tokens, per (batch, head,
-   channel) (SageAttention): a constant per score row, which softmax
-   removes.
+0. `smooth_k`: K minus its mean over tokens, per (batch, head, channel)
+   (SageAttention): a constant per score row, which softmax removes.
 1. `hadamard`: Q and K are multiplied by one random orthogonal matrix
    R = diag(random signs) H / sqrt(d) (H the Sylvester Hadamard matrix)
    along the head dimension, in FP32. QK^T is unchanged in exact
@@ -83,6 +82,15 @@ def rotate(x, head_dim: int):
   return y * norm
 
 
+def smoothing_mean(k):
+  """K's mean over tokens [B, 1, H, D], rounded to BF16: any constant per
+  channel leaves softmax unchanged, and a coarse one does not depend on
+  the order of the FP32 sum (nor on XLA turning / n into * (1 / n))."""
+  total = jnp.sum(k, axis=1, keepdims=True)
+  mean = total * jnp.asarray(1.0 / k.shape[1], jnp.float32)
+  return mean.astype(jnp.bfloat16).astype(jnp.float32)
+
+
 def v_per_channel(policy: Precision) -> bool:
   """Whether V's scales are per channel ([B, Hkv, D]) rather than rows."""
   return policy.scaling == "token"
@@ -141,7 +149,9 @@ def prepare(q, k, v, policy: Precision, block_q: int, block_k: int):
   rounded to the `inputs` format."""
   if policy.smooth_k:
     k = k.astype(jnp.float32)
-    k = k - jnp.mean(k, axis=1, keepdims=True)
+    # A constant to autodiff: attention's dK sums to zero over tokens, so
+    # the mean's own gradient term is zero in exact arithmetic.
+    k = k - lax.stop_gradient(smoothing_mean(k))
   if policy.hadamard:
     q, k = rotate(q, q.shape[-1]), rotate(k, k.shape[-1])
   if policy.scaling in MICRO_GROUPS:

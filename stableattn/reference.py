@@ -105,22 +105,24 @@ def _scaled_pv(p, v, ar: PolicyArithmetic, scales):
   p_scale = ar.policy.p_scale
   p_hat = ar.round_probs(p * jnp.asarray(p_scale, dtype))
   if scales is None:
-    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v)
+    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v, probs=True)
     return o * jnp.asarray(1.0 / p_scale, dtype)
   if v_per_channel(ar.policy):
     # One scale per output column: it factors out of the sum over keys.
     channels = scales.v[:, None, :, None, :]  # [B, 1, Hkv, 1, D]
-    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v * (1.0 / scales.v[:, None]))
+    o = ar.einsum(
+      "bkgts,bskd->btkgd", p_hat, v * (1.0 / scales.v[:, None]), probs=True
+    )
     return o * (channels * jnp.asarray(1.0 / p_scale, dtype))
   v_rows = scales.v.transpose(0, 2, 1)[..., None]  # [B, S, Hkv, 1]
   if ar.policy.scaling != "block":
     # One scale for all of V: it factors out of the sum over keys.
-    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v * (1.0 / v_rows))
+    o = ar.einsum("bkgts,bskd->btkgd", p_hat, v * (1.0 / v_rows), probs=True)
     return o * (scales.v[0, 0, 0] * jnp.asarray(1.0 / p_scale, dtype))
   v_dequantized = ar.round(v * (1.0 / v_rows), "matmul_operands") * v_rows
   o = jnp.einsum(
     "bkgts,bskd->btkgd",
-    ar.round(p_hat, "matmul_operands"),
+    p_hat,  # in `probs`, as the kernel's P enters its P V
     v_dequantized,
     precision=lax.Precision.HIGHEST,
     preferred_element_type=ar.carrier,

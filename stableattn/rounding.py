@@ -299,10 +299,18 @@ class PolicyArithmetic:
       return self.round(x, "matmul_operands")
     return self.stored(x, "matmul_operands")
 
-  def dot(self, a, b, dims):
-    """A block matmul: operands in `matmul_operands`; the sum rounded once."""
+  def _first_operand(self, a, probs: bool):
+    # Below 16 bits P enters P V in its own format, `probs` (e5m2 P with
+    # e4m3 V, as FP8 tensor cores allow, or FP16 P): never re-rounded.
+    if probs and self.policy.quantizes:
+      return self.lift(a)
+    return self._operand(a)
+
+  def dot(self, a, b, dims, *, probs: bool = False):
+    """A block matmul: operands in `matmul_operands` (a is P, already in
+    `probs`, if `probs`); the sum rounded once."""
     out = lax.dot_general(
-      self._operand(a),
+      self._first_operand(a, probs),
       self._operand(b),
       dims,
       precision=self._matmul_precision,
@@ -310,11 +318,11 @@ class PolicyArithmetic:
     )
     return self.round(out, "matmul_accum")
 
-  def einsum(self, spec: str, a, b):
+  def einsum(self, spec: str, a, b, *, probs: bool = False):
     """`dot` for an einsum spec (the reference implementation's matmuls)."""
     out = jnp.einsum(
       spec,
-      self._operand(a),
+      self._first_operand(a, probs),
       self._operand(b),
       precision=self._matmul_precision,
       preferred_element_type=self.carrier,

@@ -129,8 +129,13 @@ class Emulator:
       return np.asarray(x, self.carrier)
     return self.r(x, "matmul_operands")
 
-  def dot(self, a, b):
-    a = self.operand(a).astype(np.float64)
+  def dot(self, a, b, probs=False):
+    """a @ b from operands in `matmul_operands`; below 16 bits P (a, if
+    `probs`) enters P V as it is, in `probs`."""
+    if probs and self.quantizes:
+      a = np.asarray(a, self.carrier).astype(np.float64)
+    else:
+      a = self.operand(a).astype(np.float64)
     b = self.operand(b).astype(np.float64)
     return self.r((a @ b).astype(self.carrier), "matmul_accum")
 
@@ -320,9 +325,11 @@ def quantize_inputs(em, q, k, v, block_q, block_k):
   """Smoothed k (if `smooth_k`), rotated q, k (if `hadamard`) and the
   scales of q, k (rows) and v (rows, or channels with token scaling)."""
   if em.options.get("smooth_k"):
+    # The documented mean: FP32 sum times FP32 1/n, rounded to BF16.
     k = k.astype(np.float32)
     total = np.sum(k.astype(np.float64), axis=1, keepdims=True)
-    k = (k - (total.astype(np.float32) / np.float32(k.shape[1]))).astype(
+    mean = total.astype(np.float32) * np.float32(1.0 / k.shape[1])
+    k = (k - mean.astype(ml_dtypes.bfloat16).astype(np.float32)).astype(
       np.float32
     )
   if em.options["hadamard"]:
@@ -364,11 +371,11 @@ def _pv(em, p, vb, sv):
     return em.dot(em.r(p, "probs"), vb)
   p_hat = em.round_probs((p * c(p_scale)).astype(c))
   if sv is None:
-    return (em.dot(p_hat, vb) * c(1.0 / p_scale)).astype(c)
+    return (em.dot(p_hat, vb, probs=True) * c(1.0 / p_scale)).astype(c)
   if per_channel(em):
-    pv = em.dot(p_hat, (vb * (c(1) / sv)[None, :]).astype(c))
+    pv = em.dot(p_hat, (vb * (c(1) / sv)[None, :]).astype(c), probs=True)
     return (pv * (sv * c(1.0 / p_scale)).astype(c)[None, :]).astype(c)
-  pv = em.dot(p_hat, (vb * (c(1) / sv)[:, None]).astype(c))
+  pv = em.dot(p_hat, (vb * (c(1) / sv)[:, None]).astype(c), probs=True)
   return (pv * (c(sv[0]) * c(1.0 / p_scale))).astype(c)
 
 
@@ -575,9 +582,7 @@ def _reference_pv(em, p, v, sv):
   v_dq = (
     em.r((v * (c(1) / sv)[:, None]).astype(c), "matmul_operands") * sv[:, None]
   )
-  wide = em.r(p_hat, "matmul_operands").astype(np.float64) @ v_dq.astype(
-    c
-  ).astype(np.float64)
+  wide = p_hat.astype(np.float64) @ v_dq.astype(c).astype(np.float64)
   pv = em.r(wide.astype(c), "matmul_accum")
   return (pv * c(1.0 / p_scale)).astype(c)
 
@@ -750,13 +755,7 @@ def backward(
         np.float32
       )
       grads[i] = (rotated_back * norm).astype(np.float32)
-  if options.get("smooth_k"):
-    # Back through k - mean(k): the gradient minus its mean, in FP32.
-    g = grads[1].astype(np.float32)
-    total = np.sum(g.astype(np.float64), axis=1, keepdims=True)
-    grads[1] = (g - total.astype(np.float32) / np.float32(s_len)).astype(
-      np.float32
-    )
+  # k - mean(k) passes dK unchanged: the mean is a constant (documented).
   grads = [em.r(x, "inputs").astype(np.float64) for x in grads]
   if f.bias is not None:
     grads.append(em.r(d_bias[:, :, :t, :s_len], "grad_accum"))

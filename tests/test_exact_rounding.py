@@ -449,6 +449,8 @@ QUANT_POLICIES = [
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=mx",
   "fp4-nvfp4",
   "fp8-fa3+matmul_accum=fp22",
+  "fp8-sage+probs=fp8_e5m2",  # e5m2 P with e4m3 V
+  "bf16-fa2+matmul_operands=int8+scaling=token+probs=fp16",
   "bf16-fa2+matmul_accum=fp22",
 ]
 

@@ -31,7 +31,13 @@ def test_presets_and_ablations_read_back_and_print_every_choice():
 @pytest.mark.parametrize(
   "name, message",
   [
-    ("fp8-fa3+scaling=mx", r"valid: \['none', 'tensor', 'block', 'token'\]"),
+    (
+      "fp8-fa3+scaling=mp",
+      r"valid: \['none', 'tensor', 'block', 'token', 'mx'",
+    ),
+    ("fp8-fa3+scaling=nvfp4", "fp4_e2m1"),
+    ("fp8-fa3+matmul_operands=int8+probs=fp16+scaling=mx", "float elements"),
+    ("fp8-fa3+scores=fp22", "fp22 can only be"),
     ("fp8-fa3+smooth_k=perhaps", "valid: on, off"),
     ("bf16-fa2+hadamard=on", "below 16 bits"),
     ("bf16-fa2+smooth_k=on", "below 16 bits"),
