@@ -13,14 +13,27 @@ import numpy as np
 
 from stableattn.precision import to_dtype
 
-DISTRIBUTIONS = ("normal", "uniform", "outliers", "tied_maxima", "scaled")
+DISTRIBUTIONS = (
+  "normal",
+  "uniform",
+  "outliers",
+  "tied_maxima",
+  "scaled",
+  "key_bias",
+)
 DESCRIPTIONS = {
   "normal": "standard normal N(0, 1)",
   "uniform": "uniform [0, 1), what torch.rand gives",
   "outliers": "N(0,1) + N(0,100) * Bernoulli(0.001) (FlashAttention-3)",
   "tied_maxima": "rows won by bit-identical keys, one-sign V (Qiu & Yao)",
   "scaled": "N(0, 1) times a scale, to stress fp16 range",
+  "key_bias": (
+    "N(0, 1), K plus one offset per (batch, head, channel) shared by every "
+    "token, N(0, 3^2) (the channel bias SageAttention finds in K)"
+  ),
 }
+# Standard deviation of K's per-channel offsets in "key_bias".
+KEY_BIAS_STD = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +189,14 @@ def make_inputs(
     return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.kv_shape)
   if distribution == "tied_maxima":
     return _tied_maxima(rng, shape, tied or TiedMaximaSpec())
+  if distribution == "key_bias":
+    q, k, v = (
+      rng.standard_normal(s)
+      for s in (shape.q_shape, shape.kv_shape, shape.kv_shape)
+    )
+    batch, _, kv_heads, head_dim = shape.kv_shape
+    offsets = KEY_BIAS_STD * rng.standard_normal((batch, 1, kv_heads, head_dim))
+    return q, k + offsets, v
   if distribution == "scaled":
     return tuple(
       scale * rng.standard_normal(s)

@@ -9,6 +9,9 @@ import pytest
 import stableattn as sa
 from stableattn import quantization as sa_quantization
 from stableattn.experiments.forward.fa3_fp8 import table3_claims
+from stableattn.experiments.forward.fp8_stages import stage_claims
+from stableattn.experiments.forward.fp8_underflow import underflow_claims
+from stableattn.experiments.forward.sage_fp8 import sage_claims
 from stableattn.quantization import hadamard_matrix, row_scales
 
 
@@ -170,3 +173,70 @@ def test_table3_claims_are_computed_from_rows():
   assert values[10.0] == pytest.approx(1.0) and values[100.0] is None
   with pytest.raises(ValueError, match="no setting"):
     table3_claims(_rows(64, 10.0, fp8_fa3=1.0))
+
+
+def _at(comparison, rmse, policy="p", **where):
+  return {
+    "comparison": comparison,
+    "rmse_mean": rmse,
+    "policy": policy,
+    **where,
+  }
+
+
+def test_underflow_claims_are_computed_from_rows():
+  where = dict(distribution="outliers", causal=False)
+  rows = [
+    _at("P only: forward, P x1", 2.0, **where),
+    _at("P only: reversed, P x256", 1.0, **where),  # MSE 4x lower
+    _at("P only: reversed, P x1", 1.9, **where),  # 1.1x: helps
+    _at("P only: forward, P x256", 2.0, **where),  # 1.0x: does not
+  ]
+  claims = underflow_claims(rows)
+  assert list(claims) == ["P only"]
+  assert claims["P only"]["fix"]["verdict"] == "reproduced"
+  assert claims["P only"]["fix"]["settings"][0]["value"] == pytest.approx(4.0)
+  assert claims["P only"]["order"]["verdict"] == "reproduced"
+  assert claims["P only"]["scale"]["verdict"] == "not reproduced"
+  with pytest.raises(ValueError, match="no setting"):
+    underflow_claims(rows[:1])
+
+
+def test_sage_claims_judge_smoothing_only_where_k_has_a_bias():
+  rows = []
+  for dist, no_smoothing in (("key_bias", 2.0), ("normal", 1.0)):
+    where = dict(distribution=dist, head_dim=64)
+    rows += [
+      _at("sage", 1.0, **where),
+      _at("no_smoothing", no_smoothing, **where),
+      _at("per_block", 1.2, **where),
+      _at("p_e5m2", 1.02, **where),  # within noise: not "less accurate"
+      _at("p_fp16", 0.95, **where),
+    ]
+  claims = sage_claims(rows)
+  assert [m["distribution"] for m in claims["smoothing"]["settings"]] == [
+    "key_bias"
+  ]
+  assert claims["smoothing"]["verdict"] == "reproduced"
+  assert claims["granularity"]["verdict"] == "reproduced"
+  assert claims["p_e4m3"]["verdict"] == "reproduced"
+  assert claims["p_e5m2"]["verdict"] == "not reproduced"
+  with pytest.raises(ValueError, match="no setting"):
+    sage_claims([r for r in rows if r["comparison"] != "sage"])
+
+
+def test_stage_claims_are_computed_from_rows():
+  where = dict(distribution="normal", head_dim=64)
+  rows = [
+    _at("all (fp8-fa3)", 1.0, **where),
+    _at("all, fp22 accumulator", 1.3, **where),
+    _at("P only", 0.4, **where),
+    _at("Q, K, V only", 0.9, **where),
+  ]
+  claims = stage_claims(rows)
+  assert claims["fp22"]["verdict"] == "not reproduced"
+  assert claims["dominant"] == [
+    {**where, "p_only": pytest.approx(0.4), "qkv_only": pytest.approx(0.9)}
+  ]
+  with pytest.raises(ValueError, match="no setting"):
+    stage_claims(rows[:2])

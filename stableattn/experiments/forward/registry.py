@@ -17,6 +17,9 @@ STUDY_MODULES = (
   "tied_maxima",
   "backward",
   "features",
+  "fp8_underflow",
+  "sage_fp8",
+  "fp8_stages",
 )
 
 
