@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import stableattn as sa
 from configs import audit as audit_config
 from stableattn.experiments import audit
 
@@ -177,3 +180,27 @@ def test_python_api_audits_gradients_too():
   assert all("on dq" in f or "on dk" in f or "on dv" in f for f in bad.failures)
   with pytest.raises(ValueError, match="repeats must be an integer >= 2"):
     sa.audit(audit_kernels.correct, repeats=1)
+
+
+def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(
+  tmp_path,
+):
+  # "auto" below 16 bits: the kernel runs the audited FP8 policy itself.
+  settings = audit.settings_from_config(_config("pallas", precisions="fp8-fa3"))
+  policy = sa.Precision.from_name("fp8-fa3")
+  q = np.random.default_rng(0).standard_normal((1, 64, 1, 32))
+  q = jnp.asarray(q, jnp.float16)
+  np.testing.assert_array_equal(
+    np.asarray(audit.kernel_fn(settings, policy)(q, q, q, causal=False)),
+    np.asarray(sa.attention(q, q, q, precision=policy)),
+  )
+  fp8 = {**FAST, "precisions": "fp8-fa3"}
+  result = audit.run(_config("pallas", **fp8), tmp_path)
+  assert result["passed"], result["failures"]
+  # The FP8 baseline errs more than an FP16 one, so the rule is looser
+  # there; a kernel with a wrong softmax scale still fails it.
+  bad = audit.run(
+    _config("audit_kernels:wrong_scale", **fp8),
+    tmp_path / "bad",
+  )
+  assert bad["passed"] is False

@@ -73,11 +73,14 @@ def settings_from_config(c) -> Settings:
 
 def kernel_fn(s: Settings, policy: Precision):
   """The audited function; our implementations run under their own policy
-  at the input format ("auto": Flash's for pallas, eager's otherwise)."""
+  at the input format ("auto": Flash's for pallas, eager's otherwise;
+  below 16 bits, where no policy is natural, the audited policy itself)."""
   if s.kernel not in IMPLEMENTATIONS:
     return resolve(s.kernel)
   own = s.kernel_precision
-  if own == "auto":
+  if own == "auto" and policy.quantizes:
+    own = policy
+  elif own == "auto":
     fmt = format_name(policy.dtype("inputs"))
     own = natural_policy(fmt, "flash" if s.kernel == "pallas" else "baseline")
   return resolve(s.kernel, precision=own)
