@@ -62,6 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # A kernel to train with beside the others (pair candidate_vs_baseline):
   # a name of stableattn.attention_fns or "package.module:function".
   c.attention.candidate = ""
+  # A flash policy below 16 bits (e.g. "fp8-fa3") to train with beside the
+  # others (pair low_precision_vs_baseline); "": no such run.
+  c.attention.low_precision = ""
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # compute format of the base run

@@ -390,3 +390,36 @@ def test_a_candidate_that_does_not_resolve_is_one_clear_error():
   config.pairs = "candidate_vs_baseline"
   with pytest.raises(ValueError, match="needs config.attention.candidate"):
     training_drift.settings_from_config(config)
+
+
+def test_fp8_flash_trains_as_a_subject_against_every_reference(tmp_path):
+  config = drift_config.get_config("smoke")
+  config.attention.low_precision = "fp8-fa3"
+  config.pairs = "low_precision_vs_baseline,flash_vs_baseline,different_seed"
+  settings = training_drift.settings_from_config(config)
+  assert settings.runs["flash_low"].attention.flash_precision == "fp8-fa3"
+  result = training_drift.run(config, tmp_path)
+  ratios = result["ratios"]["low_precision_vs_baseline"]
+  assert set(ratios) == {"different_seed"}
+  drift = [
+    r
+    for r in _rows(tmp_path)
+    if r["kind"] == "drift" and r["pair"] == "low_precision_vs_baseline"
+  ]
+  assert drift and all(np.isfinite(r["wasserstein"]) for r in drift)
+  assert drift[-1]["wasserstein"] > 0
+
+
+@pytest.mark.parametrize(
+  "low, message",
+  [("bf16-fa2", "below 16 bits"), ("fp9", "Unknown precision preset")],
+)
+def test_low_precision_pair_needs_a_quantizing_policy(low, message):
+  config = drift_config.get_config("smoke")
+  config.attention.low_precision = low
+  with pytest.raises(ValueError, match=message):
+    training_drift.settings_from_config(config)
+  config = drift_config.get_config("smoke")
+  config.pairs = "low_precision_vs_baseline"
+  with pytest.raises(ValueError, match="needs config.attention.low_precision"):
+    training_drift.settings_from_config(config)

@@ -76,6 +76,15 @@ PAIRS = (
     "subject",
     requires="attention.candidate",
   ),
+  # Flash attention below 16 bits in training (forward quantized, backward
+  # straight-through): --config.attention.low_precision=fp8-fa3.
+  Pair(
+    "low_precision_vs_baseline",
+    "base",
+    "flash_low",
+    "subject",
+    requires="attention.low_precision",
+  ),
 )
 BY_NAME = {p.name: p for p in PAIRS}
 

@@ -141,10 +141,28 @@ def _pairs(c, devices: int) -> tuple[str, ...]:
   for name in names:
     if BY_NAME[name].requires and not _set(c, BY_NAME[name]):
       raise ValueError(
-        f"pair {name!r} needs config.{BY_NAME[name].requires} (a kernel "
-        "name or 'package.module:function')."
+        f"pair {name!r} needs config.{BY_NAME[name].requires} "
+        f"({REQUIRED_TEXT[BY_NAME[name].requires]})."
       )
   return tuple(p for p in names if devices >= BY_NAME[p].min_devices)
+
+
+REQUIRED_TEXT = {
+  "attention.candidate": "a kernel name or 'package.module:function'",
+  "attention.low_precision": "a policy below 16 bits, e.g. fp8-fa3",
+}
+
+
+def _low_precision(c) -> str:
+  name = str(c.attention.low_precision).strip()
+  policy = Precision.from_name(name)
+  if not policy.quantizes:
+    raise ValueError(
+      f"attention.low_precision {name!r} has {policy.matmul_operands} "
+      "matmul operands; give a policy below 16 bits, e.g. fp8-fa3, "
+      "fp8-sage or fp4-nvfp4."
+    )
+  return policy.name
 
 
 def _set(c, pair) -> bool:
@@ -217,6 +235,8 @@ def _run_spec(c, variant: Variant, devices: int) -> RunSpec:
   kind = str(c.attention[variant.attention]).strip()
   compare = str(c.attention.compare)
   flash_policy = _policy(c.attention.flash_precision, "pallas", precision)
+  if variant.low_precision:
+    flash_policy = _low_precision(c)
   attention = AttentionSpec(
     kind=kind,
     flash_precision=flash_policy + variant.flash_stages,

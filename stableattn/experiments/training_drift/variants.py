@@ -25,6 +25,8 @@ class Variant:
       (`config.attention.fix_beta`): Qiu & Yao's fix in the flash kernel.
     flash_stages: stage changes appended to the flash kernel's policy,
       e.g. "+out_accum=bf16" (see `stableattn.Precision.from_name`).
+    low_precision: the flash kernel runs `config.attention.low_precision`
+      (a policy below 16 bits, e.g. fp8-fa3) instead of its own.
     init_seed: the initialization seed (replicates fold their number in).
     replica: a second copy of an identical run.
     single_device: train on one device instead of `config.train.devices`.
@@ -34,6 +36,7 @@ class Variant:
   precision: str | None = None
   tie_beta: str | None = None
   flash_stages: str = ""
+  low_precision: bool = False
   init_seed: int = 0
   replica: int = 0
   single_device: bool = False
@@ -50,4 +53,5 @@ VARIANTS = {
   "fp16": Variant(precision="fp16"),
   "one_device": Variant(single_device=True),
   "candidate": Variant(attention="candidate"),
+  "flash_low": Variant(attention="flash", low_precision=True),
 }
