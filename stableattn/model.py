@@ -12,7 +12,13 @@ GELU MLP, and tied input/output embeddings. Attention is one of:
     collected, reports their per-layer deviation (Golden et al. ran both
     attentions inside the model the same way).
 With `collect_stats=True` every layer also reports its largest attention
-logit and the mean entropy of its attention rows.
+logit, the mean entropy of its attention rows and the share of rows whose
+largest logit is tied (Qiu & Yao's biased rounding starts there).
+
+Stability options (Wortsman et al., arXiv 2309.14322): `ModelSpec.qk_norm`
+normalizes each head's queries and keys (RMSNorm over the head dim, with
+a learned scale) before attention, which bounds the logits;
+`AttentionSpec.softcap` caps them (softcap * tanh(s / softcap), Gemma 2).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class AttentionSpec:
   scheme: str = "fa2"
   shadow_downstream: str = "reference"  # which output "shadow" passes on
   tie_beta: float | None = None  # Qiu & Yao's fix in the flash kernel
+  softcap: float | None = None  # attention logits capped at +-softcap
 
   def __post_init__(self):
     if self.kind not in ATTENTION_KINDS:
@@ -70,6 +77,7 @@ class ModelSpec:
   heads: int = 4
   max_len: int = 128
   mlp_ratio: int = 4
+  qk_norm: bool = False  # RMSNorm of each head's q and k (Wortsman et al.)
 
 
 def _flash(q, k, v, spec: AttentionSpec):
@@ -84,6 +92,7 @@ def _flash(q, k, v, spec: AttentionSpec):
     scheme=spec.scheme,
     causal=True,
     tie_beta=spec.tie_beta,
+    softcap=spec.softcap,
   )
 
 
@@ -95,11 +104,14 @@ def _baseline(q, k, v, spec: AttentionSpec, implementation="reference"):
     implementation=implementation,
     precision=spec.baseline_precision,
     causal=True,
+    softcap=spec.softcap,
   )
 
 
 def attention_statistics(q_BxTxHxD, k_BxTxHxD):
-  """Largest logit and mean row entropy of causal attention, in FP32."""
+  """Largest logit, mean row entropy and the share of rows (with two keys
+  or more) whose largest logit is tied, of causal attention; logits in
+  FP32 from q and k as given (a flash kernel's FP32 scores)."""
   q = jax.lax.stop_gradient(q_BxTxHxD).astype(jnp.float32)
   k = jax.lax.stop_gradient(k_BxTxHxD).astype(jnp.float32)
   s = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
@@ -108,7 +120,13 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD):
   s = jnp.where(causal, s, -jnp.inf)
   log_p = jax.nn.log_softmax(s, axis=-1)
   entropy = -jnp.sum(jnp.where(causal, jnp.exp(log_p) * log_p, 0.0), -1)
-  return {"max_logit": jnp.max(s), "entropy": jnp.mean(entropy)}
+  at_max = jnp.sum(s == jnp.max(s, axis=-1, keepdims=True), axis=-1)
+  tied = jnp.mean((at_max[..., 1:] > 1).astype(jnp.float32))
+  return {
+    "max_logit": jnp.max(s),
+    "entropy": jnp.mean(entropy),
+    "tied_max_share": tied,
+  }
 
 
 class RMSNorm(nnx.Module):
@@ -133,6 +151,10 @@ class SelfAttention(nnx.Module):
       return nnx.Linear(spec.width, spec.width, use_bias=False, rngs=rngs)
 
     self.query, self.key, self.value, self.out = (linear() for _ in range(4))
+    if spec.qk_norm:
+      self.query_norm = RMSNorm(self.head_dim)
+      self.key_norm = RMSNorm(self.head_dim)
+    self.qk_norm = spec.qk_norm
 
   def __call__(self, x_BxTxW, collect_stats: bool = False):
     batch, length, width = x_BxTxW.shape
@@ -140,6 +162,8 @@ class SelfAttention(nnx.Module):
     q = self.query(x_BxTxW).reshape(shape)
     k = self.key(x_BxTxW).reshape(shape)
     v = self.value(x_BxTxW).reshape(shape)
+    if self.qk_norm:
+      q, k = self.query_norm(q), self.key_norm(k)
     spec = self.attention_spec
     stats = {}
     if spec.kind == "shadow":

@@ -49,6 +49,9 @@ class RunSpec:
   replica: int = 0  # distinguishes an identical rerun from its original
   init_loss_scale: float = 2.0**15
   loss_scale_period: int = 200
+  # Weight of the z-loss, mean(log Z)^2 of the output logits (PaLM;
+  # Wortsman et al. use 1e-4 against output-logit divergence); 0: none.
+  z_loss: float = 0.0
 
   def __post_init__(self):
     if self.precision not in COMPUTE_DTYPES:
@@ -182,10 +185,14 @@ class Trainer:
     return loss, (logits, stats)
 
   def _loss(self, params, batch, loss_scale):
-    loss, _ = self._next_token_loss(self.graphdef, params, batch)
-    return loss * loss_scale, loss
+    loss, (logits, _) = self._next_token_loss(self.graphdef, params, batch)
+    objective = loss
+    if self.run.z_loss:
+      log_z = jax.nn.logsumexp(logits, axis=-1)
+      objective = loss + self.run.z_loss * jnp.mean(log_z**2)
+    return objective * loss_scale, loss
 
-  def _step_impl(self, state: TrainState, batch):
+  def _step_impl(self, state: TrainState, batch, lr_scale):
     grads, loss = jax.grad(self._loss, has_aux=True)(
       state.params, batch, state.loss_scale
     )
@@ -194,6 +201,7 @@ class Trainer:
       jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
     )
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    updates = jax.tree.map(lambda u: u * lr_scale, updates)
     params = optax.apply_updates(state.params, updates)
     loss_scale, good_steps = state.loss_scale, state.good_steps
     if self.run.dynamic_loss_scale:
@@ -224,8 +232,10 @@ class Trainer:
       params, opt_state, loss_scale, good_steps, state.step + 1
     ), metrics
 
-  def step(self, state: TrainState, batch: jax.Array):
-    return self._step(state, batch)
+  def step(self, state: TrainState, batch: jax.Array, lr_scale: float = 1.0):
+    """One update; `lr_scale` multiplies the learning rate (a traced
+    value: a learning-rate sweep compiles the step once)."""
+    return self._step(state, batch, jnp.asarray(lr_scale, jnp.float32))
 
   def _eval_impl(self, params, batch):
     loss, (logits, stats) = self._next_token_loss(

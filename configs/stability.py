@@ -1,0 +1,95 @@
+"""Training-stability experiment (Wortsman et al. 2023's learning-rate
+sensitivity, Flash against Baseline).
+
+Run:
+  python launch/stability.py --workdir=runs/stability
+  python launch/stability.py --workdir=runs/stability_smoke \
+      --config=configs/stability.py:smoke
+
+Variants: default (sized for at most 20 minutes on 2 CPU cores), `smoke`
+(seconds; tests), `paper` (a wider grid, more replicates, every
+mitigation), `gpu` (a larger model and context, for one GPU).
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Attention variants: baseline (reference, natural policy), flash (our
+  # kernel, natural policy), flash_bf16 (every stage in BF16).
+  c.variants = "baseline,flash,flash_bf16"
+  # A registry kernel or "package.module:function" swept beside them.
+  c.candidate = ""
+  # A flash policy below 16 bits (e.g. "fp8-fa3") swept beside them.
+  c.low_precision = ""
+  # none, qk_norm, z_loss, softcap, tie_beta: each arm is swept with each.
+  c.mitigations = "none,qk_norm"
+  # How strong each mitigation is.
+  c.strengths = ml_collections.ConfigDict()
+  c.strengths.z_loss = 1e-4  # Wortsman et al.'s weight
+  c.strengths.softcap = 30.0  # attention logits capped at +-30
+  c.strengths.tie_beta = 2.0  # Qiu & Yao's fix in the flash kernel
+
+  c.model = ml_collections.ConfigDict()
+  c.model.width = 64
+  c.model.depth = 2
+  c.model.heads = 2
+  c.model.seq_len = 64
+  c.model.mlp_ratio = 4
+
+  c.attention = ml_collections.ConfigDict()
+  c.attention.block_q = 32
+  c.attention.block_k = 32
+
+  c.train = ml_collections.ConfigDict()
+  c.train.precision = "bf16"  # every variant trains in this format
+  # Baseline is also trained in this format, the reference difference
+  # ("": none).
+  c.train.reference_precision = "fp32"
+  # A log grid wide enough to reach divergence.
+  c.train.learning_rates = "1e-3,3e-3,1e-2,3e-2,1e-1,3e-1,1"
+  c.train.replicates = 2
+  c.train.steps = 100
+  c.train.warmup_steps = 10
+  c.train.batch_size = 8
+  c.train.log_every = 25
+  # A training loss above this times ln 256 (a uniform guess) diverged.
+  c.train.divergence_factor = 1.5
+
+  c.data = ml_collections.ConfigDict()
+  c.data.corpus = "python_stdlib"
+  c.data.seed = 0
+  c.data.corpus_tokens = 1 << 18
+
+  if arg == "smoke":
+    c.variants = "baseline,flash"
+    c.model.width, c.model.depth, c.model.seq_len = 32, 1, 32
+    c.attention.block_q = c.attention.block_k = 16
+    c.train.learning_rates = "1e-2,1"
+    c.train.replicates = 1
+    c.train.steps = 6
+    c.train.warmup_steps = 2
+    c.train.batch_size = 4
+    c.train.log_every = 3
+    c.data.corpus = "generated"
+  elif arg == "paper":
+    c.mitigations = "none,qk_norm,z_loss,softcap,tie_beta"
+    c.train.learning_rates = "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1,1,3"
+    c.train.replicates = 3
+    c.train.steps = 300
+    c.train.warmup_steps = 30
+  elif arg == "gpu":
+    c.model.width, c.model.depth, c.model.heads = 256, 4, 4
+    c.model.seq_len = 256
+    c.attention.block_q = c.attention.block_k = 64
+    c.train.replicates = 3
+    c.train.steps = 1000
+    c.train.warmup_steps = 100
+    c.train.batch_size = 32
+    c.train.log_every = 100
+  elif arg not in (None, "", "default"):
+    raise ValueError(
+      f"Unknown config variant {arg!r}; valid: default, smoke, paper, gpu."
+    )
+  return c

@@ -1,0 +1,276 @@
+"""report.md, headline.json and the figures of the stability experiment;
+every number is computed from the rows in metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+from stableattn.experiments.reporting import num, table
+from stableattn.experiments.stability import analysis
+from stableattn.experiments.stability.settings import Settings
+from stableattn.plotting import Series, line_panels
+
+
+def numbers_of(s: Settings, rows) -> dict:
+  """Arm name -> `analysis.arm_numbers`, for arms with a complete grid.
+
+  Raises ValueError when no arm has one (no verdict from no rows)."""
+  out = {}
+  for arm in s.arms:
+    numbers = analysis.arm_numbers(
+      rows, arm.name, s.learning_rates, s.clip_loss
+    )
+    if numbers:
+      out[arm.name] = numbers
+  if not out:
+    raise ValueError(
+      "stability: no arm has final rows at every learning rate of one "
+      "replicate; there is nothing to judge yet."
+    )
+  return out
+
+
+def _interval_dict(i):
+  return None if i is None else i.as_dict()
+
+
+def verdicts(s: Settings, numbers: dict) -> dict:
+  """Flash (and every other variant) against Baseline, BF16 against FP32
+  training, each mitigation against none, and Wortsman et al.'s
+  qualitative result, from the arms' numbers."""
+  precision = s.arms[0].precision
+  mitigations = sorted({a.mitigation for a in s.arms}, key=_mitigation_order)
+  variants = [
+    v for v in dict.fromkeys(a.variant for a in s.arms) if v != "baseline"
+  ]
+  out = {"variants": {}, "mitigations": {}, "precision": {}}
+  for m in mitigations:
+    base = numbers.get(f"baseline/{precision}/{m}")
+    reference = numbers.get(f"baseline/{s.reference_precision}/{m}")
+    ref_s = ref_l = None
+    if base and reference:
+      ref_s = analysis.paired_difference(base, reference, "lr_sensitivity")
+      ref_l = analysis.paired_difference(
+        base, reference, "largest_stable_lr", log2=True
+      )
+      out["precision"][m] = _comparison(ref_s, ref_l, None, None)
+    for v in variants:
+      arm = numbers.get(f"{v}/{precision}/{m}")
+      if not (arm and base):
+        continue
+      d_s = analysis.paired_difference(arm, base, "lr_sensitivity")
+      d_l = analysis.paired_difference(
+        arm, base, "largest_stable_lr", log2=True
+      )
+      out["variants"][f"{v} ({m})"] = _comparison(d_s, d_l, ref_s, ref_l)
+  for m in mitigations:
+    if m == "none":
+      continue
+    for v in ["baseline", *variants]:
+      with_m = numbers.get(f"{v}/{precision}/{m}")
+      without = numbers.get(f"{v}/{precision}/none")
+      if with_m and without:
+        d_s = analysis.paired_difference(with_m, without, "lr_sensitivity")
+        d_l = analysis.paired_difference(
+          with_m, without, "largest_stable_lr", log2=True
+        )
+        out["mitigations"][f"{m}: {v}"] = _comparison(d_s, d_l, None, None)
+  out["wortsman"] = _wortsman(s, numbers, precision)
+  return out
+
+
+def _mitigation_order(m):
+  return (m != "none", m)
+
+
+def _comparison(d_s, d_l, ref_s, ref_l) -> dict:
+  return {
+    "lr_sensitivity_difference": _interval_dict(d_s),
+    "lr_sensitivity": analysis.change_verdict(d_s, ref_s),
+    "largest_stable_lr_log2_difference": _interval_dict(d_l),
+    "largest_stable_lr": analysis.change_verdict(d_l, ref_l),
+  }
+
+
+def _wortsman(s, numbers, precision) -> dict:
+  """Without qk-norm the largest attention logit grows with the learning
+  rate and the top of the grid diverges; qk-norm lowers the sensitivity."""
+  out = {}
+  for v in dict.fromkeys(a.variant for a in s.arms):
+    arm = numbers.get(f"{v}/{precision}/none")
+    if not arm:
+      continue
+    grid = sorted(arm["max_logit"])
+    means = [
+      _mean([x for x in arm["max_logit"][lr] if x is not None]) for lr in grid
+    ]
+    growth = analysis.slope(grid, means)
+    qk = numbers.get(f"{v}/{precision}/qk_norm")
+    qk_diff = (
+      analysis.paired_difference(qk, arm, "lr_sensitivity") if qk else None
+    )
+    out[v] = {
+      "max_logit_slope": growth,
+      "logit_grows": growth is not None and growth > 0,
+      "top_diverges": any(arm["diverged_at_top"]),
+      "top_unstable": any(
+        lr is None or lr < max(grid) for lr in arm["largest_stable_lr"]
+      ),
+      "qk_norm_sensitivity_difference": _interval_dict(qk_diff),
+      "qk_norm": analysis.change_verdict(qk_diff),
+    }
+  return out
+
+
+def _mean(values):
+  return sum(values) / len(values) if values else None
+
+
+def headline(s: Settings, numbers: dict, judged: dict) -> dict:
+  arms = {}
+  for name, n in numbers.items():
+    sens = analysis.interval(n["lr_sensitivity"])
+    stable = analysis.interval(n["largest_stable_lr"], log2=True)
+    arms[name] = {
+      "lr_sensitivity": _interval_dict(sens),
+      "largest_stable_lr": _interval_dict(stable),
+      "largest_stable_lr_per_replicate": n["largest_stable_lr"],
+      "diverged_at_top_lr": n["diverged_at_top"],
+    }
+  return {
+    "arms": arms,
+    "verdicts": judged,
+    "learning_rates": list(s.learning_rates),
+  }
+
+
+def write_report(s: Settings, run_dir, rows) -> dict:
+  numbers = numbers_of(s, rows)
+  judged = verdicts(s, numbers)
+  result = headline(s, numbers, judged)
+  run_dir.write_text("headline.json", json.dumps(result, indent=2) + "\n")
+  figures = _figures(s, numbers, run_dir.path)
+  run_dir.write_text("report.md", _markdown(s, numbers, judged, figures))
+  return result
+
+
+def _answer_lines(judged) -> list[str]:
+  lines = []
+  for name, c in judged["variants"].items():
+    lines.append(
+      f"- **{name} against Baseline**: LR sensitivity "
+      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}; "
+      f"largest stable LR (log2) "
+      f"{_diff_text(c['largest_stable_lr_log2_difference'])}: "
+      f"{c['largest_stable_lr']}."
+    )
+  for m, c in judged["precision"].items():
+    lines.append(
+      f"- **BF16 against FP32 training, Baseline ({m})**: LR sensitivity "
+      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}."
+    )
+  for name, c in judged["mitigations"].items():
+    lines.append(
+      f"- **{name}** against no mitigation: LR sensitivity "
+      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}."
+    )
+  for v, w in judged["wortsman"].items():
+    slope = (
+      "-" if w["max_logit_slope"] is None else f"{w['max_logit_slope']:.2f}"
+    )
+    grows = "grows" if w["logit_grows"] else "does not grow"
+    lines.append(
+      f"- **Wortsman et al., {v}**: largest attention logit against LR, "
+      f"log-log slope {slope} ({grows}); "
+      f"top LR diverges: {'yes' if w['top_diverges'] else 'no'}; "
+      f"qk-norm: {w['qk_norm']}."
+    )
+  return lines
+
+
+def _diff_text(d) -> str:
+  if d is None:
+    return "-"
+  if d["low"] is None:
+    return f"{num(d['mean'])} (n={d['count']})"
+  return f"{num(d['mean'])} [{num(d['low'])}, {num(d['high'])}]"
+
+
+def _markdown(s, numbers, judged, figures) -> str:
+  rows = []
+  for name, n in numbers.items():
+    sens = analysis.interval(n["lr_sensitivity"])
+    stable = analysis.interval(n["largest_stable_lr"], log2=True)
+    rows.append(
+      [
+        name,
+        sens.text(),
+        "none" if stable is None else stable.text(),
+        f"{sum(n['diverged_at_top'])}/{len(n['diverged_at_top'])}",
+      ]
+    )
+  lines = [
+    "# Training stability: learning-rate sensitivity, Flash against Baseline",
+    "",
+    f"*What ran:* arms {[a.name for a in s.arms]} (variant/format/"
+    f"mitigation); learning rates {list(s.learning_rates)}; {s.replicates} "
+    f"replicate(s); {s.steps} steps, warmup {s.warmup_steps}, batch "
+    f"{s.batch_size}, sequence {s.seq_len}; model width {s.model.width}, "
+    f"depth {s.model.depth}, {s.model.heads} heads. A run diverges when "
+    f"its training loss is not finite or exceeds {num(s.divergence_loss)}; "
+    f"final losses are clipped at ln 256 = {num(s.clip_loss)}.",
+    "",
+    "## The answer",
+    "",
+    "Differences are paired by replicate (same initialization and data "
+    "order), mean [95% interval]; 'told apart' means the interval excludes "
+    "0.",
+    "",
+    *_answer_lines(judged),
+    "",
+    *[f"![{f}]({f})" for f in figures],
+    "",
+    "## Per arm",
+    "",
+    table(
+      ["arm", "LR sensitivity", "largest stable LR", "diverged at the top LR"],
+      rows,
+    ),
+    "",
+  ]
+  return "\n".join(lines)
+
+
+def _figures(s, numbers, out_dir) -> list[str]:
+  grid = list(s.learning_rates)
+  loss_panels, logit_panels = {}, {}
+  for name, n in numbers.items():
+    variant, precision, mitigation = name.split("/")
+    label = f"{variant}/{precision}"
+    loss_panels.setdefault(mitigation, []).append(
+      Series(label, grid, [_mean(n["final_loss"][lr]) for lr in grid])
+    )
+    logit_panels.setdefault(mitigation, []).append(
+      Series(
+        label,
+        grid,
+        [
+          _mean([x for x in n["max_logit"][lr] if x is not None]) for lr in grid
+        ],
+      )
+    )
+  line_panels(
+    out_dir / "stability_loss.png",
+    loss_panels,
+    title="Final loss against learning rate (Wortsman et al., Fig. 1)",
+    xlabel="peak learning rate",
+    ylabel="final loss (clipped)",
+  )
+  line_panels(
+    out_dir / "stability_logits.png",
+    logit_panels,
+    title="Largest attention logit during training",
+    xlabel="peak learning rate",
+    ylabel="max logit",
+  )
+  return ["stability_loss.png", "stability_logits.png"]

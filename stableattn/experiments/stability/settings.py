@@ -1,0 +1,189 @@
+"""The stability experiment's configuration, validated into typed settings.
+
+An *arm* is one attention variant, trained in one format, with one
+mitigation; every arm is swept over the same learning rates, in the same
+replicates (each its own initialization and data order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from stableattn.attention_fns import resolve
+from stableattn.experiments.config_values import as_tuple, field
+from stableattn.model import AttentionSpec, ModelSpec
+from stableattn.precision import Precision, natural_policy
+from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
+
+# Attention variants: name -> (implementation, policy; "natural": the
+# kernel's natural policy at the training format).
+VARIANTS = {
+  "baseline": ("reference", "natural"),
+  "flash": ("pallas", "natural"),
+  # Flash with every stage in BF16 (the paper's emulation).
+  "flash_bf16": ("pallas", "bf16"),
+}
+# Mitigations (Wortsman et al. 2023; Qiu & Yao 2025) and what each sets.
+MITIGATIONS = ("none", "qk_norm", "z_loss", "softcap", "tie_beta")
+CORPORA = ("generated", "python_stdlib")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  variant: str
+  precision: str
+  mitigation: str
+
+  @property
+  def name(self) -> str:
+    return f"{self.variant}/{self.precision}/{self.mitigation}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  model: ModelSpec
+  arms: tuple[Arm, ...]
+  runs: dict  # Arm -> (ModelSpec, RunSpec)
+  learning_rates: tuple[float, ...]
+  replicates: int
+  steps: int
+  warmup_steps: int
+  batch_size: int
+  seq_len: int
+  log_every: int
+  divergence_loss: float  # a training loss above this has diverged
+  clip_loss: float  # final losses are clipped here (the initial loss)
+  corpus: str
+  corpus_tokens: int
+  data_seed: int
+  reference_precision: str  # the format the baseline is also trained in
+
+  def optimizer(self) -> OptimizerSpec:
+    """A unit peak learning rate; each run scales it (one compiled step
+    per arm for the whole sweep)."""
+    return OptimizerSpec(
+      learning_rate=1.0,
+      warmup_steps=self.warmup_steps,
+      total_steps=self.steps,
+    )
+
+
+def settings_from_config(config) -> Settings:
+  """Validates the ConfigDict (fails fast, one clear line) into settings."""
+  c = config
+  model = ModelSpec(
+    width=field(c, "model.width", minimum=1),
+    depth=field(c, "model.depth", minimum=1),
+    heads=field(c, "model.heads", minimum=1),
+    max_len=field(c, "model.seq_len", minimum=2),
+    mlp_ratio=field(c, "model.mlp_ratio", minimum=1),
+  )
+  if model.width % model.heads:
+    raise ValueError(
+      f"model.width {model.width} is not divisible by model.heads "
+      f"{model.heads}."
+    )
+  precision = _choice(c.train.precision, "train.precision", COMPUTE_DTYPES)
+  reference = str(c.train.reference_precision).strip()
+  if reference:
+    _choice(reference, "train.reference_precision", COMPUTE_DTYPES)
+  variants = _variants(c)
+  mitigations = as_tuple(c.mitigations)
+  for m in mitigations:
+    _choice(m, "mitigations", MITIGATIONS)
+  if not mitigations:
+    raise ValueError(f"config.mitigations is empty; valid: {MITIGATIONS}.")
+  arms = [Arm(v, precision, m) for m in mitigations for v in variants]
+  if reference and reference != precision:
+    arms += [Arm("baseline", reference, m) for m in mitigations]
+  learning_rates = tuple(float(x) for x in as_tuple(c.train.learning_rates))
+  if len(learning_rates) < 2 or any(
+    not math.isfinite(x) or x <= 0 for x in learning_rates
+  ):
+    raise ValueError(
+      f"config.train.learning_rates must hold two or more positive numbers "
+      f"(a log grid), got {c.train.learning_rates!r}."
+    )
+  vocab = model.vocab_size
+  settings = Settings(
+    model=model,
+    arms=tuple(arms),
+    runs={},
+    learning_rates=tuple(sorted(learning_rates)),
+    replicates=field(c, "train.replicates", minimum=1),
+    steps=field(c, "train.steps", minimum=1),
+    warmup_steps=field(c, "train.warmup_steps", minimum=0),
+    batch_size=field(c, "train.batch_size", minimum=1),
+    seq_len=field(c, "model.seq_len", minimum=2),
+    log_every=field(c, "train.log_every", minimum=1),
+    divergence_loss=float(c.train.divergence_factor) * math.log(vocab),
+    clip_loss=math.log(vocab),
+    corpus=_choice(c.data.corpus, "data.corpus", CORPORA),
+    corpus_tokens=field(c, "data.corpus_tokens", minimum=1),
+    data_seed=field(c, "data.seed", minimum=0),
+    reference_precision=reference,
+  )
+  runs = {arm: _run(c, arm, model) for arm in arms}
+  return dataclasses.replace(settings, runs=runs)
+
+
+def _variants(c) -> tuple[str, ...]:
+  names = list(as_tuple(c.variants))
+  for name in names:
+    _choice(name, "variants", VARIANTS)
+  candidate = str(c.get("candidate", "") or "").strip()
+  if candidate:
+    resolve(candidate)  # one clear line for a name that does not resolve
+    names.append("candidate")
+  low = str(c.get("low_precision", "") or "").strip()
+  if low:
+    if not Precision.from_name(low).quantizes:
+      raise ValueError(
+        f"config.low_precision {low!r} is not below 16 bits; give e.g. "
+        "fp8-fa3, fp8-sage or fp4-nvfp4."
+      )
+    names.append("low_precision")
+  if not names:
+    raise ValueError(f"config.variants is empty; valid: {list(VARIANTS)}.")
+  return tuple(names)
+
+
+def _run(c, arm: Arm, model: ModelSpec) -> tuple[ModelSpec, RunSpec]:
+  """The model and run of one arm."""
+  if arm.variant == "candidate":
+    kind, policy = str(c.candidate).strip(), "fp32"
+  elif arm.variant == "low_precision":
+    kind, policy = "pallas", Precision.from_name(str(c.low_precision)).name
+  else:
+    kind, policy = VARIANTS[arm.variant]
+  if policy == "natural":
+    role = "flash" if kind == "pallas" else "baseline"
+    policy = natural_policy(arm.precision, role)
+  m = arm.mitigation
+  softcap = float(c.strengths.softcap) if m == "softcap" else None
+  tie_beta = float(c.strengths.tie_beta) if m == "tie_beta" else None
+  if m == "tie_beta" and kind != "pallas":
+    tie_beta = None  # the fix lives in the flash kernel; others run as is
+  attention = AttentionSpec(
+    kind=kind,
+    flash_precision=policy if kind == "pallas" else "fp32",
+    baseline_precision=policy if kind != "pallas" else "fp32",
+    block_q=field(c, "attention.block_q", minimum=1),
+    block_k=field(c, "attention.block_k", minimum=1),
+    tie_beta=tie_beta,
+    softcap=softcap,
+  )
+  run = RunSpec(
+    attention=attention,
+    precision=arm.precision,
+    z_loss=float(c.strengths.z_loss) if m == "z_loss" else 0.0,
+  )
+  return dataclasses.replace(model, qk_norm=m == "qk_norm"), run
+
+
+def _choice(value, name: str, valid) -> str:
+  value = str(value).strip()
+  if value not in valid:
+    raise ValueError(f"config.{name}: unknown {value!r}; valid: {list(valid)}.")
+  return value

@@ -1,0 +1,150 @@
+"""Training the cells of the sweep: one arm, one learning rate, one
+replicate each. A cell is short, so a stopped sweep resumes cell by cell:
+cells with a final row are not trained again."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from stableattn import data as data_lib
+from stableattn.experiments.stability.settings import Arm, Settings
+from stableattn.training import Trainer
+
+
+def load_tokens(s: Settings) -> tuple[np.ndarray, np.ndarray]:
+  """(training tokens, held-out tokens)."""
+  if s.corpus == "python_stdlib":
+    train, held_out = data_lib.stdlib_corpus()
+  else:
+    train = held_out = data_lib.generate_corpus(s.corpus_tokens, s.data_seed)
+  data_lib.check_length(train, s.seq_len)
+  data_lib.check_length(held_out, s.seq_len)
+  return train, held_out
+
+
+def spectral_norms(params, heads: int) -> list[list[float]]:
+  """Largest singular value of each head's block of W_Q, per layer."""
+  out = []
+  for block in params["blocks"].values():
+    w = np.asarray(block.attention.query.kernel[...], np.float64)
+    per_head = w.reshape(w.shape[0], heads, -1).transpose(1, 0, 2)
+    out.append([float(np.linalg.norm(h, 2)) for h in per_head])
+  return out
+
+
+def _log_row(trainer, state, eval_batch, heads: int) -> dict:
+  logits, loss, layer_stats = trainer.evaluate(state, eval_batch)
+  log_z = np.asarray(jax.nn.logsumexp(logits, axis=-1), np.float64)
+  stats = jax.device_get(layer_stats)
+  spectral = spectral_norms(state.params, heads)
+  return {
+    "eval_loss": float(loss),
+    "max_logit": max(float(x["max_logit"]) for x in stats),
+    "tied_max_share": float(np.mean([x["tied_max_share"] for x in stats])),
+    "log_z_mean": float(np.mean(log_z)),
+    "log_z_max": float(np.max(log_z)),
+    "wq_spectral": spectral,
+    "wq_spectral_max": max(max(layer) for layer in spectral),
+  }
+
+
+def train_cell(
+  trainer, s: Settings, arm: Arm, lr: float, replicate: int, tokens, eval_batch
+):
+  """Rows of one cell: a "log" row every `log_every` steps and a "final"
+  row. A run whose training loss is not finite or exceeds the divergence
+  threshold stops there; it is a row (diverged, with its step), not an
+  error, and its final loss is the clip value."""
+  tag = {
+    "arm": arm.name,
+    "variant": arm.variant,
+    "precision": arm.precision,
+    "mitigation": arm.mitigation,
+    "lr": lr,
+    "replicate": replicate,
+  }
+  heads = s.model.heads
+  state = trainer.init_state(replicate)
+  rows, diverged_at, train_loss = [], None, float("nan")
+  for step in range(s.steps):
+    batch = data_lib.batch_at(
+      tokens,
+      seed=s.data_seed,
+      step=step,
+      batch_size=s.batch_size,
+      seq_len=s.seq_len,
+      replicate=replicate,
+    )
+    state, metrics = trainer.step(state, trainer.shard_batch(batch), lr)
+    train_loss = float(metrics["loss"])
+    if not math.isfinite(train_loss) or train_loss > s.divergence_loss:
+      diverged_at = step + 1
+      break
+    if (step + 1) % s.log_every == 0 or step + 1 == s.steps:
+      row = _log_row(trainer, state, eval_batch, heads)
+      rows.append(
+        {
+          "kind": "log",
+          **tag,
+          "step": step + 1,
+          "train_loss": train_loss,
+          **row,
+        }
+      )
+  logs = list(rows)
+  final_loss = s.clip_loss if diverged_at else rows[-1]["eval_loss"]
+  if not math.isfinite(final_loss):
+    final_loss, diverged_at = s.clip_loss, diverged_at or s.steps
+  rows.append(
+    {
+      "kind": "final",
+      **tag,
+      "diverged": diverged_at is not None,
+      "diverged_at": diverged_at,
+      "last_train_loss": train_loss if math.isfinite(train_loss) else None,
+      "final_loss": min(final_loss, s.clip_loss),
+      "max_logit_max": max((r["max_logit"] for r in logs), default=None),
+      "log_z_max": max((r["log_z_max"] for r in logs), default=None),
+      "tied_max_share_max": max(
+        (r["tied_max_share"] for r in logs), default=None
+      ),
+      "wq_spectral_max": max(
+        (r["wq_spectral_max"] for r in logs), default=None
+      ),
+    }
+  )
+  return rows
+
+
+def sweep(s: Settings, run_dir, done: set) -> None:
+  """Trains every cell not in `done` ((arm name, lr, replicate)); one
+  compiled trainer per arm, shared by its learning rates and replicates."""
+  tokens, held_out = load_tokens(s)
+  eval_batch = data_lib.eval_batch(
+    held_out, seed=s.data_seed, batch_size=s.batch_size, seq_len=s.seq_len
+  )
+  todo = [
+    (arm, lr, r)
+    for arm in s.arms
+    for r in range(s.replicates)
+    for lr in s.learning_rates
+    if (arm.name, lr, r) not in done
+  ]
+  bar = tqdm(total=len(todo), desc="stability sweep", unit="run")
+  trainers = {}
+  for arm, lr, replicate in todo:
+    if arm not in trainers:
+      trainers.clear()  # one arm's compiled programs at a time
+      model, run = s.runs[arm]
+      trainers[arm] = Trainer(model, run, s.optimizer(), s.batch_size)
+    trainer = trainers[arm]
+    eval_sharded = trainer.shard_batch(eval_batch)
+    run_dir.append_metrics(
+      train_cell(trainer, s, arm, lr, replicate, tokens, eval_sharded)
+    )
+    bar.update()
+  bar.close()

@@ -1,0 +1,122 @@
+"""The stability sweep: rows, divergence as a row, resume, verdicts."""
+
+import json
+
+import pytest
+
+from configs import stability as stability_config
+from stableattn.experiments import stability
+from stableattn.experiments.stability import analysis, report
+
+
+def _final(arm, lr, replicate, loss, diverged=False, max_logit=1.0):
+  return {
+    "kind": "final",
+    "arm": arm,
+    "lr": lr,
+    "replicate": replicate,
+    "final_loss": loss,
+    "diverged": diverged,
+    "max_logit_max": max_logit,
+  }
+
+
+def test_lr_sensitivity_and_largest_stable_lr_follow_wortsman():
+  clip = 5.0
+  rows = [
+    _final("a", 0.01, 0, 3.0),
+    _final("a", 0.1, 0, 2.0),
+    _final("a", 1.0, 0, 9.0, diverged=True),  # clipped at 5
+  ]
+  numbers = analysis.arm_numbers(rows, "a", (0.01, 0.1, 1.0), clip)
+  # mean(3, 2, 5) - min(3, 2, 5) = 1.333...
+  assert numbers["lr_sensitivity"] == [pytest.approx(4 / 3)]
+  assert numbers["largest_stable_lr"] == [0.1]
+  assert numbers["diverged_at_top"] == [True]
+  # An incomplete grid is not judged.
+  assert analysis.arm_numbers(rows[:2], "a", (0.01, 0.1, 1.0), clip) is None
+
+
+def test_paired_differences_need_two_replicates_for_a_verdict():
+  a = {"replicates": [0, 1, 2], "lr_sensitivity": [1.0, 1.1, 0.9]}
+  b = {"replicates": [0, 1, 2], "lr_sensitivity": [0.5, 0.6, 0.4]}
+  diff = analysis.paired_difference(a, b, "lr_sensitivity")
+  assert diff.mean == pytest.approx(0.5) and diff.low > 0
+  assert analysis.change_verdict(diff) == "higher"
+  one = analysis.paired_difference(
+    {"replicates": [0], "lr_sensitivity": [1.0]},
+    {"replicates": [0], "lr_sensitivity": [1.0]},
+    "lr_sensitivity",
+  )
+  assert analysis.change_verdict(one) == "one replicate: no interval"
+  assert analysis.change_verdict(None) == "no rows"
+
+
+@pytest.mark.parametrize(
+  "field, value, message",
+  [
+    ("variants", "baseline,flashy", "unknown 'flashy'"),
+    ("mitigations", "none,layernorm", "unknown 'layernorm'"),
+    ("train.learning_rates", "0.1", "two or more positive numbers"),
+    ("low_precision", "bf16-fa2", "not below 16 bits"),
+  ],
+)
+def test_bad_configs_fail_fast(field, value, message):
+  config = stability_config.get_config("smoke")
+  section, _, name = field.rpartition(".")
+  (config[section] if section else config)[name] = value
+  with pytest.raises(ValueError, match=message):
+    stability.settings_from_config(config)
+
+
+def test_no_rows_is_no_verdict():
+  settings = stability.settings_from_config(
+    stability_config.get_config("smoke")
+  )
+  with pytest.raises(ValueError, match="nothing to judge"):
+    report.numbers_of(settings, [])
+
+
+@pytest.mark.slow
+def test_smoke_sweep_records_divergence_as_rows_and_resumes(tmp_path):
+  config = stability_config.get_config("smoke")
+  result = stability.run(config, tmp_path / "whole")
+  arms = result["arms"]
+  assert set(arms) == {
+    a.name for a in stability.settings_from_config(config).arms
+  }
+  for numbers in arms.values():
+    assert numbers["lr_sensitivity"]["count"] == 1
+    assert numbers["largest_stable_lr"]["mean"] == pytest.approx(0.01)
+  whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").open()]
+  finals = [r for r in whole if r["kind"] == "final"]
+  diverged = [r for r in finals if r["diverged"]]
+  assert diverged and all(r["lr"] == 1.0 for r in diverged)
+  assert all(isinstance(r["diverged_at"], int) for r in diverged)
+  assert all(
+    r["final_loss"] == pytest.approx(5.545, abs=1e-3) for r in diverged
+  )
+  report_text = (tmp_path / "whole" / "report.md").read_text()
+  assert "## The answer" in report_text.split("## Per arm")[0]
+  assert (tmp_path / "whole" / "stability_loss.png").stat().st_size > 0
+
+  # A sweep stopped after its first three cells resumes with the rest and
+  # gets the same final rows (every cell is deterministic).
+  stopped = tmp_path / "stopped"
+  stopped.mkdir()
+  (stopped / "config.json").write_text(
+    (tmp_path / "whole" / "config.json").read_text()
+  )
+  cut = [i for i, r in enumerate(whole) if r["kind"] == "final"][2] + 1
+  (stopped / "metrics.jsonl").write_text(
+    "".join(json.dumps(r) + "\n" for r in whole[:cut])
+  )
+  stability.run(config, stopped)
+  resumed = [json.loads(x) for x in (stopped / "metrics.jsonl").open()]
+
+  def key(r):
+    return (r["arm"], r["lr"], r["replicate"])
+
+  assert sorted(
+    (key(r), r["final_loss"]) for r in resumed if r["kind"] == "final"
+  ) == sorted((key(r), r["final_loss"]) for r in finals)
