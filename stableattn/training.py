@@ -5,6 +5,11 @@ compute format (params cast on the way in). FP16 adds dynamic loss scaling:
 a step whose gradients overflow is skipped and the scale halved; after
 `loss_scale_period` good steps the scale doubles. Data parallelism: the
 batch is sharded over a 1-D `Mesh` ("data" axis), parameters replicated.
+
+Several processes (one per host, `stableattn.distributed`): the mesh spans
+every process's devices; each process builds the same global batch and
+contributes its devices' rows, so the run is the one-process run on the
+same global batch.
 """
 
 from __future__ import annotations
@@ -90,12 +95,20 @@ def make_optimizer(spec: OptimizerSpec) -> optax.GradientTransformation:
 
 
 def make_mesh(devices: int) -> Mesh:
-  available = jax.local_devices()
+  """A 1-D mesh of the first `devices` devices of every process (with
+  several processes, all of them: each must hold a part of the batch)."""
+  available = jax.devices()
   if devices > len(available):
     raise ValueError(
       f"{devices} devices requested, but only {len(available)} are "
       "available (on CPU, simulate more with XLA_FLAGS="
       "--xla_force_host_platform_device_count=N)."
+    )
+  if jax.process_count() > 1 and devices != len(available):
+    raise ValueError(
+      f"{devices} devices requested of the {len(available)} that "
+      f"{jax.process_count()} processes hold; with several processes the "
+      "mesh spans every device (train.devices=0)."
     )
   return Mesh(np.asarray(available[:devices]), ("data",))
 
@@ -168,7 +181,12 @@ class Trainer:
     return jax.device_put(state, self.replicated)
 
   def shard_batch(self, batch: np.ndarray) -> jax.Array:
-    return jax.device_put(batch, self.batch_sharding)
+    """The global batch (the same on every process) as a sharded array;
+    each process hands over the rows of its own devices."""
+    batch = np.asarray(batch)
+    return jax.make_array_from_callback(
+      batch.shape, self.batch_sharding, lambda index: batch[index]
+    )
 
   def _apply(self, graphdef, params, tokens, collect_stats=False):
     cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)

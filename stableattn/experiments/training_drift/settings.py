@@ -92,7 +92,7 @@ def settings_from_config(config) -> Settings:
   candidate = str(c.attention.get("candidate", "") or "").strip()
   if candidate:
     resolve(candidate)  # one clear line for a name that does not resolve
-  devices = field(c, "train.devices", minimum=0) or jax.local_device_count()
+  devices = field(c, "train.devices", minimum=0) or jax.device_count()
   pairs = _pairs(c, devices)
   batch_size = field(c, "train.batch_size", minimum=1)
   if batch_size % devices:
