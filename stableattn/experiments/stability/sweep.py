@@ -5,6 +5,7 @@ cells with a final row are not trained again."""
 from __future__ import annotations
 
 import math
+import time
 
 import jax
 import numpy as np
@@ -68,6 +69,7 @@ def train_cell(
     "replicate": replicate,
   }
   heads = s.model.heads
+  start = time.perf_counter()
   state = trainer.init_state(replicate)
   rows, diverged_at, train_loss = [], None, float("nan")
   for step in range(s.steps):
@@ -115,6 +117,8 @@ def train_cell(
       "wq_spectral_max": max(
         (r["wq_spectral_max"] for r in logs), default=None
       ),
+      "steps_trained": diverged_at or s.steps,
+      "seconds": time.perf_counter() - start,
     }
   )
   return rows
