@@ -94,9 +94,12 @@ def line_panels(
   xlabel: str,
   ylabel: str,
   columns: int = 2,
+  logy: bool = False,
+  sharey: bool = False,
 ) -> pathlib.Path:
-  """One small line plot per panel (log2 x), each label one colour in all
-  panels, one legend for the figure."""
+  """One small line plot per panel (log2 x; log y if `logy`; one y axis
+  for all if `sharey`), each label one colour in all panels, one legend
+  for the figure."""
   rows = -(-len(panels) // columns)
   fig, axes = plt.subplots(
     rows,
@@ -105,6 +108,7 @@ def line_panels(
     dpi=110,
     squeeze=False,
     sharex=True,
+    sharey=sharey,
   )
   labels = sorted({s.label for group in panels.values() for s in group})
   colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
@@ -112,6 +116,8 @@ def line_panels(
     for s in group:
       ax.plot(s.x, s.y, marker="o", color=colours[s.label], label=s.label)
     ax.set_xscale("log", base=2)
+    if logy:
+      ax.set_yscale("log")
     ax.set_title(name, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
   for ax in axes.flat[len(panels) :]:

@@ -65,6 +65,9 @@ def arm_numbers(rows, arm: str, grid, clip: float) -> dict | None:
     "lr_sensitivity": sens,
     "largest_stable_lr": stable,
     "diverged_at_top": [bool(complete[r][top]["diverged"]) for r in reps],
+    "diverged": {
+      lr: [bool(complete[r][lr]["diverged"]) for r in reps] for lr in grid
+    },
     "max_logit": {
       lr: [complete[r][lr]["max_logit_max"] for r in reps] for lr in grid
     },
@@ -117,10 +120,13 @@ def change_verdict(
   else:
     word = "no difference told apart from 0"
   if reference is not None and reference.low is not None:
-    smaller = abs(diff.mean) < abs(reference.mean)
-    word += (
-      "; smaller than" if smaller else "; at least as large as"
-    ) + " the BF16-vs-FP32 difference"
+    if abs(diff.mean) == abs(reference.mean):
+      relation = "as large as"
+    elif abs(diff.mean) < abs(reference.mean):
+      relation = "smaller than"
+    else:
+      relation = "larger than"
+    word += f"; {relation} the BF16-vs-FP32 difference"
   return word
 
 

@@ -109,6 +109,7 @@ def _wortsman(s, numbers, precision) -> dict:
     qk_diff = (
       analysis.paired_difference(qk, arm, "lr_sensitivity") if qk else None
     )
+    bound = _logit_bound(arm, qk, grid)
     out[v] = {
       "max_logit_slope": growth,
       "logit_grows": growth is not None and growth > 0,
@@ -118,8 +119,27 @@ def _wortsman(s, numbers, precision) -> dict:
       ),
       "qk_norm_sensitivity_difference": _interval_dict(qk_diff),
       "qk_norm": analysis.change_verdict(qk_diff),
+      **bound,
     }
   return out
+
+
+def _logit_bound(arm, qk, grid) -> dict:
+  """The largest attention logit without and with qk-norm at the largest
+  learning rate both trained through (means over replicates)."""
+  if not qk:
+    return {}
+  for lr in sorted(grid, reverse=True):
+    without = [x for x in arm["max_logit"][lr] if x is not None]
+    with_qk = [x for x in qk["max_logit"][lr] if x is not None]
+    diverged = arm["diverged"][lr] + qk["diverged"][lr]
+    if without and with_qk and not any(diverged):
+      return {
+        "logit_bound_lr": lr,
+        "max_logit_without_qk_norm": _mean(without),
+        "max_logit_with_qk_norm": _mean(with_qk),
+      }
+  return {}
 
 
 def _mean(values):
@@ -183,9 +203,21 @@ def _answer_lines(judged) -> list[str]:
       f"- **Wortsman et al., {v}**: largest attention logit against LR, "
       f"log-log slope {slope} ({grows}); "
       f"top LR diverges: {'yes' if w['top_diverges'] else 'no'}; "
-      f"qk-norm: {w['qk_norm']}."
+      f"qk-norm's effect on LR sensitivity: {w['qk_norm']}"
+      + _bound_text(w)
+      + "."
     )
   return lines
+
+
+def _bound_text(w) -> str:
+  if "logit_bound_lr" not in w:
+    return ""
+  return (
+    f"; at LR {num(w['logit_bound_lr'])} the largest logit is "
+    f"{num(w['max_logit_without_qk_norm'])} without qk-norm, "
+    f"{num(w['max_logit_with_qk_norm'])} with it"
+  )
 
 
 def _diff_text(d) -> str:
@@ -269,8 +301,10 @@ def _figures(s, numbers, out_dir) -> list[str]:
   line_panels(
     out_dir / "stability_logits.png",
     logit_panels,
-    title="Largest attention logit during training",
+    title="Largest attention logit during training (before divergence)",
     xlabel="peak learning rate",
     ylabel="max logit",
+    logy=True,
+    sharey=True,
   )
   return ["stability_loss.png", "stability_logits.png"]
