@@ -64,6 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   if arg == "smoke":
     c.variants = "baseline,flash"
+    c.train.reference_precision = ""
     c.model.width, c.model.depth, c.model.seq_len = 32, 1, 32
     c.attention.block_q = c.attention.block_k = 16
     c.train.learning_rates = "1e-2,1"

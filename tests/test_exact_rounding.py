@@ -437,21 +437,16 @@ def policy_sum(d_bias, preset):
 QUANT_POLICIES = [
   "fp8-baseline",
   "fp8-fa3",
-  "fp8-fa3+block_quant=off",
-  "fp8-fa3+hadamard=off",
+  "fp8-fa3+block_quant=off+hadamard=off",
   "fp8-fa3+p_scale=448+key_order=reversed",
   "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2",
   "bf16-fa2+matmul_operands=int8+scaling=block",
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
-  "fp8-sage",
-  "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2+scaling=token",
-  "fp8-fa3+scaling=mx",
+  "fp8-sage+probs=fp8_e5m2",  # token scales, smoothing, e5m2 P, e4m3 V
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=mx",
   "fp4-nvfp4",
-  "fp8-fa3+matmul_accum=fp22",
-  "fp8-sage+probs=fp8_e5m2",  # e5m2 P with e4m3 V
-  "bf16-fa2+matmul_operands=int8+scaling=token+probs=fp16",
   "bf16-fa2+matmul_accum=fp22",
+  "bf16-fa2+matmul_operands=int8+scaling=token+probs=fp16",
 ]
 
 
@@ -527,7 +522,6 @@ def test_microscaling_matches_emulator_across_groups(name):
 # The straight-through backward of quantizing policies (head dim 16: the
 # rotation's 1/sqrt(d) is exact).
 QUANT_BACKWARD = [
-  "fp8-baseline",
   "fp8-fa3",
   "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
   "fp8-sage",

@@ -1,6 +1,8 @@
 """Policies below 16 bits: options, scales, bad input, FlashAttention-3's
 Table 3 claims from rows."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,7 +78,7 @@ def test_rotation_is_orthogonal_and_needs_a_power_of_two():
     hadamard_matrix(48)
 
 
-@pytest.mark.parametrize("preset", ["fp8-baseline", "fp8-fa3", "fp8-sage"])
+@pytest.mark.parametrize("preset", ["fp8-fa3", "fp8-sage"])
 def test_kernel_gradients_below_16_bits_are_straight_through(preset):
   rng = np.random.default_rng(0)
   q, k, v = (
@@ -240,3 +242,21 @@ def test_stage_claims_are_computed_from_rows():
   ]
   with pytest.raises(ValueError, match="no setting"):
     stage_claims(rows[:2])
+
+
+def test_fp8_studies_run_end_to_end(tmp_path):
+  from configs import forward_deviation as forward_config
+  from stableattn.experiments import forward
+
+  config = forward_config.get_config("smoke")
+  config.studies = "fp8_underflow,sage_fp8,fp8_stages"
+  result = forward.run(config, tmp_path)
+  assert result["points_measured"] > 0
+  report = (tmp_path / "report.md").read_text()
+  headline = json.loads((tmp_path / "headline.json").read_text())
+  for name in ("fp8_underflow", "sage_fp8", "fp8_stages"):
+    assert forward.STUDIES[name].title in report
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    assert name in headline
+  assert set(headline["fp8_underflow"]["P only"]) == {"fix", "order", "scale"}
+  assert headline["sage_fp8"]["smoothing"]["settings"][0]["value"] > 0

@@ -120,3 +120,27 @@ def test_smoke_sweep_records_divergence_as_rows_and_resumes(tmp_path):
   assert sorted(
     (key(r), r["final_loss"]) for r in resumed if r["kind"] == "final"
   ) == sorted((key(r), r["final_loss"]) for r in finals)
+
+
+def test_launcher_names_a_bad_field_in_one_line(tmp_path):
+  import pathlib
+  import subprocess
+  import sys
+
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(repo / "launch" / "stability.py"),
+      f"--workdir={tmp_path}",
+      f"--config={repo / 'configs' / 'stability.py'}:smoke",
+      "--config.mitigations=none,dropout",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=repo,
+  )
+  assert out.returncode == 2
+  assert "config.mitigations: unknown 'dropout'" in out.stderr
+  assert "Traceback" not in out.stderr

@@ -60,6 +60,8 @@ class Config:
     default="normal,outliers,key_bias", choices=DISTRIBUTIONS
   )
   causal: tuple[bool, ...] = spec(default="false,true", parse=booleans)
+  # Static scales of P measured (1 and 256 are the claim's rows).
+  p_scales: tuple[int, ...] = spec(default=P_SCALES, minimum=1)
   seeds: int = spec(default=2, minimum=1)
 
 
@@ -75,6 +77,7 @@ class FP8Underflow(Study):
       "head_dim": 32,
       "distributions": "normal",
       "causal": "false",
+      "p_scales": (1, 256),
       "seeds": 1,
     },
   }
@@ -92,12 +95,17 @@ class FP8Underflow(Study):
   def measure(self, engine, s, c, p, seed):
     shape = Shape(1, c.seq_len, c.seq_len, s.heads, s.heads, c.head_dim)
     case = Case(p["distribution"], shape, "fp16", seed, causal=p["causal"])
-    return policy_rows.measure(engine, s, case, ROWS)
+    rows = {
+      name: row
+      for name, row in ROWS.items()
+      if int(name.rsplit("x", 1)[1]) in c.p_scales
+    }
+    return policy_rows.measure(engine, s, case, rows)
 
   def ran(self, s, c):
     return (
       f"{list(BASES.values())} with key_order in {list(ORDERS)} and p_scale in "
-      f"{list(P_SCALES)}; inputs {list(c.distributions)}, causal "
+      f"{list(c.p_scales)}; inputs {list(c.distributions)}, causal "
       f"{list(c.causal)}; length {c.seq_len}, {s.heads} heads, head dim "
       f"{c.head_dim}, tiles {s.block_q}x{s.block_k}, FP16 inputs, "
       f"{c.seeds} seed(s)."
