@@ -16,6 +16,10 @@ from stableattn.metrics import Deviation
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+# One worker runs this module, so the smoke run below happens once.
+pytestmark = pytest.mark.xdist_group("forward_smoke")
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("forward_smoke")
