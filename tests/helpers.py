@@ -1,4 +1,8 @@
-"""Random attention inputs for tests."""
+"""Random attention inputs for tests, and one shared experiment run."""
+
+import fcntl
+import json
+import os
 
 import numpy as np
 
@@ -39,3 +43,20 @@ def golden_value_and_grads(q, k, v, d_out, causal):
     sa.golden_attention(q, k, v, causal),
     sa.golden_attention_vjp(q, k, v, d_out, causal),
   )
+
+
+def run_once(tmp_path_factory, name: str, run):
+  """(workdir, result) of `run(workdir)`, computed once per test session
+  even across xdist workers: the first worker to take the lock runs it in
+  a directory all workers see, the others read its result.json."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent  # the session's directory, above each worker's
+  workdir = base / name
+  with open(base / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = base / f"{name}.result.json"
+    if not done.exists():
+      workdir.mkdir(exist_ok=True)
+      done.write_text(json.dumps(run(workdir), default=str))
+  return workdir, json.loads(done.read_text())

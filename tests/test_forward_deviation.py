@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_once
 
 from configs import forward_deviation as forward_config
 from stableattn.experiments import forward
@@ -16,15 +17,12 @@ from stableattn.metrics import Deviation
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-# One worker runs this module, so the smoke run below happens once.
-pytestmark = pytest.mark.xdist_group("forward_smoke")
-
-
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("forward_smoke")
   config = forward_config.get_config("smoke")
-  result = forward.run(config, workdir)
+  workdir, result = run_once(
+    tmp_path_factory, "forward_smoke", lambda d: forward.run(config, d)
+  )
   return workdir, result, config
 
 

@@ -9,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from helpers import run_once
 
 from configs import training_drift as drift_config
 from stableattn.experiments import training_drift
@@ -24,18 +25,16 @@ from stableattn.training import OptimizerSpec, RunSpec, Trainer
 
 # Trains the smoke model end to end (minutes cold): CI's slow step.
 pytestmark = pytest.mark.slow
-# The tests reading the smoke run share one worker, so it is trained once.
-reads_smoke_run = pytest.mark.xdist_group("drift_smoke")
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("drift_smoke")
   config = drift_config.get_config("smoke")
-  result = training_drift.run(config, workdir)
-  return workdir, result
+  return run_once(
+    tmp_path_factory, "drift_smoke", lambda d: training_drift.run(config, d)
+  )
 
 
 def _rows(workdir):
@@ -57,7 +56,6 @@ def _final_states(workdir, config):
   return training_drift.load_checkpoint(workdir, template)
 
 
-@reads_smoke_run
 def test_writes_every_file(smoke_run):
   workdir, _ = smoke_run
   for name in (
@@ -73,7 +71,6 @@ def test_writes_every_file(smoke_run):
     assert (workdir / name).stat().st_size > 0, name
 
 
-@reads_smoke_run
 def test_controls_and_pairs(smoke_run):
   workdir, result = smoke_run
   rows = _rows(workdir)
@@ -95,7 +92,6 @@ def test_controls_and_pairs(smoke_run):
   assert all(r["shadow_max_abs"] > 0 for r in shadow)
 
 
-@reads_smoke_run
 def test_fix_pair_and_attention_gradient_error(smoke_run):
   workdir, result = smoke_run
   rows = _rows(workdir)
@@ -138,7 +134,6 @@ def test_fix_pair_and_attention_gradient_error(smoke_run):
   assert "Flash with Qiu & Yao's fix vs without" in report
 
 
-@reads_smoke_run
 def test_report_ratios_are_recomputed_from_metrics(smoke_run):
   workdir, result = smoke_run
   rows = _rows(workdir)
@@ -191,7 +186,6 @@ def test_report_ratios_are_recomputed_from_metrics(smoke_run):
   assert "95% CI over replicates" in report and "identical-rerun" in report
 
 
-@reads_smoke_run
 def test_replicates_start_apart_and_read_their_own_data(smoke_run):
   workdir, _ = smoke_run
   rows = _rows(workdir)
@@ -220,7 +214,6 @@ def test_replicates_start_apart_and_read_their_own_data(smoke_run):
   assert all(r["max_abs"] == 0 for r in rerun)
 
 
-@reads_smoke_run
 def test_interrupted_run_resumes_bitwise(smoke_run, tmp_path):
   full_dir, _ = smoke_run
   config = drift_config.get_config("smoke")
