@@ -244,6 +244,7 @@ def test_stage_claims_are_computed_from_rows():
     stage_claims(rows[:2])
 
 
+@pytest.mark.slow
 def test_fp8_studies_run_end_to_end(tmp_path):
   from configs import forward_deviation as forward_config
   from stableattn.experiments import forward

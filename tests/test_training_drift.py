@@ -337,6 +337,7 @@ def test_gpu_config_trains_two_steps_on_cpu_with_tiny_overrides(tmp_path):
   assert (config.model.depth, config.model.width) == (12, 768)
   assert config.model.seq_len == 1024 and config.data.corpus == "python_stdlib"
   config.model.width, config.model.heads, config.model.seq_len = 32, 2, 32
+  config.model.depth, config.train.replicates = 2, 1
   config.attention.block_q = config.attention.block_k = 16
   config.train.batch_size = 2
   config.train.total_steps, config.train.warmup_steps = 2, 1
