@@ -8,6 +8,14 @@ Three `pallas_call`s, each reading top to bottom like the forward file:
      recomputing P from Q, K and the saved log-sum-exp.
   3. dQ: one program per query block, looping over key blocks.
 
+In interpret mode (programs run one after another, on host memory) steps 2
+and 3 are one kernel by default: each key block's program also writes its
+dQ contribution to every query block, and the contributions are summed
+over key blocks afterwards in the order and rounding of step 3, so P is
+recomputed once instead of twice, bit for bit the same gradients (the
+emulator proves both paths). It needs one dQ-sized buffer per key block,
+so it is used up to `FUSED_PARTIALS_MAX_BYTES` and without a bias.
+
 Stages: dP = dO V^T accumulates in `matmul_accum`; dS = P * (dP - delta) is
 computed in `softmax_stats` and rounded like P (the `probs` stage) before it
 enters a matmul; running dQ, dK, dV sums are kept in `grad_accum`.
@@ -19,6 +27,7 @@ heads (GQA) in `grad_accum` before the final cast.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +48,18 @@ from stableattn.pallas_forward import KernelConfig
 from stableattn.rounding import PolicyArithmetic
 
 
+def _row_delta(o_BqxD, do_BqxD, ar: PolicyArithmetic):
+  """rowsum(dO * O) of a tile, each operation rounded to `delta`."""
+  products_BqxD = ar.round(
+    ar.round(o_BqxD, "delta") * ar.round(do_BqxD, "delta"), "delta"
+  )
+  return ar.sum(products_BqxD, "delta")
+
+
 def _delta_kernel(o_ref, do_ref, delta_ref, *, ar: PolicyArithmetic):
-  o_BqxD = ar.round(o_ref[...], "delta")
-  do_BqxD = ar.round(do_ref[...], "delta")
-  products_BqxD = ar.round(o_BqxD * do_BqxD, "delta")
-  delta_ref[...] = ar.sum(products_BqxD, "delta").astype(delta_ref.dtype)
+  delta_ref[...] = _row_delta(o_ref[...], do_ref[...], ar).astype(
+    delta_ref.dtype
+  )
 
 
 def _probs_and_dscores(
@@ -77,10 +93,15 @@ def _probs_and_dscores(
 
 
 def _dkdv_kernel(
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, names
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, names, with_dq
 ):
-  """One program: one key block of one (batch, query head)."""
-  *feature_refs, dk_ref, dv_ref = refs
+  """One program: one key block of one (batch, query head); `with_dq`:
+  also this key block's dQ contribution to every query block."""
+  if with_dq:
+    *feature_refs, dk_ref, dv_ref, dq_ref = refs
+    dq_ref[...] = jnp.zeros(dq_ref.shape, dq_ref.dtype)
+  else:
+    *feature_refs, dk_ref, dv_ref = refs
   tiles = TileReader.of(cfg, names, feature_refs, query_major=False)
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
@@ -114,6 +135,11 @@ def _dkdv_kernel(
     )
     dk_BkxD = ar.round(dk_BkxD + ar.round(dk_step, "grad_accum"), "grad_accum")
     dv_BkxD = ar.round(dv_BkxD + dv_step, "grad_accum")
+    if with_dq:
+      dq_step = scaled_dot(
+        ds_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum"
+      )
+      dq_ref[rows, :] = ar.round(dq_step, "grad_accum").astype(dq_ref.dtype)
     return dk_BkxD, dv_BkxD
 
   first, end = tiles.block_range(q_len_padded // block_q)
@@ -191,8 +217,15 @@ def _dq_kernel(
 
 
 def _delta(out, d_out, cfg: KernelConfig):
-  """delta = rowsum(dO * O) [batch, heads, q_len_padded], in `delta`."""
+  """delta = rowsum(dO * O) [batch, heads, q_len_padded], in `delta`.
+
+  In interpret mode plain XLA computes the same operations (a kernel's
+  programs would only add per-program overhead there)."""
   batch, q_len_padded, heads, head_dim_padded = out.shape
+  if cfg.interpret:
+    ar = PolicyArithmetic(cfg.policy)
+    delta = _row_delta(out.astype(ar.carrier), d_out.astype(ar.carrier), ar)
+    return delta.transpose(0, 2, 1).astype(cfg.policy.dtype("delta"))
   block_q = cfg.bwd_block_q
   rows = pl.BlockSpec(
     (None, block_q, None, head_dim_padded), lambda i, b, h: (b, i, h, 0)
@@ -209,6 +242,34 @@ def _delta(out, d_out, cfg: KernelConfig):
     interpret=cfg.interpret,
     name="stableattn_flash_backward_delta",
   )(out, d_out)
+
+
+# Largest dQ-contribution buffer (one dQ per key block) the fused backward
+# allocates; past it the two-kernel path runs.
+FUSED_PARTIALS_MAX_BYTES = 256 << 20
+
+
+def _fuses_dq(cfg: KernelConfig, q_shape, key_blocks: int, dtype) -> bool:
+  """Whether dQ comes from the dK/dV kernel (interpret mode, no bias, the
+  contributions' buffer within bounds)."""
+  if not cfg.interpret or cfg.mask.bias is not None:
+    return False
+  size = key_blocks * math.prod(q_shape) * jnp.dtype(dtype).itemsize
+  return size <= FUSED_PARTIALS_MAX_BYTES
+
+
+def _sum_dq_parts(parts, cfg: KernelConfig):
+  """dQ from its per-key-block contributions, summed over key blocks in
+  the dQ kernel's order and rounding (`grad_accum` after each block)."""
+  ar = PolicyArithmetic(cfg.policy)
+
+  def add(j, dq):
+    return ar.round(dq + parts[j].astype(ar.carrier), "grad_accum")
+
+  dq = lax.fori_loop(
+    0, parts.shape[0], add, jnp.zeros(parts.shape[1:], ar.carrier)
+  )
+  return dq.astype(parts.dtype)
 
 
 def flash_backward(
@@ -261,14 +322,30 @@ def flash_backward(
   delta = _delta(out, d_out, cfg)
 
   grad_dtype = policy.dtype("grad_accum")
+  fused = _fuses_dq(cfg, q.shape, kv_len_padded // block_k, grad_dtype)
   whole_q = rows_spec(q_len_padded, lambda j, b, h: (b, 0, h, 0))
   whole_kv = rows_spec(kv_len_padded, lambda j, b, h: (b, 0, h // group, 0))
   whole_vec = vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
   key_block = rows_spec(block_k, lambda j, b, h: (b, j, h // group, 0))
   key_block_out = rows_spec(block_k, lambda j, b, h: (b, j, h, 0))
+  kv_grad_shape = jax.ShapeDtypeStruct(
+    (batch, kv_len_padded, heads, head_dim_padded), grad_dtype
+  )
+  out_specs, out_shape = [key_block_out] * 2, [kv_grad_shape] * 2
+  if fused:
+    # Key block j's dQ contribution to every query row: [j, b, :, h, :].
+    out_specs.append(
+      pl.BlockSpec(
+        (None, None, q_len_padded, None, head_dim_padded),
+        lambda j, b, h: (j, b, 0, h, 0),
+      )
+    )
+    out_shape.append(
+      jax.ShapeDtypeStruct((kv_len_padded // block_k, *q.shape), grad_dtype)
+    )
   names, arrays, specs = features(query_major=False)
-  dk, dv = pl.pallas_call(
-    functools.partial(_dkdv_kernel, cfg=cfg, names=names),
+  dk, dv, *dq_parts = pl.pallas_call(
+    functools.partial(_dkdv_kernel, cfg=cfg, names=names, with_dq=fused),
     grid=(kv_len_padded // block_k, batch, heads),
     in_specs=[
       whole_q,
@@ -279,17 +356,16 @@ def flash_backward(
       whole_vec,
       *specs,
     ],
-    out_specs=[key_block_out, key_block_out],
-    out_shape=[
-      jax.ShapeDtypeStruct(
-        (batch, kv_len_padded, heads, head_dim_padded), grad_dtype
-      ),
-    ]
-    * 2,
+    out_specs=out_specs,
+    out_shape=out_shape,
     compiler_params=params,
     interpret=cfg.interpret,
-    name="stableattn_flash_backward_dkdv",
+    name="stableattn_flash_backward_dkdvdq"
+    if fused
+    else "stableattn_flash_backward_dkdv",
   )(q, k, v, d_out, lse, delta, *arrays)
+  if fused:
+    return _sum_dq_parts(dq_parts[0], cfg), dk, dv, delta, None
 
   query_block = rows_spec(block_q, lambda i, b, h: (b, i, h, 0))
   out_specs = [query_block]
