@@ -37,7 +37,9 @@ to about 0; `bf16-fa2` (FP32 accumulator) shows no such bias. With
 `features` selected: attention features (causal, a KV cache, windows,
 softcap, packed segments, a sink, ALiBi) keep Flash's error relative to
 Baseline within 1.5x of plain or causal attention's; with `fa3_fp8`: the
-FP8 baseline / fp8-fa3 RMSE ratio is about 2 (FlashAttention-3: 2.6);
+FP8 baseline / fp8-fa3 RMSE ratio is 1.4-3.6 (FlashAttention-3: 2.6),
+and switching the rotation off gives back most of the gain only if the
+baseline keeps P in FP16 (length 2048, head dims 128-256);
 with `fp8_stages`: Q, K and V in e4m3 set fp8-fa3's error, not P; with
 `fp8_underflow`: key order and P's scale matter only with P alone in
 e4m3 and peaked (outlier) rows; with `sage_fp8`: smoothing K helps where

@@ -137,10 +137,11 @@ def test_smoothing_k_removes_a_channel_offset_and_refuses_a_softcap():
     sa.attention(q, k, v, precision="fp8-sage", softcap=30.0)
 
 
-def _rows(head_dim, std, **rmse):
+def _rows(head_dim, std, seq_len=512, **rmse):
   return [
     {
       "comparison": name,
+      "seq_len": seq_len,
       "head_dim": head_dim,
       "outlier_std": std,
       "rmse_mean": value,
@@ -154,6 +155,7 @@ def test_table3_claims_are_computed_from_rows():
     128,
     10.0,
     fp8_baseline=2.4e-2,
+    fp8_baseline_fp16_probs=1.8e-2,
     fp8_fa3=9.1e-3,
     fp8_fa3_no_block_quant=9.3e-3,
     fp8_fa3_no_hadamard=2.4e-2,
@@ -169,12 +171,33 @@ def test_table3_claims_are_computed_from_rows():
   assert claims["gain"]["verdict"] == "reproduced in part"
   assert claims["hadamard"]["verdict"] == "reproduced in part"
   assert claims["block_quant"]["verdict"] == "reproduced in part"
-  values = {
-    m["outlier_std"]: m["value"] for m in claims["hadamard"]["settings"]
+  # The FP16-P reading is measured at one setting only, where it holds.
+  assert claims["gain"]["by_baseline"] == {
+    "P in e4m3": "reproduced in part",
+    "P in FP16": "reproduced",
   }
-  assert values[10.0] == pytest.approx(1.0) and values[100.0] is None
+  assert "by_baseline" not in claims["block_quant"]
+  values = {
+    (m["outlier_std"], m["baseline"]): m["value"]
+    for m in claims["hadamard"]["settings"]
+  }
+  assert values[10.0, "P in e4m3"] == pytest.approx(1.0)
+  # (2.4e-2 - 9.1e-3) / (1.8e-2 - 9.1e-3): more than all of the gain
+  assert values[10.0, "P in FP16"] == pytest.approx(1.674, abs=1e-3)
+  assert values[100.0, "P in e4m3"] is None
   with pytest.raises(ValueError, match="no setting"):
     table3_claims(_rows(64, 10.0, fp8_fa3=1.0))
+  # FlashAttention-3's rows without any baseline: no verdict either.
+  with pytest.raises(ValueError, match="no setting"):
+    table3_claims(
+      _rows(
+        64,
+        10.0,
+        fp8_fa3=1.0,
+        fp8_fa3_no_block_quant=1.0,
+        fp8_fa3_no_hadamard=1.0,
+      )
+    )
 
 
 def _at(comparison, rmse, policy="p", **where):
