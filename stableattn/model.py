@@ -156,7 +156,11 @@ class SelfAttention(nnx.Module):
       self.key_norm = RMSNorm(self.head_dim)
     self.qk_norm = spec.qk_norm
 
-  def __call__(self, x_BxTxW, collect_stats: bool = False):
+  def __call__(self, x_BxTxW, collect_stats: bool = False, probe_tap=None):
+    """Output and statistics. `probe_tap` ([B, T, H, D], zeros) is added to
+    the attention output, so its gradient is dO; with it the statistics
+    hold this attention's output and FP32 attention's on the same q, k, v
+    (arrays, for `delta_error_shares`)."""
     batch, length, width = x_BxTxW.shape
     shape = (batch, length, self.heads, self.head_dim)
     q = self.query(x_BxTxW).reshape(shape)
@@ -184,6 +188,11 @@ class SelfAttention(nnx.Module):
       out = attention_fns.resolve(spec.kind)(q, k, v, causal=True)
     if collect_stats:
       stats.update(attention_statistics(q, k))
+    if probe_tap is not None:
+      exact = dataclasses.replace(spec, baseline_precision="fp32")
+      stats["out"] = out
+      stats["out_fp32"] = _baseline(q, k, v, exact)
+      out = out + probe_tap.astype(out.dtype)
     out = out.astype(x_BxTxW.dtype).reshape(batch, length, width)
     return self.out(out), stats
 
@@ -199,8 +208,10 @@ class Block(nnx.Module):
     self.mlp_in = nnx.Linear(spec.width, hidden, rngs=rngs)
     self.mlp_out = nnx.Linear(hidden, spec.width, rngs=rngs)
 
-  def __call__(self, x, collect_stats: bool = False):
-    attended, stats = self.attention(self.attention_norm(x), collect_stats)
+  def __call__(self, x, collect_stats: bool = False, probe_tap=None):
+    attended, stats = self.attention(
+      self.attention_norm(x), collect_stats, probe_tap
+    )
     x = x + attended
     x = x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
     return x, stats
@@ -220,8 +231,9 @@ class Transformer(nnx.Module):
     )
     self.final_norm = RMSNorm(spec.width)
 
-  def __call__(self, tokens_BxT, collect_stats: bool = False):
-    """Logits [B, T, vocab] (FP32) and per-layer statistics."""
+  def __call__(self, tokens_BxT, collect_stats: bool = False, probe_taps=None):
+    """Logits [B, T, vocab] (FP32) and per-layer statistics; `probe_taps`:
+    one per layer, see `SelfAttention`."""
     length = tokens_BxT.shape[1]
     if length > self.spec.max_len:
       raise ValueError(
@@ -231,8 +243,9 @@ class Transformer(nnx.Module):
     x = self.embed(tokens_BxT)
     x = x + self.positions[:length].astype(x.dtype)
     layer_stats = []
-    for block in self.blocks:
-      x, stats = block(x, collect_stats)
+    taps = probe_taps or [None] * len(self.blocks)
+    for block, tap in zip(self.blocks, taps):
+      x, stats = block(x, collect_stats, tap)
       layer_stats.append(stats)
     logits = self.embed.attend(self.final_norm(x))
     return logits.astype(jnp.float32), layer_stats

@@ -139,6 +139,7 @@ class Trainer:
     self.compute_dtype = COMPUTE_DTYPES[run.precision]
     self._step = jax.jit(self._step_impl, donate_argnums=0)
     self._eval = jax.jit(self._eval_impl)
+    self._deltas = None  # compiled on first use
     # Evaluation may run another attention on the same parameters (the
     # drift experiment evaluates a flash run through "shadow" attention,
     # which also computes the baseline and reports their deviation).
@@ -260,6 +261,43 @@ class Trainer:
       self.eval_graphdef, params, batch, collect_stats=True
     )
     return logits, loss, stats
+
+  def _deltas_impl(self, params, batch):
+    tokens = batch[:, :-1]
+    spec = self.model_spec
+    tap = jnp.zeros(
+      (*tokens.shape, spec.heads, spec.width // spec.heads), jnp.float32
+    )
+
+    def loss_of(taps):
+      cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+      logits, stats = nnx.merge(self.graphdef, cast)(tokens, probe_taps=taps)
+      loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch[:, 1:]
+      ).mean()
+      return loss, stats
+
+    d_outs, stats = jax.grad(loss_of, has_aux=True)([tap] * spec.depth)
+    pairs = []
+    for d_out, layer in zip(d_outs, stats):
+      d_out = d_out.astype(self.compute_dtype).astype(jnp.float32)
+      pairs.append(
+        tuple(
+          jnp.sum(d_out * layer[name].astype(jnp.float32), axis=-1)
+          for name in ("out_fp32", "out")
+        )
+      )
+    return pairs
+
+  def deltas(self, state: TrainState, batch: jax.Array):
+    """Per layer, (delta = rowsum(dO * O) with FP32 attention's O, the same
+    with this run's O), [B, T, H] each: dO is this run's gradient of the
+    loss with respect to the attention output (in the compute format).
+    Qiu & Yao (arXiv 2510.04212) trace biased low-precision training to a
+    one-signed error of delta."""
+    if self._deltas is None:
+      self._deltas = jax.jit(self._deltas_impl)
+    return self._deltas(state.params, batch)
 
   def gradients(self, graphdef, params, batch):
     """Gradient of the unscaled loss through `graphdef` (same params), in

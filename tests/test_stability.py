@@ -98,6 +98,12 @@ def test_smoke_sweep_records_divergence_as_rows_and_resumes(tmp_path):
   )
   report_text = (tmp_path / "whole" / "report.md").read_text()
   assert "## The answer" in report_text.split("## Per arm")[0]
+  # Qiu & Yao's delta probe: one signed share per layer at each logged step.
+  logs = [r for r in whole if r["kind"] == "log"]
+  depth = config.model.depth
+  assert logs and all(len(r["delta_signed_share"]) == depth for r in logs)
+  assert all(-1 <= x <= 1 for r in logs for x in r["delta_signed_share"])
+  assert "delta signed share" in report_text.split("## Probes")[1]
   assert (tmp_path / "whole" / "stability_loss.png").stat().st_size > 0
 
   # A sweep stopped after its first three cells resumes with the rest and
@@ -144,3 +150,36 @@ def test_launcher_names_a_bad_field_in_one_line(tmp_path):
   assert out.returncode == 2
   assert "config.mitigations: unknown 'dropout'" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+def test_delta_probe_compares_the_run_with_fp32_attention():
+  """delta's two versions share dO and differ only through O: equal for an
+  FP32 reference run, not for flash with every stage in BF16."""
+  import numpy as np
+
+  from stableattn import data as data_lib
+  from stableattn.model import AttentionSpec, ModelSpec
+  from stableattn.training import OptimizerSpec, RunSpec, Trainer
+
+  model = ModelSpec(width=32, depth=2, heads=2, max_len=32)
+  batch = data_lib.generate_corpus(4 * 33, 0)[: 4 * 33].reshape(4, 33)
+  differences = {}
+  for kind, policy in (("reference", "fp32"), ("pallas", "bf16")):
+    attention = AttentionSpec(
+      kind=kind,
+      flash_precision=policy,
+      baseline_precision=policy,
+      block_q=16,
+      block_k=16,
+    )
+    trainer = Trainer(model, RunSpec(attention), OptimizerSpec(), 4)
+    state = trainer.init_state(0)
+    pairs = trainer.deltas(state, trainer.shard_batch(batch))
+    assert len(pairs) == model.depth
+    differences[kind] = [
+      float(np.max(np.abs(np.asarray(ours) - np.asarray(exact))))
+      for exact, ours in pairs
+    ]
+    assert all(np.isfinite(np.asarray(x)).all() for p in pairs for x in p)
+  assert differences["reference"] == [0.0, 0.0]
+  assert min(differences["pallas"]) > 0

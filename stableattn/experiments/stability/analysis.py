@@ -16,6 +16,17 @@ import numpy as np
 
 from stableattn.experiments.reporting import Interval, mean_interval
 
+# What a cell's final row records of its logged steps (Wortsman et al.:
+# logit growth, output log-partition; Qiu & Yao: tied maxima, W_Q's
+# spectral norm, the sign of delta's error at the last logged step).
+PROBES = (
+  "max_logit_max",
+  "log_z_max",
+  "tied_max_share_max",
+  "wq_spectral_max",
+  "delta_signed_share",
+)
+
 
 def finals(rows) -> list[dict]:
   return [r for r in rows if r.get("kind") == "final"]
@@ -73,6 +84,10 @@ def arm_numbers(rows, arm: str, grid, clip: float) -> dict | None:
     },
     "final_loss": {
       lr: [complete[r][lr]["final_loss"] for r in reps] for lr in grid
+    },
+    "probes": {
+      probe: {lr: [complete[r][lr].get(probe) for r in reps] for lr in grid}
+      for probe in PROBES
     },
   }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.stability import analysis
 from stableattn.experiments.stability.settings import Settings
@@ -269,8 +271,48 @@ def _markdown(s, numbers, judged, figures) -> str:
       rows,
     ),
     "",
+    *_probe_lines(numbers),
   ]
   return "\n".join(lines)
+
+
+def _probe_lines(numbers) -> list[str]:
+  """Per arm and learning rate, the median over replicates of each probe
+  ("-" where no logged step recorded it, as in a run that diverged before
+  its first log)."""
+  rows = []
+  for name, n in numbers.items():
+    for lr in n["final_loss"]:
+      cells = []
+      for probe in analysis.PROBES:
+        values = [v for v in n["probes"][probe][lr] if v is not None]
+        cells.append(num(float(np.median(values))) if values else "-")
+      rows.append([name, num(lr), *cells])
+  return [
+    "## Probes",
+    "",
+    "Largest attention logit and output log-partition (max over logged "
+    "steps; Wortsman et al.), share of rows whose largest logit is tied, "
+    "largest spectral norm of a head's W_Q (max over logged steps), and "
+    "the signed share of the error of delta = rowsum(dO * O) against FP32 "
+    "attention's O at the last logged step (+1: every error points away "
+    "from zero, Qiu & Yao's bias; mean over layers). Median over "
+    "replicates.",
+    "",
+    table(
+      [
+        "arm",
+        "LR",
+        "max logit",
+        "max log Z",
+        "tied-max share",
+        "W_Q spectral norm",
+        "delta signed share",
+      ],
+      rows,
+    ),
+    "",
+  ]
 
 
 def _figures(s, numbers, out_dir) -> list[str]:

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from stableattn import data as data_lib
 from stableattn.experiments.stability.settings import Arm, Settings
+from stableattn.metrics import signed_share
 from stableattn.training import Trainer
 
 
@@ -37,12 +38,24 @@ def spectral_norms(params, heads: int) -> list[list[float]]:
   return out
 
 
+def delta_signed_shares(trainer, state, batch) -> list[float]:
+  """Per layer, the signed share of delta's error (+1: every error points
+  away from zero, Qiu & Yao's bias; about 0: unbiased)."""
+  return [
+    signed_share(np.asarray(exact), np.asarray(ours))
+    for exact, ours in jax.device_get(trainer.deltas(state, batch))
+  ]
+
+
 def _log_row(trainer, state, eval_batch, heads: int) -> dict:
   logits, loss, layer_stats = trainer.evaluate(state, eval_batch)
   log_z = np.asarray(jax.nn.logsumexp(logits, axis=-1), np.float64)
   stats = jax.device_get(layer_stats)
   spectral = spectral_norms(state.params, heads)
+  shares = delta_signed_shares(trainer, state, eval_batch)
   return {
+    "delta_signed_share": shares,
+    "delta_signed_share_mean": float(np.mean(shares)),
     "eval_loss": float(loss),
     "max_logit": max(float(x["max_logit"]) for x in stats),
     "tied_max_share": float(np.mean([x["tied_max_share"] for x in stats])),
@@ -117,6 +130,10 @@ def train_cell(
       "wq_spectral_max": max(
         (r["wq_spectral_max"] for r in logs), default=None
       ),
+      # At the last logged step, mean over layers.
+      "delta_signed_share": logs[-1]["delta_signed_share_mean"]
+      if logs
+      else None,
       "steps_trained": diverged_at or s.steps,
       "seconds": time.perf_counter() - start,
     }
