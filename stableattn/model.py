@@ -160,7 +160,7 @@ class SelfAttention(nnx.Module):
     """Output and statistics. `probe_tap` ([B, T, H, D], zeros) is added to
     the attention output, so its gradient is dO; with it the statistics
     hold this attention's output and FP32 attention's on the same q, k, v
-    (arrays, for `delta_error_shares`)."""
+    (arrays, for `Trainer.deltas`)."""
     batch, length, width = x_BxTxW.shape
     shape = (batch, length, self.heads, self.head_dim)
     q = self.query(x_BxTxW).reshape(shape)

@@ -139,7 +139,7 @@ class Trainer:
     self.compute_dtype = COMPUTE_DTYPES[run.precision]
     self._step = jax.jit(self._step_impl, donate_argnums=0)
     self._eval = jax.jit(self._eval_impl)
-    self._deltas = None  # compiled on first use
+    self._deltas = jax.jit(self._deltas_impl)
     # Evaluation may run another attention on the same parameters (the
     # drift experiment evaluates a flash run through "shadow" attention,
     # which also computes the baseline and reports their deviation).
@@ -189,14 +189,18 @@ class Trainer:
       batch.shape, self.batch_sharding, lambda index: batch[index]
     )
 
-  def _apply(self, graphdef, params, tokens, collect_stats=False):
+  def _apply(self, graphdef, params, tokens, collect_stats=False, taps=None):
     cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-    return nnx.merge(graphdef, cast)(tokens, collect_stats=collect_stats)
+    return nnx.merge(graphdef, cast)(
+      tokens, collect_stats=collect_stats, probe_taps=taps
+    )
 
-  def _next_token_loss(self, graphdef, params, batch, collect_stats=False):
+  def _next_token_loss(
+    self, graphdef, params, batch, collect_stats=False, taps=None
+  ):
     """(mean next-token cross-entropy, (logits, per-layer statistics))."""
     logits, stats = self._apply(
-      graphdef, params, batch[:, :-1], collect_stats=collect_stats
+      graphdef, params, batch[:, :-1], collect_stats=collect_stats, taps=taps
     )
     loss = optax.softmax_cross_entropy_with_integer_labels(
       logits, batch[:, 1:]
@@ -263,18 +267,21 @@ class Trainer:
     return logits, loss, stats
 
   def _deltas_impl(self, params, batch):
-    tokens = batch[:, :-1]
     spec = self.model_spec
     tap = jnp.zeros(
-      (*tokens.shape, spec.heads, spec.width // spec.heads), jnp.float32
+      (
+        batch.shape[0],
+        batch.shape[1] - 1,
+        spec.heads,
+        spec.width // spec.heads,
+      ),
+      jnp.float32,
     )
 
     def loss_of(taps):
-      cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-      logits, stats = nnx.merge(self.graphdef, cast)(tokens, probe_taps=taps)
-      loss = optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch[:, 1:]
-      ).mean()
+      loss, (_, stats) = self._next_token_loss(
+        self.graphdef, params, batch, taps=taps
+      )
       return loss, stats
 
     d_outs, stats = jax.grad(loss_of, has_aux=True)([tap] * spec.depth)
@@ -295,8 +302,6 @@ class Trainer:
     loss with respect to the attention output (in the compute format).
     Qiu & Yao (arXiv 2510.04212) trace biased low-precision training to a
     one-signed error of delta."""
-    if self._deltas is None:
-      self._deltas = jax.jit(self._deltas_impl)
     return self._deltas(state.params, batch)
 
   def gradients(self, graphdef, params, batch):
