@@ -292,42 +292,66 @@ def flash_backward(
     summed over GQA groups; delta [batch, heads, q_len_padded]; the bias
     gradient [batch, heads, q_len_padded, kv_len_padded] or None).
   """
+  key_ranges, query_ranges = ranges if ranges is not None else (None, None)
+  delta = _delta(out, d_out, cfg)
+  operands = (q, k, v, d_out, lse, delta)
+  fused = _fuses_dq(
+    cfg,
+    q.shape,
+    k.shape[1] // cfg.bwd_block_k,
+    cfg.policy.dtype("grad_accum"),
+  )
+  dk, dv, *dq_parts = _key_major_call(operands, ops, query_ranges, cfg, fused)
+  if fused:
+    return _sum_dq_parts(dq_parts[0], cfg), dk, dv, delta, None
+  dq, dbias = _query_major_call(operands, ops, key_ranges, cfg)
+  return dq, dk, dv, delta, dbias
+
+
+def _rows_spec(block, head_dim_padded, index_map):
+  return pl.BlockSpec((None, block, None, head_dim_padded), index_map)
+
+
+def _vec_spec(block, index_map):
+  return pl.BlockSpec((None, None, block), index_map)
+
+
+def _feature_specs(
+  cfg, ops, ranges, q_len_padded, kv_len_padded, *, query_major
+):
+  return operand_specs(
+    cfg.mask,
+    ops,
+    ranges,
+    query_major=query_major,
+    block_q=cfg.bwd_block_q,
+    block_k=cfg.bwd_block_k,
+    q_len_padded=q_len_padded,
+    kv_len_padded=kv_len_padded,
+    with_sink=False,
+  )
+
+
+def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
+  """dK and dV, one program per key block; with `fused` also each key
+  block's dQ contribution [key blocks, batch, q_len_padded, heads, D]."""
+  q, k = operands[:2]
   batch, q_len_padded, heads, head_dim_padded = q.shape
   kv_len_padded, kv_heads = k.shape[1], k.shape[2]
   group = heads // kv_heads
-  policy = cfg.policy
-  block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
-  params = cfg.compiler_params(block_q * block_k)
-  key_ranges, query_ranges = ranges if ranges is not None else (None, None)
-
-  def rows_spec(block, head_of):
-    return pl.BlockSpec((None, block, None, head_dim_padded), head_of)
-
-  def vec_spec(block, index_map):
-    return pl.BlockSpec((None, None, block), index_map)
-
-  def features(query_major):
-    return operand_specs(
-      cfg.mask,
-      ops,
-      key_ranges if query_major else query_ranges,
-      query_major=query_major,
-      block_q=block_q,
-      block_k=block_k,
-      q_len_padded=q_len_padded,
-      kv_len_padded=kv_len_padded,
-      with_sink=False,
-    )
-
-  delta = _delta(out, d_out, cfg)
-
-  grad_dtype = policy.dtype("grad_accum")
-  fused = _fuses_dq(cfg, q.shape, kv_len_padded // block_k, grad_dtype)
-  whole_q = rows_spec(q_len_padded, lambda j, b, h: (b, 0, h, 0))
-  whole_kv = rows_spec(kv_len_padded, lambda j, b, h: (b, 0, h // group, 0))
-  whole_vec = vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
-  key_block = rows_spec(block_k, lambda j, b, h: (b, j, h // group, 0))
-  key_block_out = rows_spec(block_k, lambda j, b, h: (b, j, h, 0))
+  block_k = cfg.bwd_block_k
+  key_blocks = kv_len_padded // block_k
+  grad_dtype = cfg.policy.dtype("grad_accum")
+  whole_q = _rows_spec(
+    q_len_padded, head_dim_padded, lambda j, b, h: (b, 0, h, 0)
+  )
+  whole_vec = _vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
+  key_block = _rows_spec(
+    block_k, head_dim_padded, lambda j, b, h: (b, j, h // group, 0)
+  )
+  key_block_out = _rows_spec(
+    block_k, head_dim_padded, lambda j, b, h: (b, j, h, 0)
+  )
   kv_grad_shape = jax.ShapeDtypeStruct(
     (batch, kv_len_padded, heads, head_dim_padded), grad_dtype
   )
@@ -340,13 +364,13 @@ def flash_backward(
         lambda j, b, h: (j, b, 0, h, 0),
       )
     )
-    out_shape.append(
-      jax.ShapeDtypeStruct((kv_len_padded // block_k, *q.shape), grad_dtype)
-    )
-  names, arrays, specs = features(query_major=False)
-  dk, dv, *dq_parts = pl.pallas_call(
+    out_shape.append(jax.ShapeDtypeStruct((key_blocks, *q.shape), grad_dtype))
+  names, arrays, specs = _feature_specs(
+    cfg, ops, query_ranges, q_len_padded, kv_len_padded, query_major=False
+  )
+  return pl.pallas_call(
     functools.partial(_dkdv_kernel, cfg=cfg, names=names, with_dq=fused),
-    grid=(kv_len_padded // block_k, batch, heads),
+    grid=(key_blocks, batch, heads),
     in_specs=[
       whole_q,
       key_block,
@@ -358,16 +382,28 @@ def flash_backward(
     ],
     out_specs=out_specs,
     out_shape=out_shape,
-    compiler_params=params,
+    compiler_params=cfg.compiler_params(cfg.bwd_block_q * block_k),
     interpret=cfg.interpret,
     name="stableattn_flash_backward_dkdvdq"
     if fused
     else "stableattn_flash_backward_dkdv",
-  )(q, k, v, d_out, lse, delta, *arrays)
-  if fused:
-    return _sum_dq_parts(dq_parts[0], cfg), dk, dv, delta, None
+  )(*operands, *arrays)
 
-  query_block = rows_spec(block_q, lambda i, b, h: (b, i, h, 0))
+
+def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
+  """(dQ, the bias gradient or None), one program per query block."""
+  q, k = operands[:2]
+  batch, q_len_padded, heads, head_dim_padded = q.shape
+  kv_len_padded, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  block_q = cfg.bwd_block_q
+  grad_dtype = cfg.policy.dtype("grad_accum")
+  whole_kv = _rows_spec(
+    kv_len_padded, head_dim_padded, lambda i, b, h: (b, 0, h // group, 0)
+  )
+  query_block = _rows_spec(
+    block_q, head_dim_padded, lambda i, b, h: (b, i, h, 0)
+  )
   out_specs = [query_block]
   out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype)]
   if cfg.mask.bias is not None:
@@ -381,7 +417,9 @@ def flash_backward(
         (batch, heads, q_len_padded, kv_len_padded), grad_dtype
       )
     )
-  names, arrays, specs = features(query_major=True)
+  names, arrays, specs = _feature_specs(
+    cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
+  )
   dq, *dbias = pl.pallas_call(
     functools.partial(_dq_kernel, cfg=cfg, names=names),
     grid=(q_len_padded // block_q, batch, heads),
@@ -390,14 +428,14 @@ def flash_backward(
       whole_kv,
       whole_kv,
       query_block,
-      vec_spec(block_q, lambda i, b, h: (b, h, i)),
-      vec_spec(block_q, lambda i, b, h: (b, h, i)),
+      _vec_spec(block_q, lambda i, b, h: (b, h, i)),
+      _vec_spec(block_q, lambda i, b, h: (b, h, i)),
       *specs,
     ],
     out_specs=out_specs,
     out_shape=out_shape,
-    compiler_params=params,
+    compiler_params=cfg.compiler_params(block_q * cfg.bwd_block_k),
     interpret=cfg.interpret,
     name="stableattn_flash_backward_dq",
-  )(q, k, v, d_out, lse, delta, *arrays)
-  return dq, dk, dv, delta, (dbias[0] if dbias else None)
+  )(*operands, *arrays)
+  return dq, (dbias[0] if dbias else None)
