@@ -7,8 +7,12 @@ Run:
   python launch/audit.py --workdir=runs/audit_smoke \
       --config=configs/audit.py:smoke --config.kernel=jax_mha
 
+  python launch/audit.py --workdir=runs/audit_window --config.kernel=xla \
+      --config.features=causal,window
+
 The kernel follows the contract of `stableattn/attention_fns.py`:
-fn(q, k, v, *, causal) -> out, layout [batch, length, heads, head_dim].
+fn(q, k, v, **features) -> out, layout [batch, length, heads, head_dim];
+it is passed only the features the config names, under jax's names.
 Variants: default (two shapes, FP32 and BF16, causal and not; about two
 minutes on 2 CPU cores for a jitted kernel), `smoke` (one small shape;
 under a minute), `paper` (GQA, ragged lengths, head dim 128, more inputs).
@@ -28,8 +32,8 @@ import ml_collections
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  # A registry name (pallas, reference, xla, cudnn, jax_mha) or an import
-  # path "package.module:function".
+  # A registry name (pallas, reference, xla, cudnn, jax_mha, tokamax_xla,
+  # ...) or an import path "package.module:function".
   c.kernel = "xla"
   # Our implementations' own policy; "auto": Flash's natural policy for
   # pallas, eager attention's for reference/xla, at each input format.
@@ -45,7 +49,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # [0, 1) (positive) and outlier inputs.
   c.distributions = "normal"
   c.seeds = 1
-  c.causal = (False, True)
+  # Feature sets, each audited: ';' between sets, each "none" or a comma
+  # list of causal, bottom_right, window, lengths, segments, softcap, sink,
+  # alibi (the kernel is called with them under jax's names).
+  c.features = "none;causal"
   c.repeats = 3  # identical runs that must agree bit for bit
   # Rules deciding `passed` (all four are reported).
   c.gate = "flashattention,flexattention"

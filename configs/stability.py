@@ -23,9 +23,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.candidate = ""
   # A flash policy below 16 bits (e.g. "fp8-fa3") swept beside them.
   c.low_precision = ""
-  # none, qk_norm, z_loss, softcap, tie_beta: each arm is swept with each.
+  # none, qk_norm, z_loss, or a name in `strengths` that is a field of
+  # stableattn.Features (every kernel) or stableattn.Options (the flash
+  # kernel only): each arm is swept with each.
   c.mitigations = "none,qk_norm"
-  # How strong each mitigation is.
+  # How strong each mitigation is (a feature's or option's value).
   c.strengths = ml_collections.ConfigDict()
   c.strengths.z_loss = 1e-4  # Wortsman et al.'s weight
   c.strengths.softcap = 30.0  # attention logits capped at +-30

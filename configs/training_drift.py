@@ -57,8 +57,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.attention.block_q = 64
   c.attention.block_k = 32
   c.attention.scheme = "fa2"
-  c.attention.tie_beta = 0.0  # Qiu & Yao's fix in the flash run; 0: none
-  c.attention.fix_beta = 2.0  # the fix in flash_fixed (flash_fix_vs_flash)
+  # Kernel options (fields of stableattn.Options, "name=value,...") of the
+  # flash run on top of the above; "": none.
+  c.attention.flash_options = ""
+  # The options the flash_fixed run adds (pair flash_fix_vs_flash): Qiu &
+  # Yao's safe-softmax fix with beta 2.
+  c.attention.fix = "tie_beta=2.0"
   # A kernel to train with beside the others (pair candidate_vs_baseline):
   # a name of stableattn.attention_fns or "package.module:function".
   c.attention.candidate = ""

@@ -1,33 +1,34 @@
 """stableattn: how far does flash attention deviate from plain attention?
 
 Public API:
-  attention(q, k, v, *, implementation, precision, block_q, block_k, scheme,
-            causal, interpret)
+  attention(q, k, v, *, implementation, options, features, **keywords):
+    keywords are fields of Options (how) or Features (what), as sugar
+  Options(precision, block_q, block_k, scheme, tie_beta, ...): frozen
+  Features(causal, local_window_size, segment_ids, softcap, sink, ...)
   golden_attention(q, k, v, causal) / golden_attention_vjp(...)
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
   round_to(x, format): x rounded to a format (FP8/FP4 casts saturate)
   Precision, preset_names; tiles_from_sram
-  check(fn, precision=..., shapes=...) -> CheckReport (FlashAttention rule)
-  audit(fn, precision=..., shapes=..., causal=...) -> AuditReport: output
-    and gradients under four projects' rules, determinism, NaN/Inf
-  make_attention_fn(...) -> attention_fn for flax.nnx.MultiHeadAttention
+  audit(fn, precision=..., shapes=..., features=...) -> AuditReport:
+    fn(q, k, v, **features), output and gradients under four projects'
+    rules, determinism, NaN/Inf
+  check(fn, ...) -> CheckReport: the audit's forward output under
+    FlashAttention's rule
+  make_attention_fn(options, features) -> attention_fn for
+    flax.nnx.MultiHeadAttention
 """
 
 from stableattn.audit import AuditReport, audit
 from stableattn.check import CheckReport, check
 from stableattn.dispatch import IMPLEMENTATIONS, attention
+from stableattn.features import Features
 from stableattn.flax_attention import make_attention_fn
 from stableattn.golden import golden_attention, golden_attention_vjp
-from stableattn.metrics import (
-  Deviation,
-  compare,
-  error_ratio,
-  passes_fa_rule,
-  rounding_floor,
-)
-from stableattn.pallas_forward import SCHEMES
+from stableattn.metrics import Deviation, compare, error_ratio, rounding_floor
+from stableattn.options import SCHEMES, Options
 from stableattn.precision import STAGES, Precision, preset_names
 from stableattn.rounding import round_to
+from stableattn.rules import passes_fa_rule
 from stableattn.tiling import tiles_from_sram
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
   "STAGES",
   "CheckReport",
   "Deviation",
+  "Features",
+  "Options",
   "Precision",
   "attention",
   "audit",

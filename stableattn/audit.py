@@ -1,25 +1,14 @@
 """Audit any attention kernel: forward, gradients, determinism, NaN.
 
-A kernel on the contract of `stableattn.attention_fns` is run on inputs
-rounded to a policy's input format and compared, output and gradients
-(dQ, dK, dV for one random cotangent), against the FP64 golden value and
-against our same-policy Baseline. Each tensor is judged by the rules of the
-projects users trust, side by side (`RULES`), repeated runs must agree bit
-for bit, and any NaN or Inf fails.
-
-Rules (each as its project's tests apply it; see the README for sources):
-  * flashattention — max|x - golden| <= 2 x the same-policy baseline's
-    (3 x for gradients) + FlashAttention-3's floor,
-    2 max|(golden + 0.3 - 0.3) - golden| in the output format
-    (Dao-AILab/flash-attention, tests/test_flash_attn.py and hopper/).
-  * flexattention — mean|x - golden| <= 1.1 x the same-format baseline's
-    for FP16/BF16 (PyTorch, test/inductor/test_flex_attention.py).
-  * tokamax — a fixed tolerance per dtype, FP32 1e-6, BF16 1e-2, FP16
-    5e-4, gradients 2x (openxla/tokamax), read as an allclose with atol =
-    rtol = the tolerance; our reference is FP64, theirs XLA at highest
-    precision.
-  * transformer_engine — RMSE <= 0.11 x the golden value's range
-    (NVIDIA TransformerEngine's attention tests).
+A kernel on the contract of `stableattn.attention_fns`, `fn(q, k, v,
+**features)`, is run on inputs rounded to a policy's input format with
+the features the audit names, and compared, output and gradients (dQ, dK,
+dV for one random cotangent), against the FP64 golden value with the
+same features and against our same-policy Baseline. Each tensor is judged
+by the rules of the projects users trust, side by side
+(`stableattn.rules`), repeated runs must agree bit for bit, and any NaN
+or Inf fails. `check` is the same audit restricted to the forward output
+and FlashAttention's rule.
 """
 
 from __future__ import annotations
@@ -31,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.attention_fns import resolve
+from stableattn.attention_fns import resolve, unaccepted_features
+from stableattn.feature_recipes import FeatureRecipe
+from stableattn.features import Features
 from stableattn.golden import golden_attention, golden_attention_vjp
 from stableattn.inputs import (
   DISTRIBUTIONS,
@@ -40,71 +31,12 @@ from stableattn.inputs import (
   round_to,
   shape_from_spec,
 )
-from stableattn.metrics import compare, rounding_floor
+from stableattn.metrics import compare
+from stableattn.options import Options
 from stableattn.precision import Precision
+from stableattn.rules import RULES
 
 TENSORS = ("out", "dq", "dk", "dv")
-TOKAMAX_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 5e-4, "fp64": 1e-12}
-
-
-@dataclasses.dataclass(frozen=True)
-class Judgement:
-  """One rule on one tensor: the measured value against its limit
-  (`applies` False where the rule's project does not use it, e.g.
-  FlexAttention's 1.1x at FP32; such a rule passes)."""
-
-  rule: str
-  value: float
-  limit: float
-  passed: bool
-  applies: bool = True
-
-
-def _finite(x) -> bool:
-  return bool(np.all(np.isfinite(x)))
-
-
-def flashattention_rule(golden, x, baseline, fmt, gradient) -> Judgement:
-  factor = 3.0 if gradient else 2.0
-  error = float(np.max(np.abs(x - golden)))
-  limit = factor * float(np.max(np.abs(baseline - golden)))
-  limit += rounding_floor(golden, fmt)
-  ok = _finite(x) and error <= limit
-  return Judgement("flashattention", error, limit, ok)
-
-
-def flexattention_rule(golden, x, baseline, fmt, gradient) -> Judgement:
-  error = float(np.mean(np.abs(x - golden)))
-  limit = 1.1 * float(np.mean(np.abs(baseline - golden)))
-  if fmt not in ("bf16", "fp16"):  # the 1.1x rule is for half formats
-    return Judgement("flexattention", error, limit, _finite(x), False)
-  ok = _finite(x) and error <= limit
-  return Judgement("flexattention", error, limit, ok)
-
-
-def tokamax_rule(golden, x, baseline, fmt, gradient) -> Judgement:
-  """An allclose with atol = rtol = the dtype's tolerance: the value is the
-  worst |x - golden| / (tol (1 + |golden|)), at most 1 to pass."""
-  del baseline
-  tol = TOKAMAX_TOLERANCE[fmt] * (2.0 if gradient else 1.0)
-  worst = float(np.max(np.abs(x - golden) / (tol * (1.0 + np.abs(golden)))))
-  return Judgement("tokamax", worst, 1.0, _finite(x) and worst <= 1.0)
-
-
-def transformer_engine_rule(golden, x, baseline, fmt, gradient) -> Judgement:
-  del baseline, fmt, gradient
-  rmse = float(np.sqrt(np.mean((x - golden) ** 2)))
-  limit = 0.11 * float(np.max(golden) - np.min(golden))
-  ok = _finite(x) and rmse <= limit
-  return Judgement("transformer_engine", rmse, limit, ok)
-
-
-RULES = {
-  "flashattention": flashattention_rule,
-  "flexattention": flexattention_rule,
-  "tokamax": tokamax_rule,
-  "transformer_engine": transformer_engine_rule,
-}
 
 
 def quality(golden, x) -> dict:
@@ -130,11 +62,12 @@ def quality(golden, x) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One audited input: shape, distribution and seed."""
+  """One audited input: shape, distribution, seed and features."""
 
   shape: Shape
   distribution: str
   seed: int
+  features: FeatureRecipe | Features = FeatureRecipe()
 
   @property
   def label(self) -> str:
@@ -143,14 +76,25 @@ class Case:
       f"B{s.batch} T{s.q_len} S{s.kv_len} H{s.heads}/{s.kv_heads} D{s.head_dim}"
     )
 
+  @property
+  def features_label(self) -> str:
+    return features_label(self.features)
 
-def _values_and_grads(fn, q, k, v, d_out, causal):
-  """fn's output and (dq, dk, dv) for cotangent d_out, as float64 arrays."""
+  def built_features(self) -> Features:
+    if isinstance(self.features, Features):
+      return self.features
+    return self.features.build(self.shape)
 
-  def call(q, k, v):
-    return fn(q, k, v, causal=causal)
 
-  out, vjp = jax.vjp(call, q, k, v)
+def features_label(features) -> str:
+  """ "none", or the set features' names ("causal,local_window_size")."""
+  if isinstance(features, FeatureRecipe):
+    return features.label
+  return ",".join(features.kwargs()) or "none"
+
+
+def _call(fn, q, k, v, features: dict):
+  out = fn(q, k, v, **features)
   if out is None or getattr(out, "shape", None) != q.shape:
     raise ValueError(
       f"the kernel returned {None if out is None else out.shape}; the "
@@ -161,14 +105,38 @@ def _values_and_grads(fn, q, k, v, d_out, causal):
       f"the kernel returned dtype {out.dtype}; the contract is a floating "
       "output (the inputs' dtype or wider)."
     )
-  grads = vjp(jnp.asarray(d_out).astype(out.dtype))
-  return [
-    np.asarray(jax.device_get(x)).astype(np.float64) for x in (out, *grads)
-  ]
+  return out
 
 
-def measure_case(fn, policy: Precision, case: Case, causal: bool, repeats):
+def _as_f64(arrays) -> list:
+  return [np.asarray(jax.device_get(x)).astype(np.float64) for x in arrays]
+
+
+def _values_and_grads(fn, q, k, v, d_out, features: dict, gradients: bool):
+  """fn's output and, with `gradients`, (dq, dk, dv) for cotangent d_out,
+  as float64 arrays."""
+  if not gradients:
+    return _as_f64([_call(fn, q, k, v, features)])
+  out, vjp = jax.vjp(lambda q, k, v: _call(fn, q, k, v, features), q, k, v)
+  return _as_f64([out, *vjp(jnp.asarray(d_out).astype(out.dtype))])
+
+
+def check_accepts(fn, features: dict, kernel: str = "the kernel") -> None:
+  """One clear line when fn cannot take a feature the audit passes."""
+  missing = unaccepted_features(fn, features)
+  if missing:
+    raise ValueError(
+      f"{kernel} does not accept the feature(s) {missing} that this audit "
+      "passes (the contract is fn(q, k, v, **features), jax's names); "
+      "audit it without them or add them to its signature."
+    )
+
+
+def measure_case(
+  fn, policy: Precision, case: Case, repeats, tensors=TENSORS, rules=RULES
+):
   """Rows (one per tensor) of one case: rules, quality, determinism."""
+  gradients = tensors != ("out",)
   q, k, v = (
     round_to(x, policy.inputs)
     for x in make_inputs(case.distribution, case.seed, case.shape)
@@ -177,57 +145,66 @@ def measure_case(fn, policy: Precision, case: Case, causal: bool, repeats):
     np.random.default_rng(10_000 + case.seed).standard_normal(q.shape),
     policy.output,
   )
-  golden = [
-    golden_attention(q, k, v, causal),
-    *golden_attention_vjp(q, k, v, d_out, causal),
-  ]
+  features = case.built_features().kwargs()
+  check_accepts(fn, features)
+  golden = [golden_attention(q, k, v, **features)]
+  if gradients:
+    golden += golden_attention_vjp(q, k, v, d_out, **features)[:3]
   dtype = policy.dtype("inputs")
   args = [jnp.asarray(x.astype(dtype)) for x in (q, k, v)]
   d_out = d_out.astype(policy.dtype("output"))
 
-  ours = resolve("reference", precision=policy)
-  baseline = _values_and_grads(ours, *args, d_out, causal)
-  runs = [_values_and_grads(fn, *args, d_out, causal) for _ in range(repeats)]
-  rows = []
-  for i, tensor in enumerate(TENSORS):
-    x = runs[0][i]
-    gradient = tensor != "out"
-    fmt = policy.output if not gradient else policy.inputs
-    judged = [
-      rule(golden[i], x, baseline[i], fmt, gradient) for rule in RULES.values()
-    ]
-    identical = all(np.array_equal(x, r[i], equal_nan=True) for r in runs)
-    rows.append(
-      {
-        "shape": case.label,
-        "distribution": case.distribution,
-        "seed": case.seed,
-        "tensor": tensor,
-        "policy": policy.name,
-        "deterministic": identical,
-        "repeats": repeats,
-        **{f"{j.rule}_value": j.value for j in judged},
-        **{f"{j.rule}_limit": j.limit for j in judged},
-        **{f"{j.rule}_passed": j.passed for j in judged},
-        **{f"{j.rule}_applies": j.applies for j in judged},
-        **quality(golden[i], x),
-        "baseline_max_abs": float(np.max(np.abs(baseline[i] - golden[i]))),
-      }
+  ours = resolve("reference", Options(precision=policy))
+  baseline = _values_and_grads(ours, *args, d_out, features, gradients)
+  runs = [
+    _values_and_grads(fn, *args, d_out, features, gradients)
+    for _ in range(repeats)
+  ]
+  return [
+    _row(
+      case, policy, tensor, golden[i], [r[i] for r in runs], baseline[i], rules
     )
-  return rows
+    for i, tensor in enumerate(tensors)
+  ]
 
 
-def cases(shapes, distributions, seeds: int) -> list[Case]:
+def _row(case, policy, tensor, golden, runs, baseline, rules) -> dict:
+  x = runs[0]
+  gradient = tensor != "out"
+  fmt = policy.output if not gradient else policy.inputs
+  judged = [rule(golden, x, baseline, fmt, gradient) for rule in rules.values()]
+  return {
+    "shape": case.label,
+    "distribution": case.distribution,
+    "seed": case.seed,
+    "features": case.features_label,
+    "tensor": tensor,
+    "policy": policy.name,
+    "deterministic": all(np.array_equal(x, r, equal_nan=True) for r in runs),
+    "repeats": len(runs),
+    **{f"{j.rule}_value": j.value for j in judged},
+    **{f"{j.rule}_limit": j.limit for j in judged},
+    **{f"{j.rule}_passed": j.passed for j in judged},
+    **{f"{j.rule}_applies": j.applies for j in judged},
+    **quality(golden, x),
+    "baseline_max_abs": float(np.max(np.abs(baseline - golden))),
+  }
+
+
+def cases(shapes, distributions, seeds: int, features=None):
+  features = FeatureRecipe() if features is None else features
   bad = [d for d in distributions if d not in DISTRIBUTIONS]
   if bad or not distributions:
     raise ValueError(
       f"distributions {list(distributions)}: unknown {bad}; valid: "
       f"{list(DISTRIBUTIONS)} (at least one)."
     )
-  if not shapes or seeds < 1:
-    raise ValueError("an audit needs at least one shape and one seed.")
+  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+    raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}.")
+  if shapes is not None and not len(shapes):
+    raise ValueError("an audit needs at least one shape.")
   return [
-    Case(shape_from_spec(spec), distribution, seed)
+    Case(shape_from_spec(spec), distribution, seed, features)
     for spec in shapes
     for distribution in distributions
     for seed in range(seeds)
@@ -240,7 +217,7 @@ def failures(rows, rules=tuple(RULES)) -> list[str]:
   for r in rows:
     where = (
       f"{r['tensor']} at {r['shape']}, {r['distribution']} inputs, seed "
-      f"{r['seed']}, {r['policy']}"
+      f"{r['seed']}, {r['policy']}, features {r['features']}"
     )
     if r["nonfinite"]:
       out.append(f"{r['nonfinite']} NaN/Inf values in {where}")
@@ -271,25 +248,41 @@ class AuditReport:
     return not self.failures
 
   def __str__(self) -> str:
+    rules = [r for r in RULES if f"{r}_passed" in self.rows[0]]
     lines = [
-      f"{'tensor':>6} {'policy':>16} {'causal':>6} "
-      + " ".join(f"{rule:>18}" for rule in RULES)
+      f"{'tensor':>6} {'policy':>16} {'features':>16} "
+      + " ".join(f"{rule:>18}" for rule in rules)
       + "  deterministic"
     ]
     for r in self.rows:
       cells = [
         f"{r[f'{rule}_value']:.2e}/{r[f'{rule}_limit']:.1e}"
         + (" ok" if r[f"{rule}_passed"] else " XX")
-        for rule in RULES
+        for rule in rules
       ]
       lines.append(
-        f"{r['tensor']:>6} {r['policy']:>16} {str(r['causal']):>6} "
+        f"{r['tensor']:>6} {r['policy']:>16} {r['features']:>16} "
         + " ".join(f"{c:>18}" for c in cells)
         + f"  {r['deterministic']}"
       )
     lines += self.failures
     lines.append("PASSED" if self.passed else "FAILED")
     return "\n".join(lines)
+
+
+def as_recipe(features, causal: bool = False):
+  """`features` (None, "causal,window,...", a FeatureRecipe or Features)
+  as a recipe or fixed Features, with `causal` sugar applied."""
+  if features is None or isinstance(features, str):
+    features = FeatureRecipe.from_names(features or "")
+  if not isinstance(features, (FeatureRecipe, Features)):
+    raise ValueError(
+      "features must be None, names such as 'causal,window', a "
+      f"FeatureRecipe or a stableattn.Features; got {type(features).__name__}."
+    )
+  if causal:
+    features = dataclasses.replace(features, causal=True)
+  return features
 
 
 def audit(
@@ -299,36 +292,49 @@ def audit(
   shapes=((1, 128, 2, 64),),
   distributions=("normal",),
   seeds: int = 1,
+  features=None,
   causal: bool = False,
   repeats: int = 3,
   gate=("flashattention", "flexattention"),
+  tensors=TENSORS,
+  rules=None,
 ) -> AuditReport:
-  """Audits fn(q, k, v, *, causal): output and gradients under every rule,
-  determinism over `repeats` runs, and NaN/Inf.
+  """Audits fn(q, k, v, **features): output and gradients under every
+  rule, determinism over `repeats` runs, and NaN/Inf.
 
   Args:
     fn: a kernel on the contract of `stableattn.attention_fns`.
     precision: the input format and the same-policy baseline.
     shapes: (batch, seq_len, heads, head_dim) or six-field shapes.
     distributions, seeds: inputs per shape (`stableattn.inputs`).
-    causal: whether fn is called (and judged) with causal masking.
-    repeats: identical runs that must agree bit for bit (at least 2).
+    features: what fn is called (and judged) with: None, names of
+      `stableattn.features.RECIPE_NAMES` ("causal,window,segments"),
+      built for each shape, or a `stableattn.Features` that fits every
+      shape. Only the features that are set are passed.
+    causal: sugar for adding `causal` to the features.
+    repeats: identical runs that must agree bit for bit (at least 2; 1
+      leaves determinism unjudged).
     gate: rules that decide `passed` (all are measured).
+    tensors: ("out", "dq", "dk", "dv"), or ("out",) for a forward-only
+      kernel.
+    rules: name -> rule of `stableattn.rules` to measure; None: `RULES`.
 
   Raises:
-    ValueError: for bad settings, or a kernel that raises or breaks the
-      contract (the message says which case and why).
+    ValueError: for bad settings, a feature the kernel does not accept, or
+      a kernel that raises or breaks the contract (the message says which
+      case and why).
   """
   policy = Precision.from_name(precision)
-  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
-    raise ValueError(f"repeats must be an integer >= 2, got {repeats!r}.")
-  unknown = [g for g in gate if g not in RULES]
+  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+    raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
+  rules = RULES if rules is None else rules
+  unknown = [g for g in gate if g not in rules]
   if unknown:
-    raise ValueError(f"unknown rules {unknown}; valid: {list(RULES)}.")
+    raise ValueError(f"unknown rules {unknown}; valid: {list(rules)}.")
+  if tuple(tensors) not in (TENSORS, ("out",)):
+    raise ValueError(f"tensors must be {TENSORS} or ('out',), got {tensors}.")
+  recipe = as_recipe(features, causal)
   rows = []
-  for case in cases(shapes, tuple(distributions), seeds):
-    rows += [
-      {"causal": causal, **r}
-      for r in measure_case(fn, policy, case, causal, repeats)
-    ]
+  for case in cases(shapes, tuple(distributions), seeds, recipe):
+    rows += measure_case(fn, policy, case, repeats, tuple(tensors), rules)
   return AuditReport(tuple(rows), tuple(gate))

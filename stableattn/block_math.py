@@ -95,7 +95,7 @@ def tie_cap(ar: PolicyArithmetic) -> float:
   return -0.5 * math.log(tiny)
 
 
-def tie_safe_max(s, r_m, ar: PolicyArithmetic, tie_beta: float | None):
+def tie_safe_max(s, r_m, ar: PolicyArithmetic, options):
   """The maximum to subtract before exp, with Qiu & Yao's fix (Alg. 1).
 
   Qiu & Yao (arXiv 2510.04212): where several scores of a row tie at its
@@ -113,9 +113,11 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, tie_beta: float | None):
   Args:
     s: scores [..., n] in the statistics format; -inf where masked.
     r_m: s.max(-1), shape [...].
-    tie_beta: beta > 1, or None for the standard safe softmax (m = r_m).
+    options: the `Options` whose `tie_beta` is beta > 1, or None for the
+      standard safe softmax (m = r_m).
   """
-  if tie_beta is None:
+  beta = options.tie_beta
+  if beta is None:
     return r_m
   stats = lambda x: ar.round(x, "softmax_stats")  # noqa: E731
   one, zero = jnp.asarray(1.0, s.dtype), jnp.asarray(0.0, s.dtype)
@@ -124,7 +126,7 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, tie_beta: float | None):
   r_safe = jnp.where(finite, r_m, zero)
   shift = jnp.where(
     tied & (r_safe > 0),
-    jnp.asarray(tie_beta - 1.0, s.dtype) * r_safe,
+    jnp.asarray(beta - 1.0, s.dtype) * r_safe,
     jnp.where(tied & (r_safe < 0), -r_safe, zero),
   )
   cap = jnp.asarray(tie_cap(ar), s.dtype)

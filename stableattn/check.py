@@ -1,35 +1,27 @@
 """`check`: is a user's attention kernel's error normal for its format?
 
-Applies FlashAttention's test rule: the kernel's max error against the FP64
-golden value must be at most `factor` times the error of the same-policy
+The audit (`stableattn.audit`) restricted to the forward output and
+FlashAttention's rule: the kernel's max error against the FP64 golden
+value must be at most `factor` times the error of the same-policy
 baseline attention, plus FlashAttention-3's absolute floor of a few ULPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from stableattn.dispatch import attention
-from stableattn.golden import golden_attention
-from stableattn.inputs import (
-  DISTRIBUTIONS,
-  make_inputs,
-  round_to,
-  shape_from_spec,
-)
-from stableattn.metrics import compare, rounding_floor, safe_ratio
+from stableattn.audit import audit
+from stableattn.metrics import safe_ratio
 from stableattn.precision import Precision
+from stableattn.rules import flashattention_rule
 
 DEFAULT_SHAPES = ((1, 128, 4, 64), (2, 97, 4, 64), (1, 256, 2, 128))
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckRow:
-  shape: tuple[int, ...]
+  shape: str
   distribution: str
   seed: int
   error: float  # max |fn - golden|
@@ -58,7 +50,7 @@ class CheckReport:
     ]
     for r in self.rows:
       lines.append(
-        f"{str(r.shape):>22} {r.distribution:>8} {r.error:10.3e} "
+        f"{r.shape:>22} {r.distribution:>8} {r.error:10.3e} "
         f"{r.baseline_error:10.3e} {r.ratio:7.2f} {r.floor:9.2e}  "
         f"{'pass' if r.passed else 'FAIL'}"
       )
@@ -66,59 +58,18 @@ class CheckReport:
     return "\n".join(lines)
 
 
-def _checked_settings(seeds, distributions: tuple, shapes) -> tuple:
-  """Raises for settings that would check nothing; the distributions."""
-  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-    raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}.")
-  if not distributions:
-    raise ValueError(
-      f"distributions is empty; give at least one of {list(DISTRIBUTIONS)}."
-    )
-  bad = [d for d in distributions if d not in DISTRIBUTIONS]
-  if bad:
-    raise ValueError(
-      f"Unknown distributions {bad}; valid: {list(DISTRIBUTIONS)}."
-    )
-  if shapes is not None and not len(shapes):
-    raise ValueError("shapes is empty; give at least one shape, or None.")
-  return distributions
-
-
-def _check_one(fn, policy, spec, distribution, seed, causal, factor):
-  """One input: fn's error and the same-policy baseline's, against golden."""
-  q, k, v = (
-    round_to(x, policy.inputs)
-    for x in make_inputs(distribution, seed, shape_from_spec(spec))
-  )
-  golden = golden_attention(q, k, v, causal)
-  # Exact: the inputs are already rounded to the policy's input format, and
-  # NumPy holds it (no float64 reaches JAX, so no x64 warning).
-  q, k, v = (jnp.asarray(x.astype(policy.dtype("inputs"))) for x in (q, k, v))
-  baseline = attention(
-    q, k, v, implementation="reference", precision=policy, causal=causal
-  )
-  out = fn(q, k, v)
-  if out is None:
-    raise ValueError(
-      "fn returned None; it must return the attention output "
-      f"[batch, q_len, heads, head_dim], here {golden.shape}."
-    )
-  out = np.asarray(jax.device_get(out)).astype(np.float64)
-  if out.shape != golden.shape:
-    raise ValueError(f"fn returned shape {out.shape}; expected {golden.shape}.")
-  error = compare(golden, out).max_abs
-  baseline = np.asarray(jax.device_get(baseline)).astype(np.float64)
-  baseline_error = compare(golden, baseline).max_abs
-  floor = rounding_floor(golden, policy.output)
+def _row(r: dict, factor: float) -> CheckRow:
+  error, limit = r["flashattention_value"], r["flashattention_limit"]
+  baseline_error = r["baseline_max_abs"]
   return CheckRow(
-    shape=tuple(spec),
-    distribution=distribution,
-    seed=seed,
+    shape=r["shape"],
+    distribution=r["distribution"],
+    seed=r["seed"],
     error=error,
     baseline_error=baseline_error,
     ratio=safe_ratio(error, baseline_error),
-    floor=floor,
-    passed=bool(error <= factor * baseline_error + floor),
+    floor=limit - factor * baseline_error,
+    passed=r["flashattention_passed"],
   )
 
 
@@ -128,19 +79,22 @@ def check(
   precision: str | Precision = "bf16-fa2",
   shapes=None,
   causal: bool = False,
+  features=None,
   distributions=("normal",),
   seeds: int = 1,
   factor: float = 2.0,
 ) -> CheckReport:
-  """Runs `fn(q, k, v)` against golden and the same-policy baseline.
+  """Runs `fn(q, k, v, **features)` against golden and the same-policy
+  baseline, forward only.
 
   Args:
     fn: attention function taking q [B,T,H,D], k, v [B,S,Hkv,D] (JAX arrays
-      in the policy's input format) and returning [B,T,H,D].
+      in the policy's input format) and the features that are set, and
+      returning [B,T,H,D].
     precision: policy of the baseline; inputs are rounded to its format.
     shapes: (batch, seq_len, heads, head_dim) or (batch, q_len, kv_len,
       heads, kv_heads, head_dim) tuples; a few defaults if None.
-    causal: whether fn is causal (the references follow).
+    causal, features: as for `stableattn.audit`.
     distributions: input distributions from `stableattn.inputs`.
     seeds: inputs per shape and distribution.
     factor: allowed error ratio (FlashAttention uses 2; 3 for gradients).
@@ -150,14 +104,24 @@ def check(
 
   Raises:
     ValueError: for settings that would check nothing (no seeds, shapes or
-      distributions) or an unknown distribution.
+      distributions), an unknown distribution, or a feature fn does not
+      accept.
   """
   policy = Precision.from_name(precision)
-  distributions = _checked_settings(seeds, tuple(distributions), shapes)
-  rows = [
-    _check_one(fn, policy, spec, distribution, seed, causal, factor)
-    for spec in shapes or DEFAULT_SHAPES
-    for distribution in distributions
-    for seed in range(seeds)
-  ]
-  return CheckReport(policy.name, factor, tuple(rows))
+  report = audit(
+    fn,
+    precision=policy,
+    shapes=DEFAULT_SHAPES if shapes is None else shapes,
+    distributions=tuple(distributions),
+    seeds=seeds,
+    features=features,
+    causal=causal,
+    repeats=1,
+    gate=("flashattention",),
+    tensors=("out",),
+    rules={
+      "flashattention": functools.partial(flashattention_rule, factor=factor)
+    },
+  )
+  rows = tuple(_row(r, factor) for r in report.rows)
+  return CheckReport(policy.name, factor, rows)

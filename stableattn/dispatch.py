@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from stableattn import masking, quantization
+from stableattn import features as features_lib
+from stableattn import options as options_lib
+from stableattn import quantization
+from stableattn.features import Features
 from stableattn.flash_attention import (
   flash_attention,
   flash_attention_with_lse,
@@ -17,13 +19,10 @@ from stableattn.flash_attention import (
   quantized_flash_attention,
 )
 from stableattn.masking import MaskSpec
-from stableattn.pallas_forward import SCHEMES, KernelConfig
-from stableattn.precision import (
-  MICRO_GROUPS,
-  Precision,
-  require_x64_if_needed,
-  resolve,
-)
+from stableattn.options import ARITHMETIC_OPTIONS, Options
+from stableattn.pallas_forward import KernelConfig
+from stableattn.precision import Precision, require_x64_if_needed
+from stableattn.quant_options import MICRO_GROUPS
 from stableattn.reference import reference_attention, xla_attention
 from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import check_block_size, check_flag, resolve_interpret
@@ -82,26 +81,6 @@ def check_shapes(q, k, v) -> None:
       f"{kv_heads} key/value heads; valid kv_heads are "
       f"{[n for n in range(1, heads + 1) if heads % n == 0]}."
     )
-
-
-def check_tie_beta(tie_beta) -> float | None:
-  """Validates Qiu & Yao's beta: None, or a finite number > 1."""
-  if tie_beta is None:
-    return None
-  if isinstance(tie_beta, bool) or not isinstance(
-    tie_beta, (int, float, np.floating, np.integer)
-  ):
-    raise ValueError(
-      f"tie_beta must be None or a number > 1 (Qiu & Yao use 2 to 8), got "
-      f"{type(tie_beta).__name__} {tie_beta!r}."
-    )
-  beta = float(tie_beta)
-  if not math.isfinite(beta) or beta <= 1.0:
-    raise ValueError(
-      f"tie_beta must be a finite number > 1 (Qiu & Yao use 2 to 8), got "
-      f"{tie_beta!r}; None disables the fix."
-    )
-  return beta
 
 
 def xla_unsupported_reason(policy: Precision) -> str | None:
@@ -170,41 +149,23 @@ def _largest_fitting_tile(head_dim_padded: int, operand_bytes: int) -> int:
 
 
 def kernel_config(
-  q_shape,
-  kv_shape,
-  *,
-  policy: Precision,
-  block_q,
-  block_k,
-  scheme: str,
-  mask: MaskSpec,
-  interpret: bool | None,
-  num_warps=None,
-  num_stages=None,
-  bwd_block_q=None,
-  bwd_block_k=None,
-  tie_beta=None,
+  options: Options, q_shape, kv_shape, mask: MaskSpec
 ) -> KernelConfig:
-  """Validated static configuration of the Pallas kernels."""
-  _check_choice("scheme", scheme, SCHEMES)
-  tie_beta = check_tie_beta(tie_beta)
-  interpret = resolve_interpret(interpret)
+  """`options` resolved against the shapes: the kernel's static
+  configuration (tiles clamped to the lengths and checked for a GPU)."""
+  interpret = resolve_interpret(options.interpret)
   for_gpu = not interpret
   q_len, kv_len = q_shape[1], kv_shape[1]
-  block_q = check_block_size("block_q", block_q, for_gpu=for_gpu, length=q_len)
-  block_k = check_block_size("block_k", block_k, for_gpu=for_gpu, length=kv_len)
-  bwd_block_q = check_block_size(
-    "bwd_block_q",
-    block_q if bwd_block_q is None else bwd_block_q,
-    for_gpu=for_gpu,
-    length=q_len,
-  )
-  bwd_block_k = check_block_size(
-    "bwd_block_k",
-    block_k if bwd_block_k is None else bwd_block_k,
-    for_gpu=for_gpu,
-    length=kv_len,
-  )
+
+  def tile(name, value, length):
+    return check_block_size(name, value, for_gpu=for_gpu, length=length)
+
+  block_q = tile("block_q", options.block_q, q_len)
+  block_k = tile("block_k", options.block_k, kv_len)
+  bwd_q, bwd_k = options.bwd_block_q, options.bwd_block_k
+  bwd_block_q = tile("bwd_block_q", block_q if bwd_q is None else bwd_q, q_len)
+  bwd_block_k = tile("bwd_block_k", block_k if bwd_k is None else bwd_k, kv_len)
+  policy = options.precision
   group = MICRO_GROUPS.get(policy.scaling)
   if group and block_k % group and kv_len > block_k:
     raise ValueError(
@@ -218,22 +179,39 @@ def kernel_config(
     )
     if reason:
       raise ValueError(reason)
-  return KernelConfig(
-    policy=policy,
+  resolved = dataclasses.replace(
+    options,
     block_q=block_q,
     block_k=block_k,
-    scheme=scheme,
-    mask=mask,
-    q_len=q_len,
-    kv_len=kv_len,
-    head_dim=q_shape[3],
-    interpret=interpret,
-    num_warps=num_warps,
-    num_stages=num_stages,
     bwd_block_q=bwd_block_q,
     bwd_block_k=bwd_block_k,
-    tie_beta=tie_beta,
+    interpret=interpret,
   )
+  return KernelConfig(resolved, mask, q_len, kv_len, q_shape[3])
+
+
+def split_keywords(options, features, keywords: dict):
+  """`options` and `features` with the loose keywords (fields of either)
+  applied: the one place where keyword sugar becomes the two values."""
+  option_names = set(options_lib.field_names())
+  feature_names = set(features_lib.names())
+  unknown = sorted(set(keywords) - option_names - feature_names)
+  if unknown:
+    raise ValueError(
+      f"Unknown attention arguments {unknown}; valid options: "
+      f"{sorted(option_names)}; valid features: {sorted(feature_names)}."
+    )
+  option_kw = {k: v for k, v in keywords.items() if k in option_names}
+  if options is None:
+    options = Options(**option_kw)
+  elif not isinstance(options, Options):
+    raise ValueError(
+      f"options must be a stableattn.Options, got {type(options).__name__}."
+    )
+  elif option_kw:
+    options = options.replace(**option_kw)
+  feature_kw = {k: v for k, v in keywords.items() if k in feature_names}
+  return options, Features.of(features, **feature_kw)
 
 
 def attention(
@@ -242,28 +220,10 @@ def attention(
   v,
   *,
   implementation: str = "pallas",
-  precision: str | Precision = "bf16",
-  block_q: int = 64,
-  block_k: int = 64,
-  scheme: str = "fa2",
-  causal: bool = False,
-  causal_alignment: str = "top_left",
-  local_window_size=None,
-  query_seq_lengths=None,
-  key_value_seq_lengths=None,
-  segment_ids=None,
-  bias=None,
-  mask=None,
-  scale: float | None = None,
-  softcap: float | None = None,
-  sink=None,
-  interpret: bool | None = None,
-  num_warps: int | None = None,
-  num_stages: int | None = None,
-  bwd_block_q: int | None = None,
-  bwd_block_k: int | None = None,
-  tie_beta: float | None = None,
+  options: Options | None = None,
+  features: Features | None = None,
   return_lse: bool = False,
+  **keywords,
 ):
   """Scaled dot-product attention under a precision policy.
 
@@ -272,47 +232,14 @@ def attention(
     k, v: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
     implementation: "pallas" (our flash kernel), "reference" (materialized
       baseline in jnp) or "xla" (`jax.nn.dot_product_attention`).
-    precision: a preset name (see `stableattn.preset_names()`) or a
-      `stableattn.Precision`. Inputs are first cast to its `inputs` format.
-    block_q, block_k: tile sizes B_r and B_c of the Pallas kernel (any
-      positive size in interpret mode; powers of two >= 16 on a GPU).
-    scheme: "fa2" (normalize once at the end) or "fa1" (renormalize after
-      every key block).
-    causal: causal mask; query i sees keys up to its own position.
-    causal_alignment: "top_left" (query i sees keys 0..i; jax's) or
-      "bottom_right" (the last query sees the last key, FlashAttention's
-      and a KV cache's), per example when lengths are given. Also places
-      the local window. The same when q_len == kv_len.
-    local_window_size: None, w (the window (w, w)) or (left, right): query
-      i sees keys at positions i - left .. i + right; None or -1 leaves a
-      side unbounded (jax's argument; FlashAttention's `window_size`).
-    query_seq_lengths, key_value_seq_lengths: int [batch]: valid (leading)
-      queries and keys per example; padded query rows give 0.
-    segment_ids: int [batch, seq] (self-attention) or a pair (q ids
-      [batch, q_len], kv ids [batch, kv_len]): a query sees only keys of
-      its own segment (packed sequences).
-    bias: additive score bias [batch|1, heads|1, q_len, kv_len] (ALiBi,
-      relative positions); it gets a gradient.
-    mask: boolean [batch|1, heads|1, q_len, kv_len], True where a pair
-      attends: the general fallback, combined with every other mask.
-    scale: the score scale; None means 1/sqrt(head_dim).
-    softcap: logits become softcap * tanh(logits / softcap) (Gemma 2; 30
-      or 50 are typical), before the bias; None for none.
-    sink: float [heads]: a learnable sink logit per head that joins each
-      row's softmax denominator with a zero value (gpt-oss); it gets a
-      gradient.
-    interpret: run the Pallas kernel in interpret mode; None means "iff the
-      default backend is the CPU".
-    num_warps, num_stages: Triton compiler parameters (GPU only).
-    bwd_block_q, bwd_block_k: backward tile sizes; default to the forward's.
-    tie_beta: None for the standard safe softmax, or beta > 1 for Qiu &
-      Yao's fix (arXiv 2510.04212, Alg. 1): where scores tie at a row's
-      maximum r_m, subtract beta * r_m (or 0 if r_m < 0) instead of r_m, so
-      no probability is exactly 1. The kernel applies it per tile, the
-      reference per row; "xla" does not support it. The gradient is exact
-      (the backward uses the log-sum-exp).
+    options: how to compute (`stableattn.Options`: precision, tiles,
+      scheme, tie_beta, compiler parameters, interpret); default Options().
+    features: what to compute (`stableattn.Features`: causal, window,
+      lengths, segments, bias, mask, scale, softcap, sink); default none.
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
       only; not differentiable; +inf for a row no key attends).
+    **keywords: any field of `Options` or `Features` by name (sugar:
+      `precision="bf16-fa2", causal=True`), applied over the two values.
 
   A row that no key attends gives output 0 and zero gradient. See
   `stableattn.masking` for the exact semantics of every feature.
@@ -326,42 +253,16 @@ def attention(
       was received and what is valid.
   """
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
-  policy = resolve(precision)
-  require_x64_if_needed(policy)
+  options, features = split_keywords(options, features, keywords)
+  if implementation != "pallas":
+    # Tiles are validated for every implementation, so a sweep with a bad
+    # tile fails the same way whichever runs first; only the kernel is
+    # bound by GPU constraints.
+    options = dataclasses.replace(options, interpret=True)
+  require_x64_if_needed(options.precision)
   q, k, v = validate_inputs(q, k, v)
-  spec, ops = masking.build(
-    q.shape,
-    k.shape,
-    causal=causal,
-    causal_alignment=causal_alignment,
-    local_window_size=local_window_size,
-    query_seq_lengths=query_seq_lengths,
-    key_value_seq_lengths=key_value_seq_lengths,
-    segment_ids=segment_ids,
-    bias=bias,
-    mask=mask,
-    sink=sink,
-    softcap=softcap,
-    scale=scale,
-  )
-  # Tile and scheme arguments are validated for every implementation, so a
-  # sweep with a bad tile fails the same way whichever implementation runs
-  # first; only the kernel is bound by GPU constraints.
-  cfg = kernel_config(
-    q.shape,
-    k.shape,
-    policy=policy,
-    block_q=block_q,
-    block_k=block_k,
-    scheme=scheme,
-    mask=spec,
-    interpret=interpret if implementation == "pallas" else True,
-    num_warps=num_warps,
-    num_stages=num_stages,
-    bwd_block_q=bwd_block_q,
-    bwd_block_k=bwd_block_k,
-    tie_beta=tie_beta,
-  )
+  spec, ops = features.split(q.shape, k.shape)
+  cfg = kernel_config(options, q.shape, k.shape, spec)
   _check_implementation_options(implementation, cfg, return_lse)
   return _compute(
     q, k, v, ops, implementation=implementation, cfg=cfg, return_lse=return_lse
@@ -372,30 +273,8 @@ def _check_implementation_options(
   implementation: str, cfg: KernelConfig, return_lse: bool
 ) -> None:
   """Raises for options the chosen implementation does not have."""
-  if implementation == "xla" and xla_unsupported_reason(cfg.policy):
-    raise ValueError(xla_unsupported_reason(cfg.policy))
-  if implementation == "xla" and cfg.policy.quantizes:
-    raise ValueError(
-      f"implementation='xla' cannot run precision {cfg.policy.name!r}: "
-      "jax.nn.dot_product_attention has no FP8/FP4/INT8 operands with "
-      "scaling; use 'pallas' or 'reference'."
-    )
   if implementation == "xla":
-    missing = [
-      name
-      for name, used in (
-        ("tie_beta", cfg.tie_beta is not None),
-        ("softcap", cfg.mask.softcap is not None),
-        ("sink", cfg.mask.sink),
-      )
-      if used
-    ]
-    if missing:
-      raise ValueError(
-        f"{', '.join(missing)} not supported by implementation='xla' "
-        "(jax.nn.dot_product_attention has no such option); use 'pallas' "
-        "or 'reference'."
-      )
+    _check_xla(cfg)
   if cfg.policy.smooth_k and cfg.mask.softcap is not None:
     raise ValueError(
       "smooth_k=on subtracts K's mean, which moves each score row by a "
@@ -405,6 +284,32 @@ def _check_implementation_options(
   check_flag("return_lse", return_lse)
   if return_lse and implementation != "pallas":
     raise ValueError("return_lse=True is only available for 'pallas'.")
+
+
+def _check_xla(cfg: KernelConfig) -> None:
+  if xla_unsupported_reason(cfg.policy):
+    raise ValueError(xla_unsupported_reason(cfg.policy))
+  if cfg.policy.quantizes:
+    raise ValueError(
+      f"implementation='xla' cannot run precision {cfg.policy.name!r}: "
+      "jax.nn.dot_product_attention has no FP8/FP4/INT8 operands with "
+      "scaling; use 'pallas' or 'reference'."
+    )
+  missing = [n for n in ARITHMETIC_OPTIONS if getattr(cfg.options, n)]
+  missing += [
+    name
+    for name, used in (
+      ("softcap", cfg.mask.softcap is not None),
+      ("sink", cfg.mask.sink),
+    )
+    if used
+  ]
+  if missing:
+    raise ValueError(
+      f"{', '.join(missing)} not supported by implementation='xla' "
+      "(jax.nn.dot_product_attention has no such option); use 'pallas' "
+      "or 'reference'."
+    )
 
 
 @functools.partial(
@@ -431,13 +336,6 @@ def _compute(
     return flash_attention(q, k, v, ops, cfg)
   if implementation == "reference":
     return reference_attention(
-      q,
-      k,
-      v,
-      ops,
-      policy=cfg.policy,
-      spec=cfg.mask,
-      tie_beta=cfg.tie_beta,
-      scales=scales,
+      q, k, v, ops, options=cfg.options, spec=cfg.mask, scales=scales
     )
   return xla_attention(q, k, v, ops, policy=cfg.policy, spec=cfg.mask)

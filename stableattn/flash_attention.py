@@ -10,7 +10,6 @@ sliced off here, so padding never reaches a result.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -168,7 +167,7 @@ def _quantized_bwd(cfg, saved, d_out):
     cfg.policy, (q_p, k_p, v_p), _pad_scales(scales, cfg)
   )
   residuals = (*dequantized, ops_p, out_p, lse)
-  bwd_cfg = dataclasses.replace(cfg, policy=policy)
+  bwd_cfg = cfg.with_policy(policy)
   dq, dk, dv, d_ops = _gradients(bwd_cfg, residuals, ops, d_out)
   # Rotated q and k are FP32; their cotangents must be too.
   grads = tuple(

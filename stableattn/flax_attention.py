@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from stableattn.dispatch import attention, check_tie_beta
-from stableattn.precision import Precision
+from stableattn.dispatch import attention, split_keywords
+from stableattn.features import Features
+from stableattn.options import Options
 
 
 def _refuse_unsupported(dropout_rate, deterministic, module) -> None:
@@ -39,39 +40,45 @@ def _as_4d(x, name: str, query):
 
 
 def make_attention_fn(
+  options: Options | None = None,
+  features: Features | None = None,
   *,
   implementation: str = "pallas",
-  precision: str | Precision = "bf16-fa2",
-  block_q: int = 64,
-  block_k: int = 64,
-  scheme: str = "fa2",
-  causal: bool = False,
-  interpret: bool | None = None,
-  tie_beta: float | None = None,
+  **keywords,
 ):
   """An `attention_fn` for `flax.nnx.MultiHeadAttention` (and linen's).
 
   Every mask Flax builds reaches the kernel, under `jax.jit` too:
   `make_attention_mask` padding (per example), `make_causal_mask`,
   their `combine_masks`, any boolean or 0/1 mask broadcastable to [batch,
-  heads, q_len, kv_len]; Flax's additive `bias` too. One difference from
-  Flax's own attention: a query row whose keys are all masked gives 0
-  here (Flax averages every value there).
+  heads, q_len, kv_len]; Flax's additive `bias` too. Features Flax has no
+  argument for (a softcap, a sliding window, a sink, the scale, ...) come
+  from `features` and are combined with Flax's masks. One difference
+  from Flax's own attention: a query row whose keys are all masked gives
+  0 here (Flax averages every value there).
 
   Args:
-    implementation, precision, block_q, block_k, scheme, interpret,
-      tie_beta: as for `stableattn.attention`.
-    causal: always apply the causal mask (also applied when Flax passes
-      `is_causal=True`); a `mask` is combined with it.
+    options: how to compute (`stableattn.Options`); None: Options with
+      precision "bf16-fa2", a flash kernel's natural policy.
+    features: what to compute on top of Flax's masks
+      (`stableattn.Features`): `causal` always applies the causal mask
+      (also applied when Flax passes `is_causal=True`); a Flax mask is
+      combined with `features.mask`, a Flax bias added to `features.bias`.
+    implementation: as for `stableattn.attention`.
+    **keywords: fields of `Options` or `Features` by name, over the two.
 
   Returns:
     A function with Flax's `dot_product_attention` signature. Its output is
     cast back to the query's dtype, as Flax's own attention returns it.
 
-  Raises (when called):
-    ValueError: for features the flash kernel does not have (dropout,
-      sown attention weights) and for malformed masks.
+  Raises:
+    ValueError: for unknown options or features (at once); when called,
+      for features the flash kernel does not have (dropout, sown
+      attention weights) and for malformed masks.
   """
+  if options is None and "precision" not in keywords:
+    keywords["precision"] = "bf16-fa2"
+  options, features = split_keywords(options, features, keywords)
 
   def attention_fn(
     query,
@@ -96,26 +103,31 @@ def make_attention_fn(
         "make_attention_fn needs inputs [batch, seq, heads, head_dim]; got "
         f"query shape {query.shape}."
       )
-    mask = _as_4d(mask, "mask", query)
-    if mask is not None and mask.dtype != bool:
-      mask = mask != 0  # make_attention_mask builds 0/1 floats
     out = attention(
       query,
       key,
       value,
       implementation=implementation,
-      precision=policy,
-      block_q=block_q,
-      block_k=block_k,
-      scheme=scheme,
-      causal=causal or bool(is_causal),
-      mask=mask,
-      bias=_as_4d(bias, "bias", query),
-      interpret=interpret,
-      tie_beta=tie_beta,
+      options=options,
+      features=_with_flax(features, query, bias, mask, is_causal),
     )
     return out.astype(query.dtype)
 
-  policy = Precision.from_name(precision)
-  tie_beta = check_tie_beta(tie_beta)
   return attention_fn
+
+
+def _with_flax(features: Features, query, bias, mask, is_causal) -> Features:
+  """`features` with Flax's per-call mask, bias and `is_causal`."""
+  mask = _as_4d(mask, "mask", query)
+  if mask is not None and mask.dtype != bool:
+    mask = mask != 0  # make_attention_mask builds 0/1 floats
+  if mask is not None and features.mask is not None:
+    mask = jnp.logical_and(mask, features.mask)
+  bias = _as_4d(bias, "bias", query)
+  if bias is not None and features.bias is not None:
+    bias = bias + features.bias
+  return features.replace(
+    causal=features.causal or bool(is_causal),
+    mask=features.mask if mask is None else mask,
+    bias=features.bias if bias is None else bias,
+  )

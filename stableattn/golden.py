@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from stableattn import masking
+from stableattn.features import Features
 
 
 def _as_f64(x) -> np.ndarray:
@@ -24,7 +25,7 @@ def _validate(q, k, v, features: dict):
 
   q, k, v = (np.asarray(x) for x in (q, k, v))
   check_shapes(q, k, v)
-  return masking.build(q.shape, k.shape, xp=np, **features)
+  return Features.of(features).split(q.shape, k.shape, xp=np)
 
 
 def _grouped(q, k):

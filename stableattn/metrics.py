@@ -205,18 +205,3 @@ def rounding_floor(golden, fmt: str) -> float:
   g = np.asarray(golden).astype(dtype)
   shifted = (g + np.asarray(0.3, dtype)) - np.asarray(0.3, dtype)
   return 2.0 * float(np.max(np.abs(_float64(shifted) - _float64(g))))
-
-
-def passes_fa_rule(
-  golden,
-  candidate,
-  baseline,
-  *,
-  factor: float = 2.0,
-  floor: float = 0.0,
-  metric: str = "max_abs",
-) -> bool:
-  """error(candidate) <= factor * error(baseline) + floor, vs golden."""
-  candidate_error = getattr(compare(golden, candidate), metric)
-  baseline_error = getattr(compare(golden, baseline), metric)
-  return bool(candidate_error <= factor * baseline_error + floor)

@@ -2,11 +2,10 @@
 
 Pre-norm blocks (RMSNorm computed in FP32), learned absolute positions, a
 GELU MLP, and tied input/output embeddings. Attention is one of:
-  * "reference": materialized baseline attention (`stableattn.attention`),
-  * "pallas": our flash kernel,
-  * "xla": `jax.nn.dot_product_attention`,
-  * any other name of `stableattn.attention_fns` ("cudnn", "jax_mha", or a
-    user's kernel as "package.module:function"),
+  * any name of `stableattn.attention_fns`: "reference" (materialized
+    baseline attention), "pallas" (our flash kernel), "xla"
+    (`jax.nn.dot_product_attention`), a peer ("cudnn", "jax_mha", ...), or
+    a user's kernel as "package.module:function",
   * "shadow": computes both flash and baseline on the same inputs, passes one
     of them downstream (`shadow_downstream`) and, when statistics are
     collected, reports their per-layer deviation (Golden et al. ran both
@@ -18,7 +17,8 @@ largest logit is tied (Qiu & Yao's biased rounding starts there).
 Stability options (Wortsman et al., arXiv 2309.14322): `ModelSpec.qk_norm`
 normalizes each head's queries and keys (RMSNorm over the head dim, with
 a learned scale) before attention, which bounds the logits;
-`AttentionSpec.softcap` caps them (softcap * tanh(s / softcap), Gemma 2).
+a softcap among `AttentionSpec.features` caps them (softcap * tanh(s /
+softcap), Gemma 2).
 """
 
 from __future__ import annotations
@@ -30,43 +30,50 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stableattn import attention_fns
-from stableattn.dispatch import IMPLEMENTATIONS, attention, check_tie_beta
-from stableattn.precision import Precision
+from stableattn.features import Features
+from stableattn.options import Options
 
-ATTENTION_KINDS = IMPLEMENTATIONS + ("shadow",)
+SHADOW = "shadow"
+FP32 = Options(precision="fp32")
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """How every layer computes attention."""
+  """How every layer computes attention: a registry name and its options.
+
+  Attributes:
+    kind: a name of `stableattn.attention_fns` ("reference", "pallas",
+      "xla", a peer, "package.module:function"), or "shadow": the flash
+      kernel under `options` and the baseline under `shadow_baseline`,
+      both computed, `shadow_downstream` passed on.
+    options: how `kind` computes (`stableattn.Options`); peers ignore it.
+    features: what every layer computes (causal; a softcap, a window).
+  """
 
   kind: str = "reference"
-  flash_precision: str = "fp32"  # policy of the pallas kernel
-  baseline_precision: str = "fp32"  # policy of reference / xla
-  block_q: int = 64
-  block_k: int = 64
-  scheme: str = "fa2"
+  options: Options = Options(precision="fp32")
+  features: Features = Features(causal=True)
+  shadow_baseline: Options = Options(precision="fp32")
   shadow_downstream: str = "reference"  # which output "shadow" passes on
-  tie_beta: float | None = None  # Qiu & Yao's fix in the flash kernel
-  softcap: float | None = None  # attention logits capped at +-softcap
 
   def __post_init__(self):
-    if self.kind not in ATTENTION_KINDS:
+    if self.kind != SHADOW:
       try:
         attention_fns.check_name(self.kind)
-      except ValueError:
+      except ValueError as e:
         raise ValueError(
-          f"Unknown attention {self.kind!r}; valid: {list(ATTENTION_KINDS)}, "
-          f"{list(attention_fns.PEERS)} or 'package.module:function'."
+          f"{e} Or {SHADOW!r} (flash beside baseline)."
         ) from None
     if self.shadow_downstream not in ("reference", "pallas"):
       raise ValueError(
         f"shadow_downstream must be 'reference' or 'pallas', got "
         f"{self.shadow_downstream!r}."
       )
-    Precision.from_name(self.flash_precision)
-    Precision.from_name(self.baseline_precision)
-    object.__setattr__(self, "tie_beta", check_tie_beta(self.tie_beta))
+
+  def call(self, q, k, v, kind: str | None = None, options=None):
+    """Attention of `kind` (default: this spec's) on q, k, v."""
+    fn = attention_fns.resolve(kind or self.kind, options or self.options)
+    return fn(q, k, v, **self.features.kwargs())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,34 +85,6 @@ class ModelSpec:
   max_len: int = 128
   mlp_ratio: int = 4
   qk_norm: bool = False  # RMSNorm of each head's q and k (Wortsman et al.)
-
-
-def _flash(q, k, v, spec: AttentionSpec):
-  return attention(
-    q,
-    k,
-    v,
-    implementation="pallas",
-    precision=spec.flash_precision,
-    block_q=spec.block_q,
-    block_k=spec.block_k,
-    scheme=spec.scheme,
-    causal=True,
-    tie_beta=spec.tie_beta,
-    softcap=spec.softcap,
-  )
-
-
-def _baseline(q, k, v, spec: AttentionSpec, implementation="reference"):
-  return attention(
-    q,
-    k,
-    v,
-    implementation=implementation,
-    precision=spec.baseline_precision,
-    causal=True,
-    softcap=spec.softcap,
-  )
 
 
 def attention_statistics(q_BxTxHxD, k_BxTxHxD):
@@ -170,9 +149,9 @@ class SelfAttention(nnx.Module):
       q, k = self.query_norm(q), self.key_norm(k)
     spec = self.attention_spec
     stats = {}
-    if spec.kind == "shadow":
-      flash = _flash(q, k, v, spec)
-      base = _baseline(q, k, v, spec)
+    if spec.kind == SHADOW:
+      flash = spec.call(q, k, v, "pallas")
+      base = spec.call(q, k, v, "reference", spec.shadow_baseline)
       out = flash if spec.shadow_downstream == "pallas" else base
       if collect_stats:
         diff = jnp.abs(flash.astype(jnp.float32) - base.astype(jnp.float32))
@@ -180,18 +159,13 @@ class SelfAttention(nnx.Module):
         stats["shadow_rel_l2"] = jnp.linalg.norm(diff) / jnp.linalg.norm(
           base.astype(jnp.float32)
         )
-    elif spec.kind == "pallas":
-      out = _flash(q, k, v, spec)
-    elif spec.kind in IMPLEMENTATIONS:
-      out = _baseline(q, k, v, spec, implementation=spec.kind)
-    else:  # a peer or a user's kernel, on the registry's contract
-      out = attention_fns.resolve(spec.kind)(q, k, v, causal=True)
+    else:
+      out = spec.call(q, k, v)
     if collect_stats:
       stats.update(attention_statistics(q, k))
     if probe_tap is not None:
-      exact = dataclasses.replace(spec, baseline_precision="fp32")
       stats["out"] = out
-      stats["out_fp32"] = _baseline(q, k, v, exact)
+      stats["out_fp32"] = spec.call(q, k, v, "reference", FP32)
       out = out + probe_tap.astype(out.dtype)
     out = out.astype(x_BxTxW.dtype).reshape(batch, length, width)
     return self.out(out), stats

@@ -36,31 +36,41 @@ from stableattn.block_math import (
 )
 from stableattn.kernel_operands import TileReader, operand_specs
 from stableattn.masking import MaskOperands, MaskSpec
+from stableattn.options import Options
 from stableattn.precision import Precision
 from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import round_up
 
-SCHEMES = ("fa2", "fa1")
+_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(Options))
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Everything static about one flash-attention call (hashable)."""
+  """Everything static about one flash-attention call (hashable): the
+  caller's `Options` resolved against the shapes (tiles clamped to the
+  lengths, backward tiles filled in, `interpret` decided), the features'
+  static spec and the true sizes."""
 
-  policy: Precision
-  block_q: int
-  block_k: int
-  scheme: str
+  options: Options
   mask: MaskSpec  # features: causal, window, segments, softcap, scale, ...
   q_len: int  # true lengths, before padding
   kv_len: int
   head_dim: int  # true head dim
-  interpret: bool
-  num_warps: int | None = None
-  num_stages: int | None = None
-  bwd_block_q: int | None = None
-  bwd_block_k: int | None = None
-  tie_beta: float | None = None  # Qiu & Yao's fix; see `tie_safe_max`
+
+  def __getattr__(self, name):
+    # The options' fields read as the configuration's own (cfg.block_q).
+    if name in _OPTION_FIELDS:
+      return getattr(self.options, name)
+    raise AttributeError(name)
+
+  @property
+  def policy(self) -> Precision:
+    return self.options.precision
+
+  def with_policy(self, policy: Precision) -> KernelConfig:
+    return dataclasses.replace(
+      self, options=dataclasses.replace(self.options, precision=policy)
+    )
 
   @property
   def padded_lengths(self) -> tuple[int, int]:
@@ -148,7 +158,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       scales=None if scales is None else scales[:2],
     )
     m_block_Bq = tie_safe_max(
-      s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.tie_beta
+      s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.options
     )
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
     # A row with no key so far keeps m = -inf; subtract 0 instead.

@@ -32,12 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.precision import (
-  DEFAULT_OPTIONS,
-  MICRO_GROUPS,
-  WIDE_FORMATS,
-  Precision,
-)
+from stableattn.precision import Precision
+from stableattn.quant_options import DEFAULT_OPTIONS, MICRO_GROUPS, WIDE_FORMATS
 from stableattn.rounding import LOW_FORMATS, PolicyArithmetic, micro_round
 
 # The rotation's random signs come from this seed (one matrix per head dim).

@@ -17,6 +17,7 @@ from jax import lax
 
 from stableattn.block_math import no_key_safe, tie_safe_max
 from stableattn.masking import MaskOperands, MaskSpec, allowed_pairs, scores
+from stableattn.options import Options
 from stableattn.precision import Precision
 from stableattn.quantization import QuantScales, v_per_channel
 from stableattn.rounding import PolicyArithmetic
@@ -35,15 +36,15 @@ def reference_attention(
   v,
   ops: MaskOperands,
   *,
-  policy: Precision,
+  options: Options,
   spec: MaskSpec,
-  tie_beta: float | None = None,
   scales: QuantScales | None = None,
 ):
-  """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under `policy`.
+  """Baseline attention of q [B,T,H,D], k and v [B,S,Hkv,D] under the
+  policy of `options`.
 
   Each operation's result is rounded to its stage (see `rounding.py`).
-  `tie_beta` applies Qiu & Yao's safe softmax to each whole row. `scales`
+  Qiu & Yao's safe softmax (an option) applies to each whole row. `scales`
   (operands below 16 bits, `quantization.py`) scale Q, K and V as in the
   kernel; with one scale per key block of V, the Baseline, which has no
   blocks, multiplies V's scales back (in FP32) before its one P V matmul.
@@ -51,6 +52,7 @@ def reference_attention(
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   group = heads // kv_heads
+  policy = options.precision
   ar = PolicyArithmetic(policy)
 
   def stats(x):
@@ -75,7 +77,7 @@ def reference_attention(
     s = stats(s + ar.round(_grouped(ops.bias, kv_heads), "scores"))
   allowed = _grouped(allowed_pairs(spec, ops, q_len, kv_len), kv_heads)
   s = jnp.where(allowed, s, jnp.asarray(-jnp.inf, s.dtype))
-  m = tie_safe_max(s, jnp.max(s, axis=-1), ar, tie_beta)
+  m = tie_safe_max(s, jnp.max(s, axis=-1), ar, options)
   sink = None
   if ops.sink is not None:
     sink = stats(ops.sink.astype(ar.carrier)).reshape(kv_heads, group, 1)

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.precision import MICRO_GROUPS, Precision, format_name, to_dtype
+from stableattn.precision import Precision, format_name, to_dtype
+from stableattn.quant_options import MICRO_GROUPS
 
 # (exponent bits, explicit mantissa bits) of each format.
 FORMAT_BITS = {

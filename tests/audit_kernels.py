@@ -73,3 +73,23 @@ def no_causal_argument(q, k, v):
 
 def integer_output(q, k, v, *, causal=False):
   return correct(q, k, v, causal=causal).astype(jnp.int32)
+
+
+def jax_windowed(q, k, v, *, causal=False, local_window_size=None):
+  """jax.nn.dot_product_attention with its own sliding window."""
+  return jax.nn.dot_product_attention(
+    q, k, v, is_causal=causal, local_window_size=local_window_size
+  )
+
+
+def ignores_window(q, k, v, *, causal=False, local_window_size=None):
+  """Takes the window and drops it: full causal attention."""
+  del local_window_size
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+
+def jax_segments(q, k, v, *, causal=False, segment_ids=None):
+  """Packed sequences through jax.nn.dot_product_attention's mask."""
+  q_ids, kv_ids = segment_ids
+  mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)

@@ -16,12 +16,13 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
 
   from stableattn import data
   from stableattn.model import AttentionSpec, ModelSpec
+  from stableattn.options import Options
   from stableattn.training import OptimizerSpec, RunSpec, Trainer
 
   model = ModelSpec(width=32, depth=1, heads=2, max_len=16)
   run = RunSpec(
     attention=AttentionSpec(
-      kind="reference", baseline_precision="bf16-framework"
+      kind="reference", options=Options(precision="bf16-framework")
     ),
     precision="bf16",
     devices=jax.device_count(),

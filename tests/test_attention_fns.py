@@ -43,7 +43,7 @@ def test_import_path_resolves_to_the_function():
     ("test_attention_fns:missing", "has no 'missing'"),
     (
       "test_attention_fns:not_a_kernel",
-      "does not take \\(q, k, v, \\*, causal",
+      "does not take \\(q, k, v, \\*\\*features",
     ),
     (":fn", "must look like 'package.module:function'"),
   ],

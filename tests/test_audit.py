@@ -41,7 +41,7 @@ def test_jax_kernels_pass(kernel, tmp_path):
   assert (tmp_path / "errors.png").stat().st_size > 0
 
 
-FAST = dict(precisions="fp32", causal=(True,))
+FAST = dict(precisions="fp32", features="causal")
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ FAST = dict(precisions="fp32", causal=(True,))
     (
       "nondeterministic",
       "out at B1 T128 S128 H2/2 D32, normal inputs, seed 0, "
-      "fp32 differs between 2 identical runs",
+      "fp32, features causal differs between 2 identical runs",
     ),
     ("nan_rows", "NaN/Inf values in out"),
   ],
@@ -102,7 +102,7 @@ def test_launcher_exit_code_gates_ci(tmp_path):
     ("no_such_module_xyz:attention", "Cannot import module"),
     (
       "audit_kernels:no_causal_argument",
-      "does not take \\(q, k, v, \\*, causal",
+      "does not accept the feature\\(s\\) \\['causal'\\]",
     ),
     ("audit_kernels:wrong_shape", "the kernel returned \\(1, 128, 2, 8\\)"),
     ("audit_kernels:integer_output", "the kernel returned dtype int32"),
@@ -124,7 +124,7 @@ def _row(tensor, passed=True, deterministic=True, nonfinite=0):
     "seed": 0,
     "tensor": tensor,
     "policy": "bf16-framework",
-    "causal": False,
+    "features": "none",
     "deterministic": deterministic,
     "repeats": 3,
     "nonfinite": nonfinite,
@@ -151,8 +151,8 @@ def test_verdict_and_headline_from_synthetic_rows():
   settings = audit.settings_from_config(_config("xla"))
   rows = [_row("out"), _row("dq", passed=False), _row("dk"), _row("dv")]
   table = audit.verdict_table(rows)
-  assert "| bf16-framework | False | dq | FAIL 0/1 | pass 1/1 |" in table
-  assert "| bf16-framework | False | dk | pass 1/1 | n/a |" in table
+  assert "| bf16-framework | none | dq | FAIL 0/1 | pass 1/1 |" in table
+  assert "| bf16-framework | none | dk | pass 1/1 | n/a |" in table
   result = audit.headline(settings, rows)
   assert result["passed"] is False
   assert result["rules"]["flashattention"] is False
@@ -178,8 +178,8 @@ def test_python_api_audits_gradients_too():
   bad = sa.audit(audit_kernels.wrong_gradient, precision="bf16-framework")
   assert not bad.passed and "FAILED" in str(bad)
   assert all("on dq" in f or "on dk" in f or "on dv" in f for f in bad.failures)
-  with pytest.raises(ValueError, match="repeats must be an integer >= 2"):
-    sa.audit(audit_kernels.correct, repeats=1)
+  with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+    sa.audit(audit_kernels.correct, repeats=0)
 
 
 def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(

@@ -42,7 +42,7 @@ def test_check_says_when_fn_returns_nothing_or_the_wrong_shape():
   def skeleton(q, k, v):  # the README's skeleton, run as it is
     ...
 
-  with pytest.raises(ValueError, match="fn returned None"):
+  with pytest.raises(ValueError, match="the kernel returned None"):
     sa.check(skeleton, shapes=SHAPES)
-  with pytest.raises(ValueError, match="fn returned shape \\(1, 40, 2, 8\\)"):
+  with pytest.raises(ValueError, match="the kernel returned \\(1, 40, 2, 8\\)"):
     sa.check(lambda q, k, v: q[..., :8], shapes=SHAPES)

@@ -134,7 +134,7 @@ def test_tie_fix_passes_through_and_is_validated_up_front():
   with pytest.raises(ValueError, match="finite number > 1"):
     sa.make_attention_fn(tie_beta=1.0)
   with pytest.raises(ValueError, match="finite number > 1"):
-    AttentionSpec(kind="pallas", tie_beta=0.5)
+    AttentionSpec(kind="pallas", options=sa.Options(tie_beta=0.5))
 
 
 def _flax_reference(x, mask):

@@ -1,4 +1,5 @@
-"""Every README code block marked for testing runs as written."""
+"""Every code block marked for testing, in the README and in docs/, runs as
+written."""
 
 import os
 import pathlib
@@ -11,11 +12,26 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def _blocks(marker: str) -> list[str]:
   pattern = rf"<!-- test: {marker} -->\n```\w+\n(.*?)```"
-  return re.findall(pattern, README, flags=re.DOTALL)
+  return [
+    block
+    for page in PAGES
+    for block in re.findall(pattern, page.read_text(), flags=re.DOTALL)
+  ]
+
+
+def test_readme_is_a_front_door_that_links_every_page():
+  assert len(README.splitlines()) <= 300
+  for page in PAGES[1:]:
+    assert f"(docs/{page.name})" in README, page.name
+  # Every relative link and image of every page resolves.
+  for page in PAGES:
+    for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
+      assert (page.parent / target).exists(), (page.name, target)
 
 
 def test_quickstart_has_the_two_commands():

@@ -159,6 +159,7 @@ def test_delta_probe_compares_the_run_with_fp32_attention():
 
   from stableattn import data as data_lib
   from stableattn.model import AttentionSpec, ModelSpec
+  from stableattn.options import Options
   from stableattn.training import OptimizerSpec, RunSpec, Trainer
 
   model = ModelSpec(width=32, depth=2, heads=2, max_len=32)
@@ -166,11 +167,7 @@ def test_delta_probe_compares_the_run_with_fp32_attention():
   differences = {}
   for kind, policy in (("reference", "fp32"), ("pallas", "bf16")):
     attention = AttentionSpec(
-      kind=kind,
-      flash_precision=policy,
-      baseline_precision=policy,
-      block_q=16,
-      block_k=16,
+      kind=kind, options=Options(policy, block_q=16, block_k=16)
     )
     trainer = Trainer(model, RunSpec(attention), OptimizerSpec(), 4)
     state = trainer.init_state(0)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import run_once
 
+import stableattn as sa
 from configs import training_drift as drift_config
 from stableattn.experiments import training_drift
 from stableattn.experiments.reporting import mean_interval
@@ -273,7 +274,7 @@ def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
     (("train", "precision", "fp8"), "Unknown training precision 'fp8'"),
     (("attention", "flash_precision", "bf17"), "Unknown attention precision"),
     (("train", "batch_size", 7), "not divisible by the device count"),
-    (("attention", "fix_beta", 1.0), "fix_beta.*finite number > 1"),
+    (("attention", "fix", "tie_beta=1.0"), "attention.fix.*finite number > 1"),
   ],
 )
 def test_bad_configs_fail_fast(override, message, tmp_path):
@@ -312,7 +313,7 @@ def test_nan_loss_stops_with_step_named(tmp_path):
 
 def test_fp16_loss_scaling_skips_overflowing_steps():
   spec = RunSpec(
-    AttentionSpec("reference", "fp16-fa2", "fp16-framework", 16, 16),
+    AttentionSpec("reference", sa.Options("fp16-framework", 16, 16)),
     precision="fp16",
     init_loss_scale=2.0**40,
   )

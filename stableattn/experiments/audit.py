@@ -19,12 +19,15 @@ import jax
 import numpy as np
 
 from stableattn.attention_fns import IMPLEMENTATIONS, needs_gpu, resolve
-from stableattn.audit import RULES, TENSORS, cases, failures, measure_case
-from stableattn.experiments.config_values import as_tuple, booleans, field
+from stableattn.audit import cases, check_accepts, failures, measure_case
+from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
+from stableattn.feature_recipes import RECIPE_NAMES, FeatureRecipe
+from stableattn.options import Options
 from stableattn.plotting import bar_plot
 from stableattn.precision import Precision, format_name, natural_policy
+from stableattn.rules import RULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Settings:
   shapes: tuple[tuple[int, ...], ...]
   distributions: tuple[str, ...]
   seeds: int
-  causal: tuple[bool, ...]
+  features: tuple[FeatureRecipe, ...]  # each feature set is audited
   repeats: int
   gate: tuple[str, ...]  # rules that decide `passed`
 
@@ -65,10 +68,27 @@ def settings_from_config(c) -> Settings:
     shapes=shapes,
     distributions=as_tuple(c.distributions),
     seeds=field(c, "seeds", minimum=1),
-    causal=booleans(c.causal, "causal"),
+    features=_feature_sets(c.features),
     repeats=field(c, "repeats", minimum=2),
     gate=gate,
   )
+
+
+def _feature_sets(text) -> tuple[FeatureRecipe, ...]:
+  """config.features: sets separated by ';', each "none" or a comma list
+  of `stableattn.features.RECIPE_NAMES`."""
+  sets = [t.strip() for t in str(text).split(";") if t.strip()]
+  if not sets:
+    raise ValueError(
+      f"config.features is empty; give e.g. 'none;causal' (valid names: "
+      f"{list(RECIPE_NAMES)})."
+    )
+  try:
+    return tuple(
+      FeatureRecipe.from_names("" if t == "none" else t) for t in sets
+    )
+  except ValueError as e:
+    raise ValueError(f"config.features: {e}") from None
 
 
 def kernel_fn(s: Settings, policy: Precision):
@@ -83,7 +103,7 @@ def kernel_fn(s: Settings, policy: Precision):
   elif own == "auto":
     fmt = format_name(policy.dtype("inputs"))
     own = natural_policy(fmt, "flash" if s.kernel == "pallas" else "baseline")
-  return resolve(s.kernel, precision=own)
+  return resolve(s.kernel, Options(precision=own))
 
 
 def run(config, workdir, *, restart: bool = False) -> dict:
@@ -96,24 +116,25 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     for name in s.precisions:
       policy = Precision.from_name(name)
       fn = kernel_fn(s, policy)
-      for causal in s.causal:
-        for case in cases(s.shapes, s.distributions, s.seeds):
-          new = _measure(fn, policy, case, causal, s)
+      for features in s.features:
+        for case in cases(s.shapes, s.distributions, s.seeds, features):
+          new = _measure(fn, policy, case, s)
           run_dir.append_metrics(new)
           rows += new
     return write_report(run_dir, s, rows)
 
 
-def _measure(fn, policy, case, causal, s: Settings) -> list[dict]:
+def _measure(fn, policy, case, s: Settings) -> list[dict]:
+  check_accepts(fn, case.built_features().kwargs(), f"kernel {s.kernel!r}")
   try:
-    rows = measure_case(fn, policy, case, causal, s.repeats)
+    rows = measure_case(fn, policy, case, s.repeats)
   except Exception as e:  # the kernel's own error, said in one line
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e)
     raise ValueError(
       f"kernel {s.kernel!r} raised on {case.label}, {case.distribution} "
-      f"inputs, {policy.name}, causal={causal}: {first}"
+      f"inputs, {policy.name}, features {case.features_label}: {first}"
     ) from e
-  return [{"kernel": s.kernel, "causal": causal, **r} for r in rows]
+  return [{"kernel": s.kernel, **r} for r in rows]
 
 
 def headline(s: Settings, rows) -> dict:
@@ -147,7 +168,7 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
     f"Gate: {', '.join(s.gate)} rules, bitwise determinism over "
     f"{s.repeats} runs, no NaN/Inf. Policies {list(s.precisions)}; "
     f"{len(s.shapes)} shape(s), inputs {list(s.distributions)}, "
-    f"{s.seeds} seed(s), causal {list(s.causal)}.",
+    f"{s.seeds} seed(s), features {[f.label for f in s.features]}.",
     "",
     verdict_table(rows),
     "",
@@ -163,24 +184,23 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
 
 
 def verdict_table(rows) -> str:
-  """Rule x tensor, per policy and masking: passed cases / cases."""
-  header = ["policy", "causal", "tensor", *RULES, "deterministic", "finite"]
+  """Rule x tensor, per policy and features: passed cases / cases."""
+  header = ["policy", "features", "tensor", *RULES, "deterministic", "finite"]
   body = []
-  for policy in dict.fromkeys(r["policy"] for r in rows):
-    for causal in dict.fromkeys(r["causal"] for r in rows):
-      for tensor in TENSORS:
-        group = [
-          r
-          for r in rows
-          if (r["policy"], r["causal"], r["tensor"]) == (policy, causal, tensor)
-        ]
-        if not group:
-          continue
-        cells = [_rule_cell(group, rule) for rule in RULES]
-        cells.append(_count(group, lambda r: r["deterministic"]))
-        cells.append(_count(group, lambda r: r["nonfinite"] == 0))
-        body.append([policy, causal, tensor, *cells])
+  for key, group in _groups(rows).items():
+    cells = [_rule_cell(group, rule) for rule in RULES]
+    cells.append(_count(group, lambda r: r["deterministic"]))
+    cells.append(_count(group, lambda r: r["nonfinite"] == 0))
+    body.append([*key, *cells])
   return table(header, body)
+
+
+def _groups(rows) -> dict:
+  """Rows by (policy, features, tensor), in the order they first occur."""
+  out: dict = {}
+  for r in rows:
+    out.setdefault((r["policy"], r["features"], r["tensor"]), []).append(r)
+  return out
 
 
 def _rule_cell(group, rule: str) -> str:
@@ -206,22 +226,14 @@ def _failure_lines(found: list[str], most: int = 20) -> list[str]:
 
 
 def error_table(rows) -> str:
-  """Worst error, cosine and SNR per policy, masking and tensor."""
-  header = ["policy", "causal", "tensor", "max |x - golden|"]
+  """Worst error, cosine and SNR per policy, features and tensor."""
+  header = ["policy", "features", "tensor", "max |x - golden|"]
   header += ["baseline's", "min cosine", "min SNR dB", "signed share"]
   body = []
-  keys = dict.fromkeys((r["policy"], r["causal"], r["tensor"]) for r in rows)
-  for policy, causal, tensor in keys:
-    group = [
-      r
-      for r in rows
-      if (r["policy"], r["causal"], r["tensor"]) == (policy, causal, tensor)
-    ]
+  for key, group in _groups(rows).items():
     body.append(
       [
-        policy,
-        causal,
-        tensor,
+        *key,
         num(max(r["max_abs"] for r in group)),
         num(max(r["baseline_max_abs"] for r in group)),
         num(min(r["cosine"] for r in group)),

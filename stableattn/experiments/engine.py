@@ -14,56 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from stableattn.dispatch import attention, gpu_unsupported_reason
+from stableattn.feature_recipes import FeatureRecipe
 from stableattn.golden import golden_attention, golden_attention_vjp
 from stableattn.inputs import Shape, TiedMaximaSpec, make_inputs, round_to
+from stableattn.options import Options
 from stableattn.precision import Precision
-
-
-@dataclasses.dataclass(frozen=True)
-class Features:
-  """The attention features of a case beyond `causal`, as hashable
-  settings; `arguments` builds `stableattn.attention`'s arguments."""
-
-  causal_alignment: str = "top_left"
-  window: tuple[int | None, int | None] | None = None
-  softcap: float | None = None
-  segments: int = 1  # equal packed segments per sequence
-  sink: float | None = None  # one sink logit for every head
-  alibi: bool = False  # ALiBi (Press et al. 2022) as a bias
-
-  def arguments(self, shape: Shape) -> dict:
-    args = dict(causal_alignment=self.causal_alignment)
-    if self.window is not None:
-      args["local_window_size"] = self.window
-    if self.softcap is not None:
-      args["softcap"] = self.softcap
-    if self.segments > 1:
-      args["segment_ids"] = tuple(
-        np.broadcast_to(
-          (np.arange(n) * self.segments // n).astype(np.int32),
-          (shape.batch, n),
-        )
-        for n in (shape.q_len, shape.kv_len)
-      )
-    if self.sink is not None:
-      args["sink"] = np.full((shape.heads,), self.sink, np.float32)
-    if self.alibi:
-      args["bias"] = self._alibi(shape)
-    return args
-
-  def _alibi(self, shape: Shape):
-    """-m_h |i - j| with m_h = 2^(-8h/H), positions aligned as the mask."""
-    heads = np.arange(1, shape.heads + 1)
-    slopes = 2.0 ** (-8.0 * heads / shape.heads)
-    offset = (
-      shape.kv_len - shape.q_len
-      if self.causal_alignment == "bottom_right"
-      else 0
-    )
-    i = np.arange(shape.q_len)[:, None] + offset
-    j = np.arange(shape.kv_len)[None, :]
-    bias = -slopes[:, None, None] * np.abs(i - j)[None]
-    return bias[None].astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,23 +31,25 @@ class Case:
   seed: int
   causal: bool = False
   tied: TiedMaximaSpec | None = None  # the "tied_maxima" construction
-  features: Features = Features()
+  features: FeatureRecipe = FeatureRecipe()
   outlier_std: float = 10.0  # the "outliers" spikes' standard deviation
 
   def attention_arguments(self) -> dict:
-    return dict(causal=self.causal, **self.features.arguments(self.shape))
+    """The case's features by name (`stableattn.Features.kwargs`)."""
+    features = self.features.build(self.shape)
+    return features.replace(causal=self.causal).kwargs()
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """How attention is computed."""
+  """How attention is computed: an implementation and its options."""
 
   implementation: str
-  policy: Precision
-  block_q: int = 64
-  block_k: int = 64
-  scheme: str = "fa2"
-  tie_beta: float | None = None  # Qiu & Yao's safe-softmax fix
+  options: Options
+
+  @property
+  def policy(self) -> Precision:
+    return self.options.precision
 
 
 class Engine:
@@ -169,15 +126,12 @@ class Engine:
   def _kwargs(self, kernel: Kernel, case: Case):
     # FP64 policies run in interpret mode even on a GPU, whose Triton kernel
     # cannot compile them; every other policy compiles there.
-    interpret = True if gpu_unsupported_reason(kernel.policy) else None
+    options = kernel.options
+    if gpu_unsupported_reason(kernel.policy):
+      options = options.replace(interpret=True)
     return dict(
       implementation=kernel.implementation,
-      precision=kernel.policy,
-      block_q=kernel.block_q,
-      block_k=kernel.block_k,
-      scheme=kernel.scheme,
-      interpret=interpret,
-      tie_beta=kernel.tie_beta,
+      options=options,
       **case.attention_arguments(),
     )
 

@@ -28,8 +28,8 @@ from stableattn.experiments.forward.study import (
 )
 from stableattn.experiments.reporting import num, table
 from stableattn.inputs import Shape
+from stableattn.options import Options
 from stableattn.plotting import bar_plot
-from stableattn.precision import Precision
 
 # Table 3's rows: name -> (implementation, policy, FlashAttention-3's RMSE).
 # The published numbers are compared with, never measured here.
@@ -117,7 +117,7 @@ class FA3FP8(Study):
     rows = []
     for name, (implementation, policy, _) in ROWS.items():
       kernel = Kernel(
-        implementation, Precision.from_name(policy), s.block_q, s.block_k
+        implementation, Options(policy, block_q=s.block_q, block_k=s.block_k)
       )
       values = deviation_values(gold, engine.output(kernel, case))
       rows.append(row({"comparison": name, "policy": policy}, values))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.experiments.config_values import spec
-from stableattn.experiments.engine import Case, Features
+from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   Section,
   Study,
@@ -20,6 +20,7 @@ from stableattn.experiments.forward.study import (
   verdict,
 )
 from stableattn.experiments.reporting import num, select, table
+from stableattn.feature_recipes import FeatureRecipe
 from stableattn.inputs import Shape
 from stableattn.metrics import safe_ratio
 from stableattn.plotting import bar_plot
@@ -29,16 +30,16 @@ from stableattn.precision import Precision
 # is a KV cache). Each setting is compared with plain attention of the same
 # causality, its reference setting.
 SETTINGS = {
-  "plain": (False, Features(), 1),
-  "causal": (True, Features(), 1),
-  "kv_cache": (True, Features(causal_alignment="bottom_right"), 8),
-  "window_64": (True, Features(window=(64, 0)), 1),
-  "window_256": (True, Features(window=(256, 0)), 1),
-  "softcap_30": (False, Features(softcap=30.0), 1),
-  "softcap_50": (False, Features(softcap=50.0), 1),
-  "segments_4": (True, Features(segments=4), 1),
-  "sink": (False, Features(sink=1.0), 1),
-  "alibi": (True, Features(alibi=True), 1),
+  "plain": (False, FeatureRecipe(), 1),
+  "causal": (True, FeatureRecipe(), 1),
+  "kv_cache": (True, FeatureRecipe(causal_alignment="bottom_right"), 8),
+  "window_64": (True, FeatureRecipe(window=(64, 0)), 1),
+  "window_256": (True, FeatureRecipe(window=(256, 0)), 1),
+  "softcap_30": (False, FeatureRecipe(softcap=30.0), 1),
+  "softcap_50": (False, FeatureRecipe(softcap=50.0), 1),
+  "segments_4": (True, FeatureRecipe(segments=4), 1),
+  "sink": (False, FeatureRecipe(sink=1.0), 1),
+  "alibi": (True, FeatureRecipe(alibi=True), 1),
 }
 # Policy pairings: (Flash's policy, Baseline's policy). "natural": each
 # kernel as it is usually built; "all_stage": every stage in BF16.

@@ -11,8 +11,8 @@ from stableattn.experiments.forward.study import (
   verdict,
 )
 from stableattn.experiments.reporting import num, one
+from stableattn.options import Options
 from stableattn.plotting import bar_plot
-from stableattn.precision import Precision
 
 
 def measure(engine: Engine, common, case: Case, rows: dict) -> list[dict]:
@@ -23,9 +23,7 @@ def measure(engine: Engine, common, case: Case, rows: dict) -> list[dict]:
   for name, (implementation, policy, *_) in rows.items():
     kernel = Kernel(
       implementation,
-      Precision.from_name(policy),
-      common.block_q,
-      common.block_k,
+      Options(policy, block_q=common.block_q, block_k=common.block_k),
     )
     values = deviation_values(gold, engine.output(kernel, case))
     out.append(row({"comparison": name, "policy": policy}, values))

@@ -17,6 +17,7 @@ from stableattn.experiments.forward.study import (
   formats,
 )
 from stableattn.experiments.reporting import num, select, table
+from stableattn.options import Options
 from stableattn.plotting import bar_plot
 from stableattn.precision import Precision
 
@@ -83,8 +84,13 @@ class StageAttribution(Study):
   def measure(self, engine, s, c, p, seed):
     policy = attribution_variants(p["format"])[p["variant"]]
     case = Case(p["distribution"], s.shape(), p["format"], seed)
-    kernel = Kernel("pallas", policy, s.block_q, s.block_k, p["scheme"])
-    return against_golden(engine, kernel, Kernel("reference", policy), case)
+    options = Options(
+      policy, block_q=s.block_q, block_k=s.block_k, scheme=p["scheme"]
+    )
+    kernel = Kernel("pallas", options)
+    return against_golden(
+      engine, kernel, Kernel("reference", Options(policy)), case
+    )
 
   def ran(self, s, c):
     return (

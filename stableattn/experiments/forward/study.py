@@ -19,8 +19,9 @@ from stableattn.experiments.engine import Case, Engine, Kernel
 from stableattn.experiments.reporting import num, one
 from stableattn.inputs import DISTRIBUTIONS, Shape
 from stableattn.metrics import compare, safe_ratio
-from stableattn.pallas_forward import SCHEMES
-from stableattn.precision import WIDE_FORMATS, Precision, format_name
+from stableattn.options import SCHEMES, Options
+from stableattn.precision import Precision, format_name
+from stableattn.quant_options import WIDE_FORMATS
 
 
 def formats(raw, name: str) -> tuple[str, ...]:
@@ -227,11 +228,13 @@ def deviation_values(expected, actual) -> dict:
 
 
 def flash(policy, block_q, block_k, scheme="fa2") -> Kernel:
-  return Kernel("pallas", Precision.from_name(policy), block_q, block_k, scheme)
+  return Kernel(
+    "pallas", Options(policy, block_q=block_q, block_k=block_k, scheme=scheme)
+  )
 
 
 def baseline(policy) -> Kernel:
-  return Kernel("reference", Precision.from_name(policy))
+  return Kernel("reference", Options(policy))
 
 
 def against_golden(

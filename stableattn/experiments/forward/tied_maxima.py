@@ -13,7 +13,6 @@ import dataclasses
 
 import numpy as np
 
-from stableattn.dispatch import check_tie_beta
 from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward import tied_maxima_report
@@ -24,6 +23,7 @@ from stableattn.experiments.forward.study import (
   row,
 )
 from stableattn.inputs import Shape, TiedMaximaSpec, untied_mass_ratio
+from stableattn.options import Options
 from stableattn.precision import Precision
 
 # V for Qiu & Yao's conditions: one sign in one binade, or zero-mean.
@@ -41,7 +41,7 @@ def _betas(raw, name: str) -> tuple[float, ...]:
     raise ValueError(f"config.{name} must be numbers, got {raw!r}.") from None
   for beta in betas:
     try:
-      check_tie_beta(beta)
+      Options(tie_beta=beta)
     except ValueError as e:
       raise ValueError(f"config.{name}: {e}") from None
   return betas
@@ -163,9 +163,12 @@ class TiedMaxima(Study):
       for beta in (None, *c.betas):
         kernels = {
           "flash": Kernel(
-            "pallas", policy, s.block_q, s.block_k, "fa2", tie_beta=beta
+            "pallas",
+            Options(
+              policy, block_q=s.block_q, block_k=s.block_k, tie_beta=beta
+            ),
           ),
-          "baseline": Kernel("reference", policy, tie_beta=beta),
+          "baseline": Kernel("reference", Options(policy, tie_beta=beta)),
         }
         for implementation, kernel in kernels.items():
           labels = {

@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from stableattn import features as features_lib
+from stableattn import options as options_lib
 from stableattn.attention_fns import resolve
 from stableattn.experiments.config_values import as_tuple, field
+from stableattn.features import Features
 from stableattn.model import AttentionSpec, ModelSpec
+from stableattn.options import Options
 from stableattn.precision import Precision, natural_policy
 from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
@@ -24,8 +28,11 @@ VARIANTS = {
   # Flash with every stage in BF16 (the paper's emulation).
   "flash_bf16": ("pallas", "bf16"),
 }
-# Mitigations (Wortsman et al. 2023; Qiu & Yao 2025) and what each sets.
-MITIGATIONS = ("none", "qk_norm", "z_loss", "softcap", "tie_beta")
+# Mitigations (Wortsman et al. 2023; Qiu & Yao 2025): these three, or any
+# field of `stableattn.Features` (e.g. softcap, every kernel) or of
+# `stableattn.Options` (e.g. Qiu & Yao's fix, the flash kernel only) that
+# `config.strengths` sets.
+MITIGATIONS = ("none", "qk_norm", "z_loss")
 CORPORA = ("generated", "python_stdlib")
 
 
@@ -90,10 +97,15 @@ def settings_from_config(config) -> Settings:
     _choice(reference, "train.reference_precision", COMPUTE_DTYPES)
   variants = _variants(c)
   mitigations = as_tuple(c.mitigations)
+  valid = MITIGATIONS + tuple(
+    name
+    for name in c.strengths
+    if name in features_lib.names() or name in options_lib.field_names()
+  )
   for m in mitigations:
-    _choice(m, "mitigations", MITIGATIONS)
+    _choice(m, "mitigations", valid)
   if not mitigations:
-    raise ValueError(f"config.mitigations is empty; valid: {MITIGATIONS}.")
+    raise ValueError(f"config.mitigations is empty; valid: {valid}.")
   arms = [Arm(v, precision, m) for m in mitigations for v in variants]
   if reference and reference != precision:
     arms += [Arm("baseline", reference, m) for m in mitigations]
@@ -161,19 +173,18 @@ def _run(c, arm: Arm, model: ModelSpec) -> tuple[ModelSpec, RunSpec]:
     role = "flash" if kind == "pallas" else "baseline"
     policy = natural_policy(arm.precision, role)
   m = arm.mitigation
-  softcap = float(c.strengths.softcap) if m == "softcap" else None
-  tie_beta = float(c.strengths.tie_beta) if m == "tie_beta" else None
-  if m == "tie_beta" and kind != "pallas":
-    tie_beta = None  # the fix lives in the flash kernel; others run as is
-  attention = AttentionSpec(
-    kind=kind,
-    flash_precision=policy if kind == "pallas" else "fp32",
-    baseline_precision=policy if kind != "pallas" else "fp32",
+  options = Options(
+    precision=policy,
     block_q=field(c, "attention.block_q", minimum=1),
     block_k=field(c, "attention.block_k", minimum=1),
-    tie_beta=tie_beta,
-    softcap=softcap,
   )
+  features = Features(causal=True)
+  if m in features_lib.names():
+    features = features.replace(**{m: float(c.strengths[m])})
+  # A kernel option lives in the flash kernel; the others run as is.
+  if m in options_lib.field_names() and kind == "pallas":
+    options = options.replace(**{m: float(c.strengths[m])})
+  attention = AttentionSpec(kind=kind, options=options, features=features)
   run = RunSpec(
     attention=attention,
     precision=arm.precision,

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from stableattn.drift import attention_grad_error_rows, param_drift
-from stableattn.model import AttentionSpec
+from stableattn.model import FP32, SHADOW, AttentionSpec
 
 
 def run_rows(name: str, tag: dict, loss, layer_stats, last_train) -> list:
@@ -43,10 +43,9 @@ def run_rows(name: str, tag: dict, loss, layer_stats, last_train) -> list:
 
 def shadow_of(attention: AttentionSpec) -> AttentionSpec:
   """Evaluation attention of a flash run: flash passed on, the baseline
-  computed beside it on the same inputs (Golden et al. did the same)."""
-  return dataclasses.replace(
-    attention, kind="shadow", shadow_downstream="pallas"
-  )
+  (its `shadow_baseline`) computed beside it on the same inputs (Golden
+  et al. did the same)."""
+  return dataclasses.replace(attention, kind=SHADOW, shadow_downstream="pallas")
 
 
 # The projection matrices of each SelfAttention layer.
@@ -60,7 +59,7 @@ class AttentionGradError:
   def __init__(self, trainer):
     self.trainer = trainer
     exact = dataclasses.replace(
-      trainer.run.attention, kind="reference", baseline_precision="fp32"
+      trainer.run.attention, kind="reference", options=FP32
     )
     self.exact_graphdef = trainer.graph_with(exact)
     self._pairs = jax.jit(self._pairs_impl)

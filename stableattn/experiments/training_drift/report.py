@@ -99,11 +99,7 @@ def summary_rows(rows, pairs, steps) -> list[dict]:
 def _attention_label(attention) -> str:
   if attention.kind not in IMPLEMENTATIONS + ("shadow",):
     return f"{attention.kind} attention (its own arithmetic)"
-  policy = (
-    attention.flash_precision
-    if attention.kind == "pallas"
-    else attention.baseline_precision
-  )
+  policy = attention.options.precision.name
   return f"{attention.kind} attention ({policy})"
 
 

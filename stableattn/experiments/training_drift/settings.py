@@ -6,16 +6,18 @@ import dataclasses
 
 import jax
 
-from stableattn.attention_fns import resolve
-from stableattn.dispatch import check_tie_beta, xla_unsupported_reason
+from stableattn.attention_fns import IMPLEMENTATIONS, resolve
+from stableattn.dispatch import xla_unsupported_reason
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.training_drift.pairs import BY_NAME, PAIRS
 from stableattn.experiments.training_drift.variants import VARIANTS, Variant
-from stableattn.model import ATTENTION_KINDS, AttentionSpec, ModelSpec
+from stableattn.model import SHADOW, AttentionSpec, ModelSpec
+from stableattn.options import SCHEMES, Options
 from stableattn.precision import Precision, natural_policy, preset_names
 from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 COMPARE_MODES = ("natural", "shared")
+KINDS = (*IMPLEMENTATIONS, SHADOW)  # what the base and flash runs may use
 CORPORA = ("generated", "python_stdlib")
 
 
@@ -85,9 +87,9 @@ def settings_from_config(config) -> Settings:
   c = config
   _choice(c.train.precision, "train.precision", COMPUTE_DTYPES)
   for name in (c.attention.baseline, c.attention.flash):
-    if name not in ATTENTION_KINDS:
+    if name not in KINDS:
       raise ValueError(
-        f"Unknown attention {name!r}; valid: {', '.join(ATTENTION_KINDS)}."
+        f"Unknown attention {name!r}; valid: {', '.join(KINDS)}."
       )
   candidate = str(c.attention.get("candidate", "") or "").strip()
   if candidate:
@@ -218,15 +220,18 @@ def _optimizer(c) -> OptimizerSpec:
   )
 
 
-def _tie_betas(c) -> dict:
-  flash_beta = field(c, "attention.tie_beta", float) or None
-  fix_beta = field(c, "attention.fix_beta", float)
-  try:
-    check_tie_beta(flash_beta)
-    check_tie_beta(fix_beta)
-  except ValueError as e:
-    raise ValueError(f"attention.tie_beta / attention.fix_beta: {e}") from None
-  return {None: None, "flash": flash_beta, "fix": fix_beta}
+def _extra_options(c) -> dict:
+  """Each variant's `Options` changes ("name=value,..." in the config),
+  validated now: one clear line for an unknown name or a bad value."""
+  out = {None: ""}
+  for key, name in (("flash", "flash_options"), ("fix", "fix")):
+    text = str(c.attention.get(name, "") or "")
+    try:
+      Options.from_string(text)
+    except ValueError as e:
+      raise ValueError(f"config.attention.{name}: {e}") from None
+    out[key] = text
+  return out
 
 
 def _run_spec(c, variant: Variant, devices: int) -> RunSpec:
@@ -237,19 +242,22 @@ def _run_spec(c, variant: Variant, devices: int) -> RunSpec:
   flash_policy = _policy(c.attention.flash_precision, "pallas", precision)
   if variant.low_precision:
     flash_policy = _low_precision(c)
-  attention = AttentionSpec(
-    kind=kind,
-    flash_precision=flash_policy + variant.flash_stages,
-    baseline_precision=_policy(
-      c.attention.baseline_precision, "reference", precision, compare
-    ),
+  baseline = _policy(
+    c.attention.baseline_precision, "reference", precision, compare
+  )
+  tiles = Options(
+    precision=baseline,
     block_q=field(c, "attention.block_q", minimum=1),
     block_k=field(c, "attention.block_k", minimum=1),
-    scheme=c.attention.scheme,
-    tie_beta=_tie_betas(c)[variant.tie_beta] if kind == "pallas" else None,
+    scheme=_choice(c.attention.scheme, "attention.scheme", SCHEMES),
   )
+  if kind == "pallas":
+    flash = tiles.replace(precision=flash_policy + variant.flash_stages)
+    options = Options.from_string(_extra_options(c)[variant.options], flash)
+  else:
+    options = tiles
   return RunSpec(
-    attention=attention,
+    attention=AttentionSpec(kind=kind, options=options, shadow_baseline=tiles),
     precision=precision,
     devices=1 if variant.single_device else devices,
     init_seed=variant.init_seed,
@@ -261,9 +269,7 @@ def _check_xla_runs(runs: dict, pairs) -> None:
   for name, spec in runs.items():
     if spec.attention.kind != "xla":
       continue
-    reason = xla_unsupported_reason(
-      Precision.from_name(spec.attention.baseline_precision)
-    )
+    reason = xla_unsupported_reason(spec.attention.options.precision)
     if reason:
       raise ValueError(
         f"run {name!r} ({spec.precision} training with attention 'xla', "

@@ -2,8 +2,8 @@
 
 A pair (`pairs.py`) names two variants; a variant says what changes:
 which of the configured kernels computes attention, the training format,
-the tie fix, a policy change of the flash kernel, the initialization, a
-second identical copy, or one device instead of all.
+kernel options (the tie fix), a policy change of the flash kernel, the
+initialization, a second identical copy, or one device instead of all.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ class Variant:
       `stableattn.attention_fns`) computes every layer's attention.
     precision: the training format ("fp32", "bf16", "fp16"); None keeps
       `config.train.precision`.
-    tie_beta: None, "flash" (`config.attention.tie_beta`) or "fix"
-      (`config.attention.fix_beta`): Qiu & Yao's fix in the flash kernel.
+    options: None, "flash" (`config.attention.flash_options`) or "fix"
+      (`config.attention.fix`): `Options` changes of the flash kernel,
+      e.g. Qiu & Yao's fix.
     flash_stages: stage changes appended to the flash kernel's policy,
       e.g. "+out_accum=bf16" (see `stableattn.Precision.from_name`).
     low_precision: the flash kernel runs `config.attention.low_precision`
@@ -34,7 +35,7 @@ class Variant:
 
   attention: str = "baseline"
   precision: str | None = None
-  tie_beta: str | None = None
+  options: str | None = None
   flash_stages: str = ""
   low_precision: bool = False
   init_seed: int = 0
@@ -44,8 +45,8 @@ class Variant:
 
 VARIANTS = {
   "base": Variant(),
-  "flash": Variant(attention="flash", tie_beta="flash"),
-  "flash_fixed": Variant(attention="flash", tie_beta="fix"),
+  "flash": Variant(attention="flash", options="flash"),
+  "flash_fixed": Variant(attention="flash", options="fix"),
   "seed": Variant(init_seed=1),
   "rerun": Variant(replica=1),
   "fp32": Variant(precision="fp32"),
