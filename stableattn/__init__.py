@@ -3,7 +3,7 @@
 Public API:
   attention(q, k, v, *, implementation, options, features, **keywords):
     keywords are fields of Options (how) or Features (what), as sugar
-  Options(precision, block_q, block_k, scheme, tie_beta, ...): frozen
+  Options(precision, block_q, block_k, scheme, ...): frozen, hashable
   Features(causal, local_window_size, segment_ids, softcap, sink, ...)
   golden_attention(q, k, v, causal) / golden_attention_vjp(...)
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule

@@ -233,7 +233,8 @@ def attention(
     implementation: "pallas" (our flash kernel), "reference" (materialized
       baseline in jnp) or "xla" (`jax.nn.dot_product_attention`).
     options: how to compute (`stableattn.Options`: precision, tiles,
-      scheme, tie_beta, compiler parameters, interpret); default Options().
+      scheme, Qiu & Yao's tie fix, compiler parameters, interpret);
+      default Options().
     features: what to compute (`stableattn.Features`: causal, window,
       lengths, segments, bias, mask, scale, softcap, sink); default none.
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas

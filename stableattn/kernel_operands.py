@@ -35,6 +35,27 @@ def _select(per_item: bool, index):
   return index if per_item else 0
 
 
+def _operand_arrays(spec: MaskSpec, ops, ranges, with_sink, scales) -> dict:
+  """The operands one kernel reads, by name."""
+  arrays = {}
+  if ranges is not None:
+    arrays["ranges"] = ranges
+  if spec.token_ids:
+    arrays["q_ids"], arrays["kv_ids"] = ops.q_ids, ops.kv_ids
+  if spec.key_positions:
+    arrays["kv_pos"] = ops.kv_pos
+  if spec.bias is not None:
+    arrays["bias"] = ops.bias
+  if spec.dense_mask is not None:
+    arrays["mask"] = ops.mask
+  if with_sink and spec.sink:
+    arrays["sink_rows"] = ops.sink
+  if scales is not None:
+    arrays["q_scale"], arrays["k_scale"] = scales.q, scales.k
+    arrays["v_scale"] = scales.v
+  return arrays
+
+
 def operand_specs(
   spec: MaskSpec,
   ops: MaskOperands,
@@ -58,22 +79,7 @@ def operand_specs(
   `policy` that made them); `group` is the number of query heads per
   key/value head.
   """
-  arrays = {}
-  if ranges is not None:
-    arrays["ranges"] = ranges
-  if spec.token_ids:
-    arrays["q_ids"], arrays["kv_ids"] = ops.q_ids, ops.kv_ids
-  if spec.key_positions:
-    arrays["kv_pos"] = ops.kv_pos
-  if spec.bias is not None:
-    arrays["bias"] = ops.bias
-  if spec.dense_mask is not None:
-    arrays["mask"] = ops.mask
-  if with_sink and spec.sink:
-    arrays["sink_rows"] = ops.sink
-  if scales is not None:
-    arrays["q_scale"], arrays["k_scale"] = scales.q, scales.k
-    arrays["v_scale"] = scales.v
+  arrays = _operand_arrays(spec, ops, ranges, with_sink, scales)
   names = tuple(n for n in ORDER if n in arrays)
 
   def scale_spec(name):

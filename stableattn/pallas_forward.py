@@ -172,42 +172,80 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       )
       acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
     else:
-      # Probabilities against the block's own max (Dao et al. 2022, Alg. 1
-      # line 10), then two rescale factors bring old and new to m_new.
-      # A row can have no key in this block (max -inf); measuring it
-      # against m_new keeps its zero weight instead of exp(-inf + inf).
-      m_ref_Bq = jnp.where(m_block_Bq == -jnp.inf, m_use_Bq, m_block_Bq)
-      p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar)
-      beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar)
-      old_sum_Bq = stats(alpha_Bq * l_Bq)
-      l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
-      pv_BqxD = probs_times_values(
-        p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel
-      )
-      l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
-      old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
-      new_weight_Bq = accum(stats(beta_Bq / l_safe_Bq))
-      acc_BqxD = accum(
-        accum(old_weight_Bq[:, None] * acc_BqxD)
-        + accum(new_weight_Bq[:, None] * pv_BqxD)
+      acc_BqxD, l_new_Bq = _fa1_update(
+        ar,
+        s_BqxBk,
+        (m_block_Bq, m_use_Bq, alpha_Bq, l_Bq),
+        acc_BqxD,
+        lambda p: probs_times_values(
+          p, v_BkxD, ar, v_scale, tiles.v_per_channel
+        ),
       )
     return acc_BqxD, m_new_Bq, l_new_Bq
 
+  init = _initial_state(tiles, ar, block_q, head_dim_padded)
+  carry = lax.fori_loop(first, end, body, init)
+  _store(carry, cfg, ar, o_ref, lse_ref)
+
+
+def _fa1_update(ar, s_BqxBk, stats_Bq, acc_BqxD, times_values):
+  """FlashAttention-1's step: probabilities against the block's own max
+  (Dao et al. 2022, Alg. 1 line 10), then two rescale factors bring the
+  old and new parts to the new max, renormalized by the new sum."""
+  m_block_Bq, m_use_Bq, alpha_Bq, l_Bq = stats_Bq
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  def accum(x):
+    return ar.round(x, "out_accum")
+
+  # A row can have no key in this block (max -inf); measuring it against
+  # m_new keeps its zero weight instead of exp(-inf + inf).
+  m_ref_Bq = jnp.where(m_block_Bq == -jnp.inf, m_use_Bq, m_block_Bq)
+  p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar)
+  beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar)
+  old_sum_Bq = stats(alpha_Bq * l_Bq)
+  l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
+  pv_BqxD = times_values(p_BqxBk)
+  l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
+  old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
+  new_weight_Bq = accum(stats(beta_Bq / l_safe_Bq))
+  acc_BqxD = accum(
+    accum(old_weight_Bq[:, None] * acc_BqxD)
+    + accum(new_weight_Bq[:, None] * pv_BqxD)
+  )
+  return acc_BqxD, l_new_Bq
+
+
+def _initial_state(tiles, ar, block_q: int, head_dim_padded: int):
+  """(accumulator, running max, running sum) before the first key block."""
   carrier = ar.carrier
   if "sink_rows" in tiles.refs:
     # The sink is a key with logit `sink` and value 0: it starts the
     # running maximum and contributes exp(sink - m) to the sum.
-    m_init = stats(tiles.refs["sink_rows"][...].astype(carrier))
+    m_init = ar.round(
+      tiles.refs["sink_rows"][...].astype(carrier), "softmax_stats"
+    )
     l_init = jnp.ones((block_q,), carrier)
   else:
     m_init = jnp.full((block_q,), -jnp.inf, carrier)
     l_init = jnp.zeros((block_q,), carrier)
-  init = (jnp.zeros((block_q, head_dim_padded), carrier), m_init, l_init)
-  acc_BqxD, m_Bq, l_Bq = lax.fori_loop(first, end, body, init)
+  return jnp.zeros((block_q, head_dim_padded), carrier), m_init, l_init
+
+
+def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref) -> None:
+  """Normalizes (fa2) and stores the output and the log-sum-exp."""
+  acc_BqxD, m_Bq, l_Bq = carry
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
   empty_Bq = l_Bq == 0  # no key attends: output 0, lse +inf (backward p = 0)
   if cfg.scheme == "fa2":
     l_safe_Bq = jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq)
-    acc_BqxD = accum(acc_BqxD * accum(stats(1.0 / l_safe_Bq))[:, None])
+    inverse_Bq = ar.round(stats(1.0 / l_safe_Bq), "out_accum")
+    acc_BqxD = ar.round(acc_BqxD * inverse_Bq[:, None], "out_accum")
   o_ref[...] = ar.stored(acc_BqxD, "output")
   lse_Bq = jnp.where(
     empty_Bq,

@@ -17,7 +17,7 @@ import numpy as np
 
 from stableattn.attention_fns import resolve
 from stableattn.dispatch import attention
-from stableattn.experiments.benchmark.settings import Settings
+from stableattn.experiments.benchmark.settings import MASK_SETTINGS, Settings
 from stableattn.precision import Precision
 
 
@@ -158,14 +158,6 @@ def _timing_row(labels: dict, name: str, times, work: float) -> dict:
 
 # What each mask setting of the block-skipping measurement passes to
 # `stableattn.attention`.
-MASK_SETTINGS = {
-  "full": {},
-  "causal": dict(causal=True),
-  "window_256": dict(causal=True, local_window_size=(256, 0)),
-  "window_1024": dict(causal=True, local_window_size=(1024, 0)),
-}
-
-
 def time_masks(s: Settings, mode, precision, head_dim, seq_len):
   """Our kernel under each mask setting, timed in alternation: what
   skipping the key blocks a mask empties saves (time vs "full")."""
@@ -178,7 +170,7 @@ def time_masks(s: Settings, mode, precision, head_dim, seq_len):
         precision=precision,
         block_q=s.block_q,
         block_k=s.block_k,
-        **MASK_SETTINGS[name],
+        features=MASK_SETTINGS[name],
       ),
       mode,
     )
