@@ -8,11 +8,10 @@ Run:
       --config.studies=seq_len --config.seq_len.lengths=256,1024
 
 Layout: `common` (shape, tiles, seeds, formats, inputs, schemes) is read by
-every study; each study reads its own block, named after it. The default
-values live with the fields they set, in `stableattn.experiments.forward`
-(`study.Common` and each study module's `Config`), and so do each study's
-changes for a variant (its `variants`); this file holds the common block's
-smoke sizes.
+every study; each study reads its own block, named after it, into the
+dataclass its module declares (`study.Common`, each study's `Config`: the
+fields' types and valid values). Every value, default and per variant,
+lives here.
 
 Variants: default (about 90 seconds on 2 CPU cores; every study but
 those in `OPT_IN`, attention features and below 16 bits, which add 20-45
@@ -49,9 +48,7 @@ rows.
 
 import ml_collections
 
-from stableattn.experiments.config_values import config_block
 from stableattn.experiments.forward import STUDIES
-from stableattn.experiments.forward.study import Common
 
 # Studies a default run leaves out (attention features and below 16 bits,
 # 20-45 seconds each cold); the paper variant runs them, the smoke variant
@@ -72,15 +69,136 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     every = [s for s in STUDIES if s not in SMOKE_SKIPS]
   c.studies = ",".join(every if arg in ("paper", "smoke") else default)
   # Read by every study: shape, tiles, seeds, formats, inputs, schemes.
-  c.common = config_block(Common)
-  # One block per study, named after it, with its module's defaults.
-  for name, study in STUDIES.items():
-    c[name] = config_block(study.Config)
+  c.common = ml_collections.ConfigDict()
+  # Every point is repeated over this many input seeds.
+  c.common.seeds = 3
+  # Attention shape of most studies: [batch, seq_len, heads, head_dim].
+  c.common.batch = 1
+  c.common.heads = 2
+  c.common.kv_heads = 2
+  c.common.head_dim = 64
+  c.common.seq_len = 512
+  # Tiles B_r x B_c of every study but `tiles`.
+  c.common.block_q = 64
+  c.common.block_k = 64
+  c.common.formats = "fp64,fp32,fp16,bf16"
+  # The first distribution is used by single-distribution studies.
+  c.common.distributions = "normal,uniform"
+  c.common.schemes = "fa2,fa1"
+  # Multiplier of the `scaled` input distribution.
+  c.common.scale = 8.0
+  # Flash vs Baseline at the same format (paper Fig. 3) (no settings of its own)
+  c.format_sweep = ml_collections.ConfigDict()
+  # Flash and Baseline vs the FP64 golden value (paper Fig. 4)
+  c.against_golden = ml_collections.ConfigDict()
+  # BF16 and FP16 are also measured at these lengths (with common.seq_len).
+  c.against_golden.seq_lens = (512, 2048)
+  # Deviation vs sequence length at fixed tiles (paper Fig. 5)
+  c.seq_len = ml_collections.ConfigDict()
+  c.seq_len.lengths = (128, 256, 512, 1024, 2048)
+  c.seq_len.precisions = "bf16,bf16-fa2"
+  # Deviation vs tile sizes (paper Fig. 6)
+  c.tiles = ml_collections.ConfigDict()
+  c.tiles.seq_len = 1024
+  c.tiles.sizes = ((16, 16), (32, 32), (64, 64), (128, 128))
+  # B_r x B_c, and swapped.
+  c.tiles.swap = (32, 128)
+  c.tiles.equal_area = ((64, 64), (32, 128), (128, 32), (16, 256))
+  # 64 KiB and 192 KiB (A100) of FP32, for FlashAttention-1's tile formula.
+  c.tiles.sram_elements = (16384, 49152)
+  # Which rounding stage causes the deviation (beyond the paper)
+  c.stage_attribution = ml_collections.ConfigDict()
+  c.stage_attribution.formats = "bf16"
+  # FlashAttention-3 Table 3, FP16 column (outlier inputs, RMSE)
+  c.fa3_table3 = ml_collections.ConfigDict()
+  # batch, seq_len, heads, head_dim
+  c.fa3_table3.shape = (1, 512, 4, 128)
+  # FlashAttention-3 Table 3, FP16 and FP8 (outlier inputs, RMSE)
+  c.fa3_fp8 = ml_collections.ConfigDict()
+  c.fa3_fp8.seq_lens = (512, 2048)
+  c.fa3_fp8.heads = 2
+  c.fa3_fp8.head_dims = (64, 128, 256)
+  # Standard deviation of the outlier spikes: 10 is FlashAttention-3's
+  # N(0, 100) read as a variance, 100 as a standard deviation.
+  c.fa3_fp8.outlier_stds = (10.0,)
+  c.fa3_fp8.seeds = 2
+  # Biased rounding with tied row maxima (Qiu & Yao)
+  c.tied_maxima = ml_collections.ConfigDict()
+  c.tied_maxima.precisions = "bf16,bf16-fa2+out_accum=bf16,bf16-fa2"
+  c.tied_maxima.betas = "2,7"
+  c.tied_maxima.counts = "1,2,3,4"
+  c.tied_maxima.placements = "same_tile,different_tiles"
+  c.tied_maxima.values = "one_sign,zero_mean"
+  c.tied_maxima.margins = "1e-1,1e-4,1e-7"
+  c.tied_maxima.q_len = 64
+  c.tied_maxima.kv_len = 256
+  # Each condition already averages 64 x 256 x 2 heads.
+  c.tied_maxima.seeds = 1
+  # Gradient deviation: dQ, dK, dV vs golden gradients
+  c.backward = ml_collections.ConfigDict()
+  c.backward.precisions = "fp32,bf16-fa2,bf16"
+  c.backward.seq_lens = (256,)
+  # Attention features: how each changes Flash's deviation
+  c.features = ml_collections.ConfigDict()
+  c.features.settings = (
+    "plain,causal,kv_cache,window_64,softcap_30,segments_4,sink,alibi"
+  )
+  c.features.pairings = "natural,all_stage"
+  # Seeds of this study (fewer than the common block's: eight settings).
+  c.features.seeds = 1
+  # FP8 P underflow: key-block order and a static P scale
+  c.fp8_underflow = ml_collections.ConfigDict()
+  c.fp8_underflow.seq_len = 512
+  c.fp8_underflow.head_dim = 64
+  c.fp8_underflow.distributions = "normal,outliers,key_bias"
+  c.fp8_underflow.causal = "false,true"
+  # Static scales of P measured (1 and 256 are the claim's rows).
+  c.fp8_underflow.p_scales = (1, 256, 448)
+  c.fp8_underflow.seeds = 2
+  # SageAttention 2's directions in FP8
+  c.sage_fp8 = ml_collections.ConfigDict()
+  c.sage_fp8.seq_len = 512
+  c.sage_fp8.head_dims = (64, 128)
+  c.sage_fp8.distributions = "key_bias,normal,outliers"
+  c.sage_fp8.seeds = 2
+  # Stage attribution at FP8: which quantization costs what
+  c.fp8_stages = ml_collections.ConfigDict()
+  c.fp8_stages.seq_len = 512
+  c.fp8_stages.head_dims = (64, 128)
+  c.fp8_stages.distributions = "normal,outliers"
+  c.fp8_stages.seeds = 2
 
   if arg not in (None, "", "default", "paper", "smoke"):
     raise ValueError(
       f"Unknown config variant {arg!r}; valid: default, paper, smoke."
     )
+  if arg == "paper":
+    c.against_golden.seq_lens = (512, 1024, 2048, 4096, 8192)
+    c.seq_len.lengths = (128, 256, 512, 1024, 2048, 4096, 8192)
+    c.tiles.sizes = ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256))
+    c.tiles.seq_len = 2048
+    c.stage_attribution.formats = "bf16,fp16"
+    c.fa3_table3.shape = (2, 1024, 8, 128)
+    c.fa3_fp8.seq_lens = (512, 1024, 2048, 4096)
+    c.fa3_fp8.head_dims = (64, 128, 256)
+    c.fa3_fp8.outlier_stds = (10.0, 100.0)
+    c.fa3_fp8.seeds = 3
+    c.tied_maxima.counts = "1,2,3,4,8"
+    c.tied_maxima.margins = "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9"
+    c.tied_maxima.kv_len = 512
+    c.backward.precisions = "fp32,fp16-fa2,bf16-fa2,bf16"
+    c.backward.seq_lens = (128, 512, 1024)
+    c.features.settings = (
+      "plain,causal,kv_cache,window_64,window_256,softcap_30,softcap_50,"
+      "segments_4,sink,alibi"
+    )
+    c.features.seeds = 2
+    c.fp8_underflow.seq_len = 2048
+    c.fp8_underflow.seeds = 3
+    c.sage_fp8.seq_len = 2048
+    c.sage_fp8.seeds = 3
+    c.fp8_stages.seq_len = 2048
+    c.fp8_stages.seeds = 3
   if arg == "smoke":
     c.common.seeds = 2
     c.common.heads = 1
@@ -92,7 +210,44 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.common.formats = "fp64,fp32,bf16"
     c.common.distributions = "normal"
     c.common.schemes = "fa2"
-  # Each study's own changes for the variant live on the study.
-  for name, study in STUDIES.items():
-    c[name].update(study.variants.get(arg, {}))
+    c.against_golden.seq_lens = (32, 64)
+    c.seq_len.lengths = (32, 64)
+    c.seq_len.precisions = "bf16"
+    c.tiles.seq_len = 64
+    c.tiles.sizes = ((16, 16), (32, 32))
+    c.tiles.swap = (16, 32)
+    c.tiles.equal_area = ((16, 32), (32, 16))
+    c.tiles.sram_elements = (1024,)
+    c.stage_attribution.formats = "bf16"
+    c.fa3_table3.shape = (1, 64, 1, 32)
+    c.fa3_fp8.seq_lens = (64,)
+    c.fa3_fp8.heads = 1
+    c.fa3_fp8.head_dims = (32,)
+    c.fa3_fp8.outlier_stds = (10.0,)
+    c.fa3_fp8.seeds = 1
+    c.tied_maxima.precisions = "bf16-fa2+out_accum=bf16"
+    c.tied_maxima.betas = "2"
+    c.tied_maxima.counts = "2"
+    c.tied_maxima.margins = "1e-4"
+    c.tied_maxima.q_len = 32
+    c.tied_maxima.kv_len = 32
+    c.backward.precisions = "bf16-fa2"
+    c.backward.seq_lens = (48,)
+    c.features.settings = "plain,causal,kv_cache,softcap_30"
+    c.features.pairings = "natural"
+    c.features.seeds = 1
+    c.fp8_underflow.seq_len = 64
+    c.fp8_underflow.head_dim = 32
+    c.fp8_underflow.distributions = "normal"
+    c.fp8_underflow.causal = "false"
+    c.fp8_underflow.p_scales = (1, 256)
+    c.fp8_underflow.seeds = 1
+    c.sage_fp8.seq_len = 64
+    c.sage_fp8.head_dims = (32,)
+    c.sage_fp8.distributions = "key_bias"
+    c.sage_fp8.seeds = 1
+    c.fp8_stages.seq_len = 64
+    c.fp8_stages.head_dims = (32,)
+    c.fp8_stages.distributions = "normal"
+    c.fp8_stages.seeds = 1
   return c

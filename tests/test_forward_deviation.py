@@ -251,3 +251,23 @@ def test_overflow_is_recorded_and_named_not_hidden(tmp_path):
   report = (tmp_path / "report.md").read_text()
   section = report.split("## Non-finite values", 1)[1]
   assert '"policy": "fp16"' in section and "NaN" in section
+
+
+@pytest.mark.parametrize("variant", ["default", "paper", "smoke"])
+def test_every_value_lives_in_the_config_file(variant):
+  """Each block holds exactly its dataclass's fields, so a study has no
+  default of its own; a missing or unknown field is named."""
+  from stableattn.experiments.config_values import from_block
+  from stableattn.experiments.forward.study import Common
+
+  c = forward_config.get_config(variant)
+  from_block(Common, c, "common")
+  for name, study in STUDIES.items():
+    from_block(study.Config, c, name)
+  del c.seq_len["lengths"]
+  c.seq_len.length = 8
+  with pytest.raises(
+    ValueError,
+    match="missing fields \\['lengths'\\], unknown fields \\['length'\\]",
+  ):
+    from_block(STUDIES["seq_len"].Config, c, "seq_len")

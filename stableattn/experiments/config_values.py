@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-import ml_collections
-
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -97,20 +95,16 @@ def tile_pairs(value, name: str) -> tuple[tuple[int, int], ...]:
   return out
 
 
-def spec(
-  *, default=None, minimum=None, choices=None, parse=None, allow_empty=False
-):
-  """Metadata of a config dataclass field, read by `from_block`.
+def spec(*, minimum=None, choices=None, parse=None, allow_empty=False):
+  """Metadata of a config dataclass field, read by `from_block`; the
+  field's values (default and per variant) live in the config file.
 
-  default: the field's value in the ConfigDict block `config_block` builds
-    (as a config file would write it: "a,b" or a tuple);
   minimum: the least valid value (of each element for a tuple);
   choices: the valid values (of each element);
   parse: `parse(raw, dotted_name)` for a field no type rule covers.
   """
   return dataclasses.field(
     metadata={
-      "default": default,
       "minimum": minimum,
       "choices": choices,
       "parse": parse,
@@ -119,20 +113,34 @@ def spec(
   )
 
 
-def config_block(cls):
-  """The ConfigDict block of a config dataclass, holding its defaults."""
-  return ml_collections.ConfigDict(
-    {f.name: f.metadata["default"] for f in dataclasses.fields(cls)}
-  )
+def _check_block_fields(cls, config, block: str) -> None:
+  """Raises naming the fields the block lacks or has beyond `cls`'s."""
+  wanted = {f.name for f in dataclasses.fields(cls)}
+  if not wanted:
+    return
+  try:
+    given = set(_lookup(config, block).keys())
+  except (KeyError, AttributeError):
+    raise ValueError(
+      f"config.{block} is missing; it needs the fields {sorted(wanted)}."
+    ) from None
+  missing, extra = sorted(wanted - given), sorted(given - wanted)
+  if missing or extra:
+    raise ValueError(
+      f"config.{block}: missing fields {missing}, unknown fields {extra}; "
+      f"valid: {sorted(wanted)}."
+    )
 
 
 def from_block(cls, config, block: str):
-  """A config dataclass built from the ConfigDict sub-block `block`.
+  """A config dataclass built from the ConfigDict sub-block `block`, which
+  must hold exactly its fields.
 
   Each field is read by its annotation (int, float, str, or a tuple of
   one of them) and its `spec` metadata; the error names the dotted field.
   A class with no fields needs no block.
   """
+  _check_block_fields(cls, config, block)
   hints = typing.get_type_hints(cls)
   values = {}
   for f in dataclasses.fields(cls):

@@ -35,7 +35,7 @@ READING_KEYS = ("flash_policy", "baseline_policy", "scheme", "distribution")
 @dataclasses.dataclass(frozen=True)
 class Config:
   # BF16 and FP16 are also measured at these lengths (with common.seq_len).
-  seq_lens: tuple[int, ...] = spec(default=(512, 2048), minimum=1)
+  seq_lens: tuple[int, ...] = spec(minimum=1)
 
 
 def fig4(rows) -> dict:
@@ -120,15 +120,6 @@ class AgainstGolden(Study):
   name = "against_golden"
   title = "Flash and Baseline vs the FP64 golden value (paper Fig. 4)"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "seq_lens": (512, 1024, 2048, 4096, 8192),
-    },
-    "smoke": {
-      "seq_lens": (32, 64),
-    },
-  }
   claims = {
     "fig4": Claim(
       "at BF16 Flash deviates ~10x more than Baseline from FP64",

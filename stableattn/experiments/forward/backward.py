@@ -29,27 +29,14 @@ GRADS = ("dq", "dk", "dv")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  precisions: tuple[str, ...] = spec(
-    default="fp32,bf16-fa2,bf16", parse=policies
-  )
-  seq_lens: tuple[int, ...] = spec(default=(256,), minimum=1)
+  precisions: tuple[str, ...] = spec(parse=policies)
+  seq_lens: tuple[int, ...] = spec(minimum=1)
 
 
 class BackwardDeviation(Study):
   name = "backward"
   title = "Gradient deviation: dQ, dK, dV vs golden gradients"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "precisions": "fp32,fp16-fa2,bf16-fa2,bf16",
-      "seq_lens": (128, 512, 1024),
-    },
-    "smoke": {
-      "precisions": "bf16-fa2",
-      "seq_lens": (48,),
-    },
-  }
 
   def points(self, s, c):
     return [

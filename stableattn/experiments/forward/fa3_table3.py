@@ -41,24 +41,13 @@ def _shape(raw, name: str) -> tuple[int, int, int, int]:
 @dataclasses.dataclass(frozen=True)
 class Config:
   # batch, seq_len, heads, head_dim
-  shape: tuple[int, int, int, int] = spec(
-    default=(1, 512, 4, 128), parse=_shape
-  )
+  shape: tuple[int, int, int, int] = spec(parse=_shape)
 
 
 class FA3Table3(Study):
   name = "fa3_table3"
   title = "FlashAttention-3 Table 3, FP16 column (outlier inputs, RMSE)"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "shape": (2, 1024, 8, 128),
-    },
-    "smoke": {
-      "shape": (1, 64, 1, 32),
-    },
-  }
 
   def points(self, s, c):
     batch, seq_len, heads, head_dim = c.shape

@@ -55,14 +55,11 @@ SAME_FACTOR = 1.5
 @dataclasses.dataclass(frozen=True)
 class Config:
   settings: tuple[str, ...] = spec(
-    default="plain,causal,kv_cache,window_64,softcap_30,segments_4,sink,alibi",
     choices=tuple(SETTINGS),
   )
-  pairings: tuple[str, ...] = spec(
-    default="natural,all_stage", choices=tuple(PAIRINGS)
-  )
+  pairings: tuple[str, ...] = spec(choices=tuple(PAIRINGS))
   # Seeds of this study (fewer than the common block's: eight settings).
-  seeds: int = spec(default=1, minimum=1)
+  seeds: int = spec(minimum=1)
 
 
 def reference_setting(setting: str) -> str:
@@ -74,17 +71,6 @@ class AttentionFeatures(Study):
   title = "Attention features: how each changes Flash's deviation"
   Config = Config
   extendable = ("seeds",)
-  variants = {
-    "paper": {
-      "settings": ",".join(SETTINGS),
-      "seeds": 2,
-    },
-    "smoke": {
-      "settings": "plain,causal,kv_cache,softcap_30",
-      "pairings": "natural",
-      "seeds": 1,
-    },
-  }
 
   def seeds(self, common, config) -> int:
     return config.seeds

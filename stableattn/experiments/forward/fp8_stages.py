@@ -34,12 +34,10 @@ FP22_COST = 1.1
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  seq_len: int = spec(default=512, minimum=1)
-  head_dims: tuple[int, ...] = spec(default=(64, 128), minimum=1)
-  distributions: tuple[str, ...] = spec(
-    default="normal,outliers", choices=DISTRIBUTIONS
-  )
-  seeds: int = spec(default=2, minimum=1)
+  seq_len: int = spec(minimum=1)
+  head_dims: tuple[int, ...] = spec(minimum=1)
+  distributions: tuple[str, ...] = spec(choices=DISTRIBUTIONS)
+  seeds: int = spec(minimum=1)
 
 
 class FP8Stages(Study):
@@ -47,15 +45,6 @@ class FP8Stages(Study):
   title = "Stage attribution at FP8: which quantization costs what"
   Config = Config
   extendable = ("seeds",)
-  variants = {
-    "paper": {"seq_len": 2048, "seeds": 3},
-    "smoke": {
-      "seq_len": 64,
-      "head_dims": (32,),
-      "distributions": "normal",
-      "seeds": 1,
-    },
-  }
 
   def seeds(self, common, config) -> int:
     return config.seeds

@@ -54,15 +54,13 @@ KEYS = ("distribution", "causal")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  seq_len: int = spec(default=512, minimum=1)
-  head_dim: int = spec(default=64, minimum=1)
-  distributions: tuple[str, ...] = spec(
-    default="normal,outliers,key_bias", choices=DISTRIBUTIONS
-  )
-  causal: tuple[bool, ...] = spec(default="false,true", parse=booleans)
+  seq_len: int = spec(minimum=1)
+  head_dim: int = spec(minimum=1)
+  distributions: tuple[str, ...] = spec(choices=DISTRIBUTIONS)
+  causal: tuple[bool, ...] = spec(parse=booleans)
   # Static scales of P measured (1 and 256 are the claim's rows).
-  p_scales: tuple[int, ...] = spec(default=P_SCALES, minimum=1)
-  seeds: int = spec(default=2, minimum=1)
+  p_scales: tuple[int, ...] = spec(minimum=1)
+  seeds: int = spec(minimum=1)
 
 
 class FP8Underflow(Study):
@@ -70,17 +68,6 @@ class FP8Underflow(Study):
   title = "FP8 P underflow: key-block order and a static P scale"
   Config = Config
   extendable = ("seeds",)
-  variants = {
-    "paper": {"seq_len": 2048, "seeds": 3},
-    "smoke": {
-      "seq_len": 64,
-      "head_dim": 32,
-      "distributions": "normal",
-      "causal": "false",
-      "p_scales": (1, 256),
-      "seeds": 1,
-    },
-  }
 
   def seeds(self, common, config) -> int:
     return config.seeds

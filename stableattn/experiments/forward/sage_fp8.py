@@ -64,12 +64,10 @@ RATIOS = {
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  seq_len: int = spec(default=512, minimum=1)
-  head_dims: tuple[int, ...] = spec(default=(64, 128), minimum=1)
-  distributions: tuple[str, ...] = spec(
-    default="key_bias,normal,outliers", choices=DISTRIBUTIONS
-  )
-  seeds: int = spec(default=2, minimum=1)
+  seq_len: int = spec(minimum=1)
+  head_dims: tuple[int, ...] = spec(minimum=1)
+  distributions: tuple[str, ...] = spec(choices=DISTRIBUTIONS)
+  seeds: int = spec(minimum=1)
 
 
 class SageFP8(Study):
@@ -77,15 +75,6 @@ class SageFP8(Study):
   title = "SageAttention 2's directions in FP8"
   Config = Config
   extendable = ("seeds",)
-  variants = {
-    "paper": {"seq_len": 2048, "seeds": 3},
-    "smoke": {
-      "seq_len": 64,
-      "head_dims": (32,),
-      "distributions": "key_bias",
-      "seeds": 1,
-    },
-  }
 
   def seeds(self, common, config) -> int:
     return config.seeds

@@ -30,10 +30,8 @@ ZERO_MEAN_INPUTS = ("normal", "outliers", "scaled")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  lengths: tuple[int, ...] = spec(
-    default=(128, 256, 512, 1024, 2048), minimum=1
-  )
-  precisions: tuple[str, ...] = spec(default="bf16,bf16-fa2", parse=policies)
+  lengths: tuple[int, ...] = spec(minimum=1)
+  precisions: tuple[str, ...] = spec(parse=policies)
 
 
 def fig5(rows) -> dict:
@@ -81,16 +79,6 @@ class SequenceLength(Study):
   name = "seq_len"
   title = "Deviation vs sequence length at fixed tiles (paper Fig. 5)"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "lengths": (128, 256, 512, 1024, 2048, 4096, 8192),
-    },
-    "smoke": {
-      "lengths": (32, 64),
-      "precisions": "bf16",
-    },
-  }
   claims = {
     "fig5": Claim("deviation grows with sequence length", fig5, fig5_evidence)
   }

@@ -27,7 +27,7 @@ ATTRIBUTION_STAGES = ("scores", "softmax_stats", "out_accum")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  formats: tuple[str, ...] = spec(default="bf16", parse=formats)
+  formats: tuple[str, ...] = spec(parse=formats)
 
 
 def attribution_variants(fmt: str) -> dict[str, Precision]:
@@ -57,15 +57,6 @@ class StageAttribution(Study):
   name = "stage_attribution"
   title = "Which rounding stage causes the deviation (beyond the paper)"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "formats": "bf16,fp16",
-    },
-    "smoke": {
-      "formats": "bf16",
-    },
-  }
 
   def points(self, s, c):
     return [

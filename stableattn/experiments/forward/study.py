@@ -60,24 +60,22 @@ class Common:
   """Settings every study reads: the `common` config block."""
 
   # Every point is repeated over this many input seeds.
-  seeds: int = spec(default=3, minimum=1)
+  seeds: int = spec(minimum=1)
   # Attention shape of most studies: [batch, seq_len, heads, head_dim].
-  batch: int = spec(default=1, minimum=1)
-  heads: int = spec(default=2, minimum=1)
-  kv_heads: int = spec(default=2, minimum=1)
-  head_dim: int = spec(default=64, minimum=1)
-  seq_len: int = spec(default=512, minimum=1)
+  batch: int = spec(minimum=1)
+  heads: int = spec(minimum=1)
+  kv_heads: int = spec(minimum=1)
+  head_dim: int = spec(minimum=1)
+  seq_len: int = spec(minimum=1)
   # Tiles B_r x B_c of every study but `tiles`.
-  block_q: int = spec(default=64, minimum=1)
-  block_k: int = spec(default=64, minimum=1)
-  formats: tuple[str, ...] = spec(default="fp64,fp32,fp16,bf16", parse=formats)
+  block_q: int = spec(minimum=1)
+  block_k: int = spec(minimum=1)
+  formats: tuple[str, ...] = spec(parse=formats)
   # The first distribution is used by single-distribution studies.
-  distributions: tuple[str, ...] = spec(
-    default="normal,uniform", choices=DISTRIBUTIONS
-  )
-  schemes: tuple[str, ...] = spec(default="fa2,fa1", choices=SCHEMES)
+  distributions: tuple[str, ...] = spec(choices=DISTRIBUTIONS)
+  schemes: tuple[str, ...] = spec(choices=SCHEMES)
   # Multiplier of the `scaled` input distribution.
-  scale: float = spec(default=8.0)
+  scale: float = spec()
 
   def shape(self, seq_len: int | None = None) -> Shape:
     length = self.seq_len if seq_len is None else seq_len
@@ -191,8 +189,6 @@ class Study:
   # Config fields whose change only adds measurements (e.g. more seeds):
   # a rerun with a larger value extends the run directory.
   extendable: tuple[str, ...] = ()
-  # Config variant ("paper", "smoke") -> {field: value} for this study.
-  variants: dict = {}
 
   def seeds(self, common: Common, config) -> int:
     return common.seeds

@@ -56,22 +56,16 @@ class Config:
   per tile, V of one sign or zero-mean, and the untied probability mass
   relative to the tied mass."""
 
-  precisions: tuple[str, ...] = spec(
-    default="bf16,bf16-fa2+out_accum=bf16,bf16-fa2", parse=policies
-  )
-  betas: tuple[float, ...] = spec(default="2,7", parse=_betas)
-  counts: tuple[int, ...] = spec(default="1,2,3,4", minimum=1)
-  placements: tuple[str, ...] = spec(
-    default="same_tile,different_tiles", choices=TIED_PLACEMENTS
-  )
-  values: tuple[str, ...] = spec(
-    default="one_sign,zero_mean", choices=tuple(TIED_VALUES)
-  )
-  margins: tuple[float, ...] = spec(default="1e-1,1e-4,1e-7", minimum=1e-30)
-  q_len: int = spec(default=64, minimum=1)
-  kv_len: int = spec(default=256, minimum=1)  # room for 4 ties in 4 tiles
+  precisions: tuple[str, ...] = spec(parse=policies)
+  betas: tuple[float, ...] = spec(parse=_betas)
+  counts: tuple[int, ...] = spec(minimum=1)
+  placements: tuple[str, ...] = spec(choices=TIED_PLACEMENTS)
+  values: tuple[str, ...] = spec(choices=tuple(TIED_VALUES))
+  margins: tuple[float, ...] = spec(minimum=1e-30)
+  q_len: int = spec(minimum=1)
+  kv_len: int = spec(minimum=1)  # room for 4 ties in 4 tiles
   # Each condition already averages 64 x 256 x 2 heads.
-  seeds: int = spec(default=1, minimum=1)
+  seeds: int = spec(minimum=1)
 
 
 def tied_headline(c) -> dict:
@@ -93,22 +87,6 @@ class TiedMaxima(Study):
   name = "tied_maxima"
   title = "Biased rounding with tied row maxima (Qiu & Yao)"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "counts": "1,2,3,4,8",
-      "margins": "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9",
-      "kv_len": 512,
-    },
-    "smoke": {
-      "precisions": "bf16-fa2+out_accum=bf16",
-      "betas": "2",
-      "counts": "2",
-      "margins": "1e-4",
-      "q_len": 32,
-      "kv_len": 32,
-    },
-  }
   extendable = ("seeds",)
 
   def seeds(self, s, c):

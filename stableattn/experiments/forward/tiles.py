@@ -41,17 +41,15 @@ def _one_pair(raw, name: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  seq_len: int = spec(default=1024, minimum=1)
+  seq_len: int = spec(minimum=1)
   sizes: tuple[tuple[int, int], ...] = spec(  # the area sweep
-    default=((16, 16), (32, 32), (64, 64), (128, 128)), parse=tile_pairs
+    parse=tile_pairs
   )
   # B_r x B_c, and swapped.
-  swap: tuple[int, int] = spec(default=(32, 128), parse=_one_pair)
-  equal_area: tuple[tuple[int, int], ...] = spec(
-    default=((64, 64), (32, 128), (128, 32), (16, 256)), parse=tile_pairs
-  )
+  swap: tuple[int, int] = spec(parse=_one_pair)
+  equal_area: tuple[tuple[int, int], ...] = spec(parse=tile_pairs)
   # 64 KiB and 192 KiB (A100) of FP32, for FlashAttention-1's tile formula.
-  sram_elements: tuple[int, ...] = spec(default=(16384, 49152), minimum=1)
+  sram_elements: tuple[int, ...] = spec(minimum=1)
 
 
 def _variant(rows, variant: str, claim: str) -> list[dict]:
@@ -117,20 +115,6 @@ class Tiles(Study):
   name = "tiles"
   title = "Deviation vs tile sizes (paper Fig. 6)"
   Config = Config
-  # The config variants' changes to this study's block.
-  variants = {
-    "paper": {
-      "sizes": ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256)),
-      "seq_len": 2048,
-    },
-    "smoke": {
-      "seq_len": 64,
-      "sizes": ((16, 16), (32, 32)),
-      "swap": (16, 32),
-      "equal_area": ((16, 32), (32, 16)),
-      "sram_elements": (1024,),
-    },
-  }
   claims = {
     "fig6a": Claim(
       "swapping B_r and B_c gives a larger deviation",
