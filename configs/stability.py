@@ -34,6 +34,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.strengths.tie_beta = 2.0  # Qiu & Yao's fix in the flash kernel
 
   c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 256  # bytes
   c.model.width = 64
   c.model.depth = 2
   c.model.heads = 2

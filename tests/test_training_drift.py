@@ -270,8 +270,8 @@ def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
 @pytest.mark.parametrize(
   "override, message",
   [
-    (("attention", "flash", "triton"), "Unknown attention 'triton'"),
-    (("train", "precision", "fp8"), "Unknown training precision 'fp8'"),
+    (("attention", "flash", "triton"), "attention.flash: unknown 'triton'"),
+    (("train", "precision", "fp8"), "train.precision: unknown 'fp8'"),
     (("attention", "flash_precision", "bf17"), "Unknown attention precision"),
     (("train", "batch_size", 7), "not divisible by the device count"),
     (("attention", "fix", "tie_beta=1.0"), "attention.fix.*finite number > 1"),

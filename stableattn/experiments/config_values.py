@@ -44,6 +44,11 @@ def _lookup(config, field: str):
 
 
 def _convert(field: str, value, kind, minimum):
+  if kind is bool:
+    words = booleans(value, field)
+    if len(words) != 1:
+      raise ValueError(f"config.{field} must be True or False, got {value!r}.")
+    return words[0]
   kind_name = _KIND_NAMES.get(kind, kind.__name__)
   try:
     if isinstance(value, bool) and kind is not bool:

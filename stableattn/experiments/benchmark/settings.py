@@ -12,6 +12,8 @@ from stableattn.experiments.config_values import (
   booleans,
   field,
   field_tuple,
+  from_block,
+  spec,
 )
 from stableattn.features import Features
 from stableattn.precision import Precision, natural_policy
@@ -45,32 +47,60 @@ class Settings:
   masks_seq_len: int
 
 
+def _policy_names(raw, name: str) -> tuple[str, ...]:
+  names = as_tuple(raw)
+  for policy in names:
+    Precision.from_name(policy)  # a clear error naming the valid presets
+  return names
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBlock:
+  """The `cpu` or `gpu` block: sizes for the backend that runs."""
+
+  dtypes: tuple[str, ...] = spec(allow_empty=True)
+  policies: tuple[str, ...] = spec(parse=_policy_names)
+  seq_lens: tuple[int, ...] = spec(minimum=1)
+  batch: int = spec(minimum=1)
+  heads: int = spec(minimum=1)
+  block_q: int = spec(minimum=1)
+  block_k: int = spec(minimum=1)
+  memory_seq_lens: tuple[int, ...] = spec(minimum=1, allow_empty=True)
+  search_seq_len: int = spec(minimum=1)
+  masks_seq_len: int = spec(minimum=1)
+
+  @property
+  def precisions(self) -> tuple[str, ...]:
+    """`policies` if given, else each dtype's flash-kernel policy."""
+    if self.policies:
+      return self.policies
+    return tuple(natural_policy(dtype, "flash") for dtype in self.dtypes)
+
+
 def settings_from_config(c) -> Settings:
   gpu = on_gpu()
-  g = "gpu" if gpu else "cpu"
+  device = from_block(DeviceBlock, c, "gpu" if gpu else "cpu")
   return Settings(
     implementations=_implementations(c, gpu),
     modes=_choices(c, "modes", MODES),
     causal=booleans(c.causal, "causal"),
-    precisions=_precisions(c[g]),
+    precisions=device.precisions,
     head_dims=field_tuple(c, "head_dims", int, minimum=1),
-    seq_lens=field_tuple(c, f"{g}.seq_lens", int, minimum=1),
-    batch=field(c, f"{g}.batch", minimum=1),
-    heads=field(c, f"{g}.heads", minimum=1),
-    block_q=field(c, f"{g}.block_q", minimum=1),
-    block_k=field(c, f"{g}.block_k", minimum=1),
+    seq_lens=device.seq_lens,
+    batch=device.batch,
+    heads=device.heads,
+    block_q=device.block_q,
+    block_k=device.block_k,
     warmup=field(c, "warmup", minimum=0),
     repeats=field(c, "repeats", minimum=1),
-    memory_seq_lens=field_tuple(
-      c, f"{g}.memory_seq_lens", int, minimum=1, allow_empty=True
-    ),
+    memory_seq_lens=device.memory_seq_lens,
     memory_implementations=_choices(
       c, "memory_implementations", IMPLEMENTATIONS, allow_empty=True
     ),
     tile_search=bool(c.tile_search) and gpu,
-    search_seq_len=field(c, f"{g}.search_seq_len", minimum=1),
+    search_seq_len=device.search_seq_len,
     mask_settings=_mask_settings(c),
-    masks_seq_len=field(c, f"{g}.masks_seq_len", minimum=1),
+    masks_seq_len=device.masks_seq_len,
   )
 
 
@@ -114,15 +144,3 @@ def _choices(c, name: str, valid, allow_empty: bool = False):
   if bad:
     raise ValueError(f"config.{name}: unknown {bad}; valid: {list(valid)}.")
   return values
-
-
-def _precisions(g) -> tuple[str, ...]:
-  """`policies` if given, else each dtype's flash-kernel policy."""
-  policies = as_tuple(g.get("policies", ()))
-  if not policies:
-    policies = tuple(
-      natural_policy(dtype, "flash") for dtype in as_tuple(g.dtypes)
-    )
-  for name in policies:
-    Precision.from_name(name)  # a clear error naming the valid presets
-  return policies

@@ -13,7 +13,8 @@ import math
 from stableattn import features as features_lib
 from stableattn import options as options_lib
 from stableattn.attention_fns import resolve
-from stableattn.experiments.config_values import as_tuple, field
+from stableattn.experiments.blocks import CORPORA, ModelBlock
+from stableattn.experiments.config_values import as_tuple, from_block, spec
 from stableattn.features import Features
 from stableattn.model import AttentionSpec, ModelSpec
 from stableattn.options import Options
@@ -33,7 +34,6 @@ VARIANTS = {
 # `stableattn.Options` (e.g. Qiu & Yao's fix, the flash kernel only) that
 # `config.strengths` sets.
 MITIGATIONS = ("none", "qk_norm", "z_loss")
-CORPORA = ("generated", "python_stdlib")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,25 +76,58 @@ class Settings:
     )
 
 
+def _learning_rates(raw, name: str) -> tuple[float, ...]:
+  rates = tuple(float(x) for x in as_tuple(raw))
+  if len(rates) < 2 or any(not math.isfinite(x) or x <= 0 for x in rates):
+    raise ValueError(
+      f"config.{name} must hold two or more positive numbers (a log grid), "
+      f"got {raw!r}."
+    )
+  return tuple(sorted(rates))
+
+
+def _reference_precision(raw, name: str) -> str:
+  value = str(raw).strip()
+  if value and value not in COMPUTE_DTYPES:
+    raise ValueError(
+      f"config.{name}: unknown {value!r}; valid: {list(COMPUTE_DTYPES)}."
+    )
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBlock:
+  precision: str = spec(choices=COMPUTE_DTYPES)
+  reference_precision: str = spec(parse=_reference_precision)
+  learning_rates: tuple[float, ...] = spec(parse=_learning_rates)
+  replicates: int = spec(minimum=1)
+  steps: int = spec(minimum=1)
+  warmup_steps: int = spec(minimum=0)
+  batch_size: int = spec(minimum=1)
+  log_every: int = spec(minimum=1)
+  divergence_factor: float = spec()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlock:
+  block_q: int = spec(minimum=1)
+  block_k: int = spec(minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataBlock:
+  corpus: str = spec(choices=CORPORA)
+  seed: int = spec(minimum=0)
+  corpus_tokens: int = spec(minimum=1)
+
+
 def settings_from_config(config) -> Settings:
   """Validates the ConfigDict (fails fast, one clear line) into settings."""
   c = config
-  model = ModelSpec(
-    width=field(c, "model.width", minimum=1),
-    depth=field(c, "model.depth", minimum=1),
-    heads=field(c, "model.heads", minimum=1),
-    max_len=field(c, "model.seq_len", minimum=2),
-    mlp_ratio=field(c, "model.mlp_ratio", minimum=1),
-  )
-  if model.width % model.heads:
-    raise ValueError(
-      f"model.width {model.width} is not divisible by model.heads "
-      f"{model.heads}."
-    )
-  precision = _choice(c.train.precision, "train.precision", COMPUTE_DTYPES)
-  reference = str(c.train.reference_precision).strip()
-  if reference:
-    _choice(reference, "train.reference_precision", COMPUTE_DTYPES)
+  model = from_block(ModelBlock, c, "model")
+  train = from_block(TrainBlock, c, "train")
+  attention = from_block(AttentionBlock, c, "attention")
+  data = from_block(DataBlock, c, "data")
   variants = _variants(c)
   mitigations = as_tuple(c.mitigations)
   valid = MITIGATIONS + tuple(
@@ -103,40 +136,35 @@ def settings_from_config(config) -> Settings:
     if name in features_lib.names() or name in options_lib.field_names()
   )
   for m in mitigations:
-    _choice(m, "mitigations", valid)
+    if m not in valid:
+      raise ValueError(
+        f"config.mitigations: unknown {m!r}; valid: {list(valid)}."
+      )
   if not mitigations:
     raise ValueError(f"config.mitigations is empty; valid: {valid}.")
-  arms = [Arm(v, precision, m) for m in mitigations for v in variants]
-  if reference and reference != precision:
+  arms = [Arm(v, train.precision, m) for m in mitigations for v in variants]
+  reference = train.reference_precision
+  if reference and reference != train.precision:
     arms += [Arm("baseline", reference, m) for m in mitigations]
-  learning_rates = tuple(float(x) for x in as_tuple(c.train.learning_rates))
-  if len(learning_rates) < 2 or any(
-    not math.isfinite(x) or x <= 0 for x in learning_rates
-  ):
-    raise ValueError(
-      f"config.train.learning_rates must hold two or more positive numbers "
-      f"(a log grid), got {c.train.learning_rates!r}."
-    )
-  vocab = model.vocab_size
   settings = Settings(
-    model=model,
+    model=model.spec(),
     arms=tuple(arms),
     runs={},
-    learning_rates=tuple(sorted(learning_rates)),
-    replicates=field(c, "train.replicates", minimum=1),
-    steps=field(c, "train.steps", minimum=1),
-    warmup_steps=field(c, "train.warmup_steps", minimum=0),
-    batch_size=field(c, "train.batch_size", minimum=1),
-    seq_len=field(c, "model.seq_len", minimum=2),
-    log_every=field(c, "train.log_every", minimum=1),
-    divergence_loss=float(c.train.divergence_factor) * math.log(vocab),
-    clip_loss=math.log(vocab),
-    corpus=_choice(c.data.corpus, "data.corpus", CORPORA),
-    corpus_tokens=field(c, "data.corpus_tokens", minimum=1),
-    data_seed=field(c, "data.seed", minimum=0),
+    learning_rates=train.learning_rates,
+    replicates=train.replicates,
+    steps=train.steps,
+    warmup_steps=train.warmup_steps,
+    batch_size=train.batch_size,
+    seq_len=model.seq_len,
+    log_every=train.log_every,
+    divergence_loss=train.divergence_factor * math.log(model.vocab_size),
+    clip_loss=math.log(model.vocab_size),
+    corpus=data.corpus,
+    corpus_tokens=data.corpus_tokens,
+    data_seed=data.seed,
     reference_precision=reference,
   )
-  runs = {arm: _run(c, arm, model) for arm in arms}
+  runs = {arm: _run(c, arm, settings.model, attention) for arm in arms}
   return dataclasses.replace(settings, runs=runs)
 
 
@@ -161,7 +189,9 @@ def _variants(c) -> tuple[str, ...]:
   return tuple(names)
 
 
-def _run(c, arm: Arm, model: ModelSpec) -> tuple[ModelSpec, RunSpec]:
+def _run(
+  c, arm: Arm, model: ModelSpec, tiles: AttentionBlock
+) -> tuple[ModelSpec, RunSpec]:
   """The model and run of one arm."""
   if arm.variant == "candidate":
     kind, policy = str(c.candidate).strip(), "fp32"
@@ -175,8 +205,8 @@ def _run(c, arm: Arm, model: ModelSpec) -> tuple[ModelSpec, RunSpec]:
   m = arm.mitigation
   options = Options(
     precision=policy,
-    block_q=field(c, "attention.block_q", minimum=1),
-    block_k=field(c, "attention.block_k", minimum=1),
+    block_q=tiles.block_q,
+    block_k=tiles.block_k,
   )
   features = Features(causal=True)
   if m in features_lib.names():

@@ -8,7 +8,8 @@ import jax
 
 from stableattn.attention_fns import IMPLEMENTATIONS, resolve
 from stableattn.dispatch import xla_unsupported_reason
-from stableattn.experiments.config_values import as_tuple, field
+from stableattn.experiments.blocks import CORPORA, ModelBlock
+from stableattn.experiments.config_values import as_tuple, from_block, spec
 from stableattn.experiments.training_drift.pairs import BY_NAME, PAIRS
 from stableattn.experiments.training_drift.variants import VARIANTS, Variant
 from stableattn.model import SHADOW, AttentionSpec, ModelSpec
@@ -18,7 +19,6 @@ from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 COMPARE_MODES = ("natural", "shared")
 KINDS = (*IMPLEMENTATIONS, SHADOW)  # what the base and flash runs may use
-CORPORA = ("generated", "python_stdlib")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +44,14 @@ class Settings:
   def physical_runs(self) -> dict[str, RunSpec]:
     """One entry per distinct RunSpec (first variant name wins)."""
     out = {}
-    for name, spec in self.runs.items():
-      if spec not in out.values():
-        out[name] = spec
+    for name, run in self.runs.items():
+      if run not in out.values():
+        out[name] = run
     return out
 
   def physical_name(self, variant: str) -> str:
-    spec = self.runs[variant]
-    return next(n for n, s in self.physical_runs.items() if s == spec)
+    run = self.runs[variant]
+    return next(n for n, s in self.physical_runs.items() if s == run)
 
   @property
   def flash_runs(self) -> list[str]:
@@ -59,8 +59,8 @@ class Settings:
     attention-gradient error the Trainer can measure)."""
     return [
       name
-      for name, spec in self.physical_runs.items()
-      if spec.attention.kind == "pallas"
+      for name, run in self.physical_runs.items()
+      if run.attention.kind == "pallas"
     ]
 
 
@@ -70,11 +70,6 @@ def _policy(
   """The attention policy of a run: `name`, or for 'auto' the kernel's
   natural policy at the training format ('shared': Flash's for both)."""
   if name != "auto":
-    if name not in preset_names():
-      raise ValueError(
-        f"Unknown attention precision {name!r}; valid: 'auto' or "
-        f"{preset_names()}."
-      )
     return name
   kernel = (
     "flash" if implementation == "pallas" or compare == "shared" else "baseline"
@@ -82,66 +77,156 @@ def _policy(
   return natural_policy(precision, kernel)
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainBlock:
+  precision: str = spec(choices=COMPUTE_DTYPES)
+  replicates: int = spec(minimum=1)
+  batch_size: int = spec(minimum=1)
+  total_steps: int = spec(minimum=1)
+  learning_rate: float = spec()
+  warmup_steps: int = spec(minimum=0)
+  weight_decay: float = spec()
+  clip_norm: float = spec()
+  log_every: int = spec(minimum=1)
+  checkpoint_every: int = spec(minimum=1)
+  devices: int = spec(minimum=0)
+  stop_at_step: int = spec(minimum=0)
+  grad_error: bool = spec()
+
+  def __post_init__(self):
+    if self.total_steps <= self.warmup_steps:
+      raise ValueError(
+        f"train.total_steps ({self.total_steps}) must exceed "
+        f"train.warmup_steps ({self.warmup_steps}): the cosine decay needs "
+        "at least one step."
+      )
+
+  def optimizer(self) -> OptimizerSpec:
+    return OptimizerSpec(
+      learning_rate=self.learning_rate,
+      warmup_steps=self.warmup_steps,
+      total_steps=self.total_steps,
+      weight_decay=self.weight_decay,
+      clip_norm=self.clip_norm,
+    )
+
+
+def _precision_name(raw, name: str) -> str:
+  """'auto' or a preset name."""
+  value = str(raw).strip()
+  if value != "auto" and value not in preset_names():
+    raise ValueError(
+      f"Unknown attention precision {value!r} (config.{name}); valid: "
+      f"'auto' or {preset_names()}."
+    )
+  return value
+
+
+def _kernel_options(raw, name: str) -> str:
+  """Options changes "name=value,...", validated now."""
+  try:
+    Options.from_string(raw)
+  except ValueError as e:
+    raise ValueError(f"config.{name}: {e}") from None
+  return str(raw)
+
+
+def _optional_kernel(raw, name: str) -> str:
+  value = str(raw or "").strip()
+  if value:
+    resolve(value)  # one clear line for a name that does not resolve
+  return value
+
+
+def _low_precision(raw, name: str) -> str:
+  value = str(raw or "").strip()
+  if value and not Precision.from_name(value).quantizes:
+    raise ValueError(
+      f"config.{name} {value!r} has "
+      f"{Precision.from_name(value).matmul_operands} matmul operands; give "
+      "a policy below 16 bits, e.g. fp8-fa3, fp8-sage or fp4-nvfp4."
+    )
+  return Precision.from_name(value).name if value else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlock:
+  baseline: str = spec(choices=KINDS)  # attention of the base run
+  flash: str = spec(choices=KINDS)  # attention of the run compared with it
+  flash_precision: str = spec(parse=_precision_name)
+  baseline_precision: str = spec(parse=_precision_name)
+  compare: str = spec(choices=COMPARE_MODES)
+  block_q: int = spec(minimum=1)
+  block_k: int = spec(minimum=1)
+  scheme: str = spec(choices=SCHEMES)
+  flash_options: str = spec(parse=_kernel_options)
+  fix: str = spec(parse=_kernel_options)
+  candidate: str = spec(parse=_optional_kernel)
+  low_precision: str = spec(parse=_low_precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataBlock:
+  path: str = spec()  # your tokens: .npy, .bin (uint16) or text
+  corpus: str = spec(choices=CORPORA)
+  seed: int = spec(minimum=0)
+  corpus_tokens: int = spec(minimum=1)
+
+
 def settings_from_config(config) -> Settings:
   """Validates the ConfigDict (fails fast) and builds typed settings."""
   c = config
-  _choice(c.train.precision, "train.precision", COMPUTE_DTYPES)
-  for name in (c.attention.baseline, c.attention.flash):
-    if name not in KINDS:
-      raise ValueError(
-        f"Unknown attention {name!r}; valid: {', '.join(KINDS)}."
-      )
-  candidate = str(c.attention.get("candidate", "") or "").strip()
-  if candidate:
-    resolve(candidate)  # one clear line for a name that does not resolve
-  devices = field(c, "train.devices", minimum=0) or jax.device_count()
-  pairs = _pairs(c, devices)
-  batch_size = field(c, "train.batch_size", minimum=1)
-  if batch_size % devices:
+  model = from_block(ModelBlock, c, "model")
+  train = from_block(TrainBlock, c, "train")
+  attention = from_block(AttentionBlock, c, "attention")
+  data = from_block(DataBlock, c, "data")
+  devices = train.devices or jax.device_count()
+  pairs = _pairs(c, attention, devices)
+  if train.batch_size % devices:
     raise ValueError(
-      f"train.batch_size {batch_size} is not divisible by the device count "
-      f"{devices}."
+      f"train.batch_size {train.batch_size} is not divisible by the device "
+      f"count {devices}."
     )
   variants = {run for p in pairs for run in BY_NAME[p].runs}
   runs = {
-    name: _run_spec(c, VARIANTS[name], devices)
+    name: _run_spec(attention, train, VARIANTS[name], devices)
     for name in VARIANTS
     if name in variants
   }
   _check_xla_runs(runs, pairs)
   return Settings(
-    model=_model(c),
-    optimizer=_optimizer(c),
+    model=model.spec(),
+    optimizer=train.optimizer(),
     runs=runs,
     pairs=pairs,
-    replicates=field(c, "train.replicates", minimum=1),
-    batch_size=batch_size,
-    seq_len=field(c, "model.seq_len", minimum=2),
-    log_every=field(c, "train.log_every", minimum=1),
-    checkpoint_every=field(c, "train.checkpoint_every", minimum=1),
-    stop_at_step=field(c, "train.stop_at_step", minimum=0),
-    data_seed=field(c, "data.seed", minimum=0),
-    data_path=str(c.data.path),
-    corpus=_choice(c.data.corpus, "data.corpus", CORPORA),
-    corpus_tokens=field(c, "data.corpus_tokens", minimum=1),
-    grad_error=bool(c.train.grad_error),
-    compare=_choice(c.attention.compare, "attention.compare", COMPARE_MODES),
+    replicates=train.replicates,
+    batch_size=train.batch_size,
+    seq_len=model.seq_len,
+    log_every=train.log_every,
+    checkpoint_every=train.checkpoint_every,
+    stop_at_step=train.stop_at_step,
+    data_seed=data.seed,
+    data_path=data.path,
+    corpus=data.corpus,
+    corpus_tokens=data.corpus_tokens,
+    grad_error=train.grad_error,
+    compare=attention.compare,
   )
 
 
-def _pairs(c, devices: int) -> tuple[str, ...]:
+def _pairs(c, attention: AttentionBlock, devices: int) -> tuple[str, ...]:
   """`config.pairs` ("all": every pair whose config is set) that exist on
   `devices`."""
   names = as_tuple(c.pairs)
   if names == ("all",):
-    names = tuple(p.name for p in PAIRS if not p.requires or _set(c, p))
+    names = tuple(p.name for p in PAIRS if not p.requires or _set(attention, p))
   unknown = [p for p in names if p not in BY_NAME]
   if unknown:
     raise ValueError(
       f"Unknown pairs {unknown}; valid: {list(BY_NAME)} or 'all'."
     )
   for name in names:
-    if BY_NAME[name].requires and not _set(c, BY_NAME[name]):
+    if BY_NAME[name].requires and not _set(attention, BY_NAME[name]):
       raise ValueError(
         f"pair {name!r} needs config.{BY_NAME[name].requires} "
         f"({REQUIRED_TEXT[BY_NAME[name].requires]})."
@@ -155,107 +240,28 @@ REQUIRED_TEXT = {
 }
 
 
-def _low_precision(c) -> str:
-  name = str(c.attention.low_precision).strip()
-  policy = Precision.from_name(name)
-  if not policy.quantizes:
-    raise ValueError(
-      f"attention.low_precision {name!r} has {policy.matmul_operands} "
-      "matmul operands; give a policy below 16 bits, e.g. fp8-fa3, "
-      "fp8-sage or fp4-nvfp4."
-    )
-  return policy.name
+def _set(attention: AttentionBlock, pair) -> bool:
+  return bool(getattr(attention, pair.requires.split(".")[1]))
 
 
-def _set(c, pair) -> bool:
-  section, name = pair.requires.split(".")
-  return bool(str(c[section].get(name, "") or "").strip())
-
-
-def _choice(value, name: str, valid) -> str:
-  value = str(value)
-  if value in valid:
-    return value
-  if name == "train.precision":
-    raise ValueError(
-      f"Unknown training precision {value!r}; valid: {list(valid)}."
-    )
-  hint = " (or set data.path to your own tokens)"
-  raise ValueError(
-    f"config.{name}: unknown {value!r}; valid: {list(valid)}"
-    f"{hint if name == 'data.corpus' else ''}."
-  )
-
-
-def _model(c) -> ModelSpec:
-  model = ModelSpec(
-    vocab_size=field(c, "model.vocab_size", minimum=2),
-    width=field(c, "model.width", minimum=1),
-    depth=field(c, "model.depth", minimum=1),
-    heads=field(c, "model.heads", minimum=1),
-    max_len=field(c, "model.seq_len", minimum=2),
-    mlp_ratio=field(c, "model.mlp_ratio", minimum=1),
-  )
-  if model.width % model.heads:
-    raise ValueError(
-      f"model.width {model.width} is not divisible by "
-      f"model.heads {model.heads}."
-    )
-  return model
-
-
-def _optimizer(c) -> OptimizerSpec:
-  total = field(c, "train.total_steps", minimum=1)
-  if total <= field(c, "train.warmup_steps", minimum=0):
-    raise ValueError(
-      f"train.total_steps ({total}) must exceed train.warmup_steps "
-      f"({c.train.warmup_steps}): the cosine decay needs at least one step."
-    )
-  return OptimizerSpec(
-    learning_rate=field(c, "train.learning_rate", float),
-    warmup_steps=field(c, "train.warmup_steps", minimum=0),
-    total_steps=total,
-    weight_decay=field(c, "train.weight_decay", float),
-    clip_norm=field(c, "train.clip_norm", float),
-  )
-
-
-def _extra_options(c) -> dict:
-  """Each variant's `Options` changes ("name=value,..." in the config),
-  validated now: one clear line for an unknown name or a bad value."""
-  out = {None: ""}
-  for key, name in (("flash", "flash_options"), ("fix", "fix")):
-    text = str(c.attention.get(name, "") or "")
-    try:
-      Options.from_string(text)
-    except ValueError as e:
-      raise ValueError(f"config.attention.{name}: {e}") from None
-    out[key] = text
-  return out
-
-
-def _run_spec(c, variant: Variant, devices: int) -> RunSpec:
+def _run_spec(
+  a: AttentionBlock, train: TrainBlock, variant: Variant, devices: int
+) -> RunSpec:
   """The RunSpec of one variant under this config."""
-  precision = variant.precision or c.train.precision
-  kind = str(c.attention[variant.attention]).strip()
-  compare = str(c.attention.compare)
-  flash_policy = _policy(c.attention.flash_precision, "pallas", precision)
+  precision = variant.precision or train.precision
+  kind = getattr(a, variant.attention)
+  flash_policy = _policy(a.flash_precision, "pallas", precision)
   if variant.low_precision:
-    flash_policy = _low_precision(c)
-  baseline = _policy(
-    c.attention.baseline_precision, "reference", precision, compare
-  )
+    flash_policy = a.low_precision
+  baseline = _policy(a.baseline_precision, "reference", precision, a.compare)
   tiles = Options(
-    precision=baseline,
-    block_q=field(c, "attention.block_q", minimum=1),
-    block_k=field(c, "attention.block_k", minimum=1),
-    scheme=_choice(c.attention.scheme, "attention.scheme", SCHEMES),
+    precision=baseline, block_q=a.block_q, block_k=a.block_k, scheme=a.scheme
   )
+  options = tiles
   if kind == "pallas":
     flash = tiles.replace(precision=flash_policy + variant.flash_stages)
-    options = Options.from_string(_extra_options(c)[variant.options], flash)
-  else:
-    options = tiles
+    extra = {None: "", "flash": a.flash_options, "fix": a.fix}
+    options = Options.from_string(extra[variant.options], flash)
   return RunSpec(
     attention=AttentionSpec(kind=kind, options=options, shadow_baseline=tiles),
     precision=precision,
@@ -266,12 +272,12 @@ def _run_spec(c, variant: Variant, devices: int) -> RunSpec:
 
 
 def _check_xla_runs(runs: dict, pairs) -> None:
-  for name, spec in runs.items():
-    if spec.attention.kind != "xla":
+  for name, run in runs.items():
+    if run.attention.kind != "xla":
       continue
-    reason = xla_unsupported_reason(spec.attention.options.precision)
+    reason = xla_unsupported_reason(run.attention.options.precision)
     if reason:
       raise ValueError(
-        f"run {name!r} ({spec.precision} training with attention 'xla', "
+        f"run {name!r} ({run.precision} training with attention 'xla', "
         f"needed by pairs {list(pairs)}): {reason}"
       )
