@@ -31,6 +31,7 @@ import inspect
 from collections.abc import Callable
 
 import jax
+from absl import flags
 from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 
 from stableattn.dispatch import IMPLEMENTATIONS, attention, split_keywords
@@ -167,6 +168,11 @@ def _tokamax(q, k, v, *, implementation: str, **features):
   _refuse(
     f"tokamax ({implementation})", features, (*_JAX_NN_FEATURES, "softcap")
   )
+  # tokamax reads its absl flags on first use and parses sys.argv when no
+  # one has, which fails under any other program's arguments (pytest's,
+  # a notebook's); outside an absl app its flags keep their defaults.
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
   is_causal = features.pop("causal", False)
   if "softcap" in features:
     features["logits_soft_cap"] = features.pop("softcap")

@@ -1,8 +1,8 @@
 """Deviation metrics, all computed in NumPy float64.
 
-`compare(expected, actual)` is the one measurement every study uses. The
-FlashAttention test rule ("is this error normal?") is `error_ratio` and
-`passes_fa_rule`.
+`compare(expected, actual)` is the one measurement every study uses;
+`error_ratio` is the quantity of FlashAttention's test rule, whose verdict
+(with the other projects' rules) lives in `stableattn.rules`.
 """
 
 from __future__ import annotations

@@ -152,3 +152,19 @@ def test_audit_of_a_packed_kernel_and_a_kernel_without_the_feature():
     ValueError, match="does not accept the feature\\(s\\) \\['segment_ids'\\]"
   ):
     sa.audit(audit_kernels.jax_windowed, features="segments", **AUDIT)
+
+
+def test_tokamax_kernels_are_audited_with_features():
+  """A peer library's kernels through the registry (the optional
+  `[peers]` extra, which CI installs)."""
+  pytest.importorskip("tokamax", reason="pip install -e '.[peers]'")
+  from stableattn import attention_fns
+
+  for name in ("tokamax_xla", "tokamax_xla_chunked"):
+    fn = attention_fns.resolve(name)
+    report = sa.audit(fn, features="causal,window,softcap", **AUDIT)
+    assert report.passed, (name, str(report))
+  q = jnp.zeros((1, 16, 2, 16), jnp.float32)
+  sink = jnp.zeros((2,), jnp.float32)
+  with pytest.raises(ValueError, match="does not support the features"):
+    attention_fns.resolve("tokamax_xla")(q, q, q, sink=sink)

@@ -34,6 +34,17 @@ def test_readme_is_a_front_door_that_links_every_page():
       assert (page.parent / target).exists(), (page.name, target)
 
 
+def test_every_code_block_is_run_or_says_why_not():
+  for page in PAGES:
+    lines = page.read_text().splitlines()
+    for i, line in enumerate(lines):
+      if re.match(r"^```(python|bash|sh)\s*$", line):
+        marker = lines[i - 1] if i else ""
+        assert re.match(
+          r"<!-- (test: (python|shell)|quickstart|not run: .+) -->", marker
+        ), f"{page.name}:{i + 1}: a code block neither tested nor explained"
+
+
 def test_quickstart_has_the_two_commands():
   block = re.search(
     r"<!-- quickstart -->\n```bash\n(.*?)```", README, flags=re.DOTALL
