@@ -20,7 +20,7 @@ from stableattn import masking
 from stableattn.masking import KEY_PAD_ID, QUERY_PAD_ID, MaskOperands, MaskSpec
 from stableattn.tiling import check_flag
 
-_STATIC = (type(None), bool, int, float, str, tuple)
+_STATIC = (type(None), bool, int, float, str)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -121,7 +121,7 @@ class Features:
 
   def _key(self) -> tuple:
     return tuple(
-      v if isinstance(v, _STATIC) else ("array", id(v))
+      v if _is_static(v) else ("array", id(v))
       for v in (getattr(self, f.name) for f in dataclasses.fields(self))
     )
 
@@ -133,14 +133,21 @@ class Features:
 
   def __repr__(self):
     inner = ", ".join(
-      f"{k}={v!r}" if isinstance(v, _STATIC) else f"{k}=<array>"
+      f"{k}={v!r}" if _is_static(v) else f"{k}=<array>"
       for k, v in self.kwargs().items()
     )
     return f"Features({inner})"
 
 
+def _is_static(value) -> bool:
+  """A Python scalar, None or a tuple of them (hashable, compared by value)."""
+  if isinstance(value, tuple):
+    return all(map(_is_static, value))
+  return isinstance(value, _STATIC)
+
+
 def _is_default(value, default) -> bool:
-  return isinstance(value, _STATIC) and value == default
+  return _is_static(value) and value == default
 
 
 def names() -> list[str]:
