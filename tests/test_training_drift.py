@@ -355,9 +355,17 @@ def test_shared_policy_compares_only_the_algorithm():
   natural = training_drift.settings_from_config(config)
   config.attention.compare = "shared"
   shared = training_drift.settings_from_config(config)
-  assert natural.runs["base"].attention.baseline_precision == "bf16-framework"
-  assert shared.runs["base"].attention.baseline_precision == "bf16-fa2"
-  assert shared.runs["flash"].attention.flash_precision == "bf16-fa2"
+
+  def policy(settings, run):
+    return settings.runs[run].attention.options.precision.name
+
+  assert policy(natural, "base") == "bf16-framework"
+  assert policy(shared, "base") == "bf16-fa2"
+  assert policy(shared, "flash") == "bf16-fa2"
+  # The flash run's shadow computes the base run's baseline beside it.
+  assert shared.runs["flash"].attention.shadow_baseline.precision.name == (
+    "bf16-fa2"
+  )
   config.attention.compare = "same"
   with pytest.raises(ValueError, match="attention.compare: unknown 'same'"):
     training_drift.settings_from_config(config)
@@ -400,7 +408,9 @@ def test_fp8_flash_trains_as_a_subject_against_every_reference(tmp_path):
   config.attention.low_precision = "fp8-fa3"
   config.pairs = "low_precision_vs_baseline,different_seed"
   settings = training_drift.settings_from_config(config)
-  assert settings.runs["flash_low"].attention.flash_precision == "fp8-fa3"
+  assert settings.runs["flash_low"].attention.options.precision.name == (
+    "fp8-fa3"
+  )
   result = training_drift.run(config, tmp_path)
   ratios = result["ratios"]["low_precision_vs_baseline"]
   assert set(ratios) == {"different_seed"}
