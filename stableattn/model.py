@@ -48,6 +48,7 @@ class AttentionSpec:
       both computed, `shadow_downstream` passed on.
     options: how `kind` computes (`stableattn.Options`); peers ignore it.
     features: what every layer computes (causal; a softcap, a window).
+    shadow_baseline: the Options of "shadow"'s baseline (the reference).
   """
 
   kind: str = "reference"
