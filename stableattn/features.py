@@ -114,7 +114,7 @@ class Features:
   def split(self, q_shape, kv_shape, xp=jnp):
     """The validated static spec (`masking.MaskSpec`) and array operands
     (`masking.MaskOperands`) of these features for these shapes."""
-    return to_masking(q_shape, kv_shape, **self.kwargs(), xp=xp)
+    return to_masking(self, q_shape, kv_shape, xp=xp)
 
   def replace(self, **changes) -> Features:
     return Features.of(self, **changes)
@@ -256,15 +256,14 @@ def _broadcast_4d(name, x, batch, heads, q_len, kv_len, kind, xp):
   return x, (shape[0] > 1, shape[1] > 1)
 
 
-def to_masking(q_shape, kv_shape, *, xp=jnp, **features):
-  """Validates the features (by name, as `Features` holds them) against
-  the shapes; their static spec and operands.
+def to_masking(f: Features, q_shape, kv_shape, *, xp=jnp):
+  """Validates the features against the shapes; their static spec and
+  operands.
 
   `xp` is the array module of the operands (jax.numpy for the kernels and
   the reference, numpy for the golden). Raises ValueError naming what was
   wrong and what is valid.
   """
-  f = Features(**features)
   batch, q_len, heads, head_dim = q_shape
   kv_len = kv_shape[1]
   window = check_window(f.local_window_size)

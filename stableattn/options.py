@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from stableattn.precision import Precision, resolve
-from stableattn.tiling import check_flag
+from stableattn.tiling import check_block_size, check_flag
 
 SCHEMES = ("fa2", "fa1")
 # Options that change the arithmetic beyond the policy (None: off); only
@@ -25,15 +25,11 @@ ARITHMETIC_OPTIONS = ("tie_beta",)
 
 
 def _tile(name: str, value, optional: bool = False):
+  """A positive integer (None where optional); the shape checks come when
+  a call resolves the options (`dispatch.kernel_config`)."""
   if value is None and optional:
     return None
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (int, np.integer)
-  ):
-    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-  if value <= 0:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-  return int(value)
+  return check_block_size(name, value, for_gpu=False)
 
 
 def _tie_beta(value) -> float | None:

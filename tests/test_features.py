@@ -11,7 +11,6 @@ from helpers import random_qkv
 
 import stableattn as sa
 from stableattn import masking
-from stableattn.features import to_masking
 
 BATCH, Q_LEN, KV_LEN, HEADS, KV_HEADS, HEAD_DIM = 2, 40, 56, 4, 2, 16
 TILES = dict(block_q=16, block_k=16, bwd_block_k=32)
@@ -261,7 +260,7 @@ def test_empty_rows_with_a_sink_attend_only_the_sink():
 
 
 def _random_features(rng):
-  """Random causal/window/lengths/segments settings for `to_masking`."""
+  """Random causal/window/lengths/segments settings for `sa.Features`."""
   kw = {}
   if rng.random() < 0.5:
     kw["causal"] = True
@@ -288,10 +287,8 @@ def test_skipped_blocks_hold_no_attending_pair(seed):
   """Every block outside a block range is empty in the dense mask, so
   skipping it cannot change a result."""
   rng = np.random.default_rng(seed)
-  spec, ops = to_masking(
-    (BATCH, Q_LEN, HEADS, HEAD_DIM),
-    (BATCH, KV_LEN, KV_HEADS, HEAD_DIM),
-    **_random_features(rng),
+  spec, ops = sa.Features(**_random_features(rng)).split(
+    (BATCH, Q_LEN, HEADS, HEAD_DIM), (BATCH, KV_LEN, KV_HEADS, HEAD_DIM)
   )
   if not spec.skips_blocks:
     return
@@ -349,8 +346,8 @@ def test_skipped_blocks_hold_no_attending_pair(seed):
 def test_a_window_skips_most_key_blocks():
   """A (16, 0) window at length 256 with 16-wide tiles: each query block
   visits at most 2 of the 16 key blocks."""
-  spec, ops = to_masking(
-    (1, 256, 1, 16), (1, 256, 1, 16), local_window_size=(16, 0)
+  spec, ops = sa.Features(local_window_size=(16, 0)).split(
+    (1, 256, 1, 16), (1, 256, 1, 16)
   )
   key_ranges, _ = masking.block_ranges(
     spec, ops, q_len_padded=256, kv_len_padded=256, kv_len=256, bq=16, bk=16

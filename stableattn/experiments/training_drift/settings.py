@@ -140,13 +140,16 @@ def _optional_kernel(raw, name: str) -> str:
 
 def _low_precision(raw, name: str) -> str:
   value = str(raw or "").strip()
-  if value and not Precision.from_name(value).quantizes:
+  if not value:
+    return ""
+  policy = Precision.from_name(value)
+  if not policy.quantizes:
     raise ValueError(
-      f"config.{name} {value!r} has "
-      f"{Precision.from_name(value).matmul_operands} matmul operands; give "
-      "a policy below 16 bits, e.g. fp8-fa3, fp8-sage or fp4-nvfp4."
+      f"config.{name} {value!r} has {policy.matmul_operands} matmul "
+      "operands; give a policy below 16 bits, e.g. fp8-fa3, fp8-sage or "
+      "fp4-nvfp4."
     )
-  return Precision.from_name(value).name if value else ""
+  return policy.name
 
 
 @dataclasses.dataclass(frozen=True)
