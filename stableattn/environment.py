@@ -1,0 +1,178 @@
+"""The machine and software a result came from, and the same machine one
+instruction set down.
+
+XLA compiles for the host: its vector width and instruction selection
+(fused multiply-add or not, the order of a vectorized reduction) decide
+how a program rounds, so the same training run gives other bits on
+another CPU or GPU. Every run records what it ran on (`describe`), and
+the training experiments rerun their base run compiled for another
+instruction set (`other_machine_flags`) as a reference pair: the
+deviation practitioners already accept when they move a job to other
+hardware.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import pathlib
+import platform
+import re
+import sys
+
+import jax
+import numpy as np
+
+# XLA's CPU instruction sets (`--xla_cpu_max_isa`), lowest first. Only
+# the steps that change code generation on x86 are listed.
+X86_ISAS = ("SSE4_2", "AVX", "AVX2", "AVX512")
+# /proc/cpuinfo flag that marks each of them.
+_ISA_FLAGS = {
+  "SSE4_2": "sse4_2",
+  "AVX": "avx",
+  "AVX2": "avx2",
+  "AVX512": "avx512f",
+}
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes")
+_MAX_ISA = re.compile(r"--xla_cpu_max_isa=(\w+)")
+
+
+def _cpuinfo() -> str:
+  try:
+    return pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return ""
+
+
+def cpu_model() -> str:
+  """The CPU's model name ('' where the platform does not say)."""
+  for line in _cpuinfo().splitlines():
+    if line.lower().startswith("model name"):
+      return line.split(":", 1)[1].strip()
+  return platform.processor() or platform.machine()
+
+
+def host_isa() -> str | None:
+  """The highest x86 instruction set of `X86_ISAS` the CPU has; None off
+  x86 or where /proc/cpuinfo is unreadable."""
+  flags: set[str] = set()
+  for line in _cpuinfo().splitlines():
+    if line.lower().startswith("flags"):
+      flags = set(line.split(":", 1)[1].split())
+      break
+  have = [isa for isa in X86_ISAS if _ISA_FLAGS[isa] in flags]
+  return have[-1] if have else None
+
+
+def xla_flags() -> str:
+  return os.environ.get("XLA_FLAGS", "").strip()
+
+
+def compiled_isa(flags: str | None = None) -> str | None:
+  """The instruction set XLA compiles CPU code for: the host's, capped by
+  `--xla_cpu_max_isa` in `flags` (default: this process's XLA_FLAGS)."""
+  host = host_isa()
+  if host is None:
+    return None
+  capped = _MAX_ISA.findall(xla_flags() if flags is None else flags)
+  if not capped or capped[-1].upper() not in X86_ISAS:
+    return host
+  return min(host, capped[-1].upper(), key=X86_ISAS.index)
+
+
+def other_machine_flags() -> tuple[str | None, str]:
+  """(XLA_FLAGS of the same run on another machine, its label), or
+  (None, why not).
+
+  On a CPU: one instruction set below the one XLA compiles for now
+  (AVX2 -> AVX: no fused multiply-add). On a GPU: autotuning off, so XLA
+  takes its default algorithms instead of the fastest it measured.
+  """
+  backend = jax.default_backend()
+  current = xla_flags()
+  if backend == "gpu":
+    return f"{current} --xla_gpu_autotune_level=0".strip(), "no autotuning"
+  if backend != "cpu":
+    return None, f"no other-machine setting is known for {backend!r}"
+  isa = compiled_isa()
+  if isa is None:
+    return None, (
+      f"the instruction set of this CPU ({platform.machine()}) is not one "
+      f"XLA's --xla_cpu_max_isa orders ({', '.join(X86_ISAS)})"
+    )
+  position = X86_ISAS.index(isa)
+  if position == 0:
+    return None, f"XLA already compiles for the lowest instruction set, {isa}"
+  lower = X86_ISAS[position - 1]
+  kept = _MAX_ISA.sub("", current).strip()
+  return f"{kept} --xla_cpu_max_isa={lower}".strip(), lower
+
+
+def corpus_digest(*arrays: np.ndarray) -> str:
+  """SHA-256 of token arrays' bytes (the standard-library corpus is the
+  running interpreter's library, which changes between Python releases)."""
+  digest = hashlib.sha256()
+  for array in arrays:
+    digest.update(np.ascontiguousarray(array).tobytes())
+  return digest.hexdigest()
+
+
+def _version(package: str) -> str | None:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def _gpu_driver() -> str | None:
+  try:
+    text = pathlib.Path("/proc/driver/nvidia/version").read_text()
+  except OSError:
+    return None
+  found = re.search(r"Kernel Module\s+([\d.]+)", text)
+  return found.group(1) if found else text.splitlines()[0].strip()
+
+
+def describe(corpus: str | None = None) -> dict:
+  """What this process computes on: the machine, the instruction set XLA
+  compiles for (or the GPU and its driver), Python and package versions,
+  XLA flags, device counts, and the corpus digest when given."""
+  devices = jax.devices()
+  env = {
+    "backend": jax.default_backend(),
+    "cpu": cpu_model(),
+    "xla_cpu_isa": compiled_isa(),
+    "python": platform.python_version(),
+    **{p: _version(p) for p in PACKAGES},
+    "xla_flags": xla_flags(),
+    "device_count": len(devices),
+    "process_count": jax.process_count(),
+    "platform": sys.platform,
+  }
+  if env["backend"] == "gpu":
+    env["gpu"] = devices[0].device_kind
+    env["gpu_driver"] = _gpu_driver()
+  if corpus is not None:
+    env["corpus_sha256"] = corpus
+  return env
+
+
+def summary_line(env: dict) -> str:
+  """The environment in one Markdown line, for a report's head."""
+  if env.get("backend") == "gpu":
+    machine = f"{env.get('gpu')} (driver {env.get('gpu_driver')})"
+  else:
+    machine = f"{env.get('cpu')} (XLA compiles for {env.get('xla_cpu_isa')})"
+  parts = [
+    machine,
+    f"Python {env.get('python')}",
+    f"jax {env.get('jax')}, jaxlib {env.get('jaxlib')}",
+    f"flax {env.get('flax')}, optax {env.get('optax')}, "
+    f"numpy {env.get('numpy')}",
+    f"{env.get('device_count')} device(s)",
+    f"XLA_FLAGS {env.get('xla_flags') or 'unset'}",
+  ]
+  if env.get("corpus_sha256"):
+    parts.append(f"corpus sha256 {env['corpus_sha256'][:16]}")
+  return "*Environment:* " + "; ".join(parts) + "."

@@ -1,0 +1,68 @@
+"""What a run records of its machine, and the machine one step down."""
+
+import numpy as np
+import pytest
+
+from stableattn import environment
+
+
+@pytest.fixture
+def avx2_host(monkeypatch):
+  monkeypatch.setattr(
+    environment,
+    "_cpuinfo",
+    lambda: "model name\t: Test CPU\nflags\t\t: fpu sse4_2 avx avx2 fma\n",
+  )
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+
+
+def test_the_instruction_set_is_the_hosts_capped_by_the_flag(avx2_host):
+  assert environment.cpu_model() == "Test CPU"
+  assert environment.host_isa() == "AVX2"
+  assert environment.compiled_isa() == "AVX2"
+  assert environment.compiled_isa("--xla_cpu_max_isa=AVX") == "AVX"
+  # A cap above the host changes nothing; the last flag wins, as in XLA.
+  assert environment.compiled_isa("--xla_cpu_max_isa=AVX512") == "AVX2"
+  assert (
+    environment.compiled_isa("--xla_cpu_max_isa=AVX --xla_cpu_max_isa=SSE4_2")
+    == "SSE4_2"
+  )
+
+
+def test_the_other_machine_is_one_step_down_and_keeps_other_flags(
+  avx2_host, monkeypatch
+):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+  flags, label = environment.other_machine_flags()
+  assert label == "AVX"
+  assert flags == (
+    "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX"
+  )
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX")
+  assert environment.other_machine_flags() == (
+    "--xla_cpu_max_isa=SSE4_2",
+    "SSE4_2",
+  )
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=SSE4_2")
+  flags, reason = environment.other_machine_flags()
+  assert flags is None and "lowest instruction set" in reason
+
+
+def test_a_cpu_xla_cannot_order_has_no_other_machine(monkeypatch):
+  monkeypatch.setattr(environment, "_cpuinfo", lambda: "")
+  monkeypatch.setattr(environment.platform, "machine", lambda: "arm64")
+  flags, reason = environment.other_machine_flags()
+  assert flags is None and "arm64" in reason
+
+
+def test_the_record_names_versions_flags_and_the_corpus(avx2_host):
+  digest = environment.corpus_digest(np.arange(5, dtype=np.uint8))
+  assert digest != environment.corpus_digest(np.arange(6, dtype=np.uint8))
+  env = environment.describe(corpus=digest)
+  for key in ("python", "jax", "jaxlib", "flax", "optax", "numpy"):
+    assert env[key], key
+  assert env["xla_cpu_isa"] == "AVX2" and env["device_count"] >= 1
+  assert env["corpus_sha256"] == digest
+  line = environment.summary_line(env)
+  assert "Test CPU (XLA compiles for AVX2)" in line
+  assert f"jax {env['jax']}" in line and digest[:16] in line
