@@ -36,7 +36,9 @@ def test_jax_kernels_pass(kernel, tmp_path):
   assert all(result["rules"].values())
   headline = json.loads((tmp_path / "headline.json").read_text())
   assert headline["kernel"] == kernel and headline["passed"] is True
+  assert headline["environment"]["jax"] == jax.__version__
   report = (tmp_path / "report.md").read_text()
+  assert "*Environment:*" in report.splitlines()[2]
   assert report.startswith(f"# Audit of `{kernel}`: **PASSED**")
   assert (tmp_path / "errors.png").stat().st_size > 0
 

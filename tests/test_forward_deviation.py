@@ -10,6 +10,7 @@ import pytest
 from helpers import run_once
 
 from configs import forward_deviation as forward_config
+from stableattn import environment
 from stableattn.experiments import forward
 from stableattn.experiments.forward import STUDIES
 from stableattn.metrics import Deviation
@@ -92,6 +93,9 @@ def test_tied_study_shows_the_bias_and_its_removal_first(smoke_run):
 def test_headline_claims_follow_from_the_measured_rows(smoke_run):
   workdir, result, _ = smoke_run
   headline = json.loads((workdir / "headline.json").read_text())
+  env = headline["environment"]
+  assert env["jax"] and env["python"] and env["backend"] == "cpu"
+  assert environment.summary_line(env) in (workdir / "report.md").read_text()
   assert set(headline["claims"]) == {
     "fig3",
     "fig4",

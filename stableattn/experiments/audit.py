@@ -18,6 +18,7 @@ import json
 import jax
 import numpy as np
 
+from stableattn import environment
 from stableattn.attention_fns import IMPLEMENTATIONS, needs_gpu, resolve
 from stableattn.audit import cases, check_accepts, failures, measure_case
 from stableattn.experiments.config_values import as_tuple, field
@@ -149,6 +150,7 @@ def headline(s: Settings, rows) -> dict:
     "deterministic": all(r["deterministic"] for r in rows),
     "finite": all(r["nonfinite"] == 0 for r in rows),
     "failures": found,
+    "environment": environment.describe(),
   }
 
 
@@ -164,6 +166,8 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
   verdict = "**PASSED**" if result["passed"] else "**FAILED**"
   parts = [
     f"# Audit of `{s.kernel}`: {verdict}",
+    "",
+    environment.summary_line(result["environment"]),
     "",
     f"Gate: {', '.join(s.gate)} rules, bitwise determinism over "
     f"{s.repeats} runs, no NaN/Inf. Policies {list(s.precisions)}; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 
+from stableattn import environment
 from stableattn.experiments.forward.registry import CLAIMS, STUDIES
 from stableattn.experiments.forward.study import ReportContext
 from stableattn.experiments.reporting import section, select, table
@@ -101,9 +102,12 @@ def write_report(
       f"No measurements in {run_dir.path} for studies "
       f"{list(settings.studies)}: nothing to report."
     )
-  headline: dict = {}
+  env = environment.describe()
+  headline: dict = {"environment": env}
   parts = [
     "# Forward deviation of flash attention",
+    "",
+    environment.summary_line(env),
     "",
     f"Flash = our Pallas kernel ({_where_flash_ran()}); Baseline = "
     "materialized softmax(QK^T/sqrt(d))V; golden = Baseline in NumPy FP64 "
