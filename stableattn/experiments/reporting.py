@@ -123,6 +123,31 @@ def mean_interval(
   )
 
 
+def resolution(interval: Interval | None, *, geometric: bool = False) -> str:
+  """What an interval could tell apart at its size and spread: the
+  smallest difference from a value (0, or a band's edge) it would have
+  told apart, its half-width (a factor for a `geometric` interval of
+  ratios); with two values, a warning that it rests on one degree of
+  freedom. "" without an interval."""
+  if interval is None or interval.low is None:
+    return ""
+  if geometric:
+    factor = math.sqrt(interval.high / interval.low)
+    text = (
+      f"with {interval.count} replicates it tells a ratio apart from a "
+      f"band's edge only beyond {factor:.3g}x either side"
+    )
+  else:
+    half = (interval.high - interval.low) / 2
+    text = (
+      f"with {interval.count} replicates it tells apart a mean difference "
+      f"above {half:.3g}"
+    )
+  if interval.count <= 2:
+    text += "; fragile: one degree of freedom (t = 12.7)"
+  return text
+
+
 def band_verdict(interval: Interval, low: float, high: float) -> str:
   """Whether a claimed band [low, high] holds for an interval.
 

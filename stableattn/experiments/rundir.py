@@ -31,6 +31,7 @@ RUN_OUTPUTS = (
   "config.json",
   "config_history.jsonl",
   "checkpoints",
+  "machine_twin",  # the other-machine run of the training experiments
 )
 
 
