@@ -5,7 +5,9 @@ import json
 import pytest
 
 from configs import stability as stability_config
+from stableattn import environment
 from stableattn.experiments import stability
+from stableattn.experiments.reporting import mean_interval, resolution
 from stableattn.experiments.stability import analysis, report
 
 
@@ -52,6 +54,22 @@ def test_paired_differences_need_two_replicates_for_a_verdict():
   assert analysis.change_verdict(None) == "no rows"
 
 
+def test_spread_ratio_and_resolution_say_what_replicates_can_tell():
+  # Flash moves the sensitivity by +-0.1, the other machine by +-0.2.
+  ratio = analysis.spread_ratio([0.1, -0.1] * 3, [0.2, -0.2] * 3)
+  assert ratio.mean == pytest.approx(0.5)
+  assert ratio.low < 0.5 < ratio.high and ratio.count == 6
+  assert analysis.spread_ratio([0.1], [0.0]) is None  # nothing to divide
+  five = mean_interval([0.1, 0.2, 0.0, 0.15, 0.05])
+  text = resolution(five)
+  assert "5 replicates" in text and "fragile" not in text
+  assert f"{(five.high - five.low) / 2:.3g}" in text
+  assert "fragile" in resolution(mean_interval([0.1, 0.3]))
+  assert resolution(mean_interval([0.1])) == ""
+  ratios = mean_interval([1.0, 2.0, 4.0], geometric=True)
+  assert "either side" in resolution(ratios, geometric=True)
+
+
 @pytest.mark.parametrize(
   "field, value, message",
   [
@@ -88,6 +106,13 @@ def test_smoke_sweep_records_divergence_as_rows_and_resumes(tmp_path):
   for numbers in arms.values():
     assert numbers["lr_sensitivity"]["count"] == 1
     assert numbers["largest_stable_lr"]["mean"] == pytest.approx(0.01)
+  # The Baseline arms ran again on the other machine, when there is one.
+  flags, label = environment.other_machine_flags()
+  assert result["machine_pair"] == {"xla_flags": flags, "label": label}
+  if flags is not None:
+    assert f"baseline@{label}/bf16/none" in arms
+    assert set(result["verdicts"]["machine"]) == {"none", "qk_norm"}
+  assert result["environment"]["corpus_sha256"]
   whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").open()]
   finals = [r for r in whole if r["kind"] == "final"]
   diverged = [r for r in finals if r["diverged"]]
@@ -98,6 +123,7 @@ def test_smoke_sweep_records_divergence_as_rows_and_resumes(tmp_path):
   )
   report_text = (tmp_path / "whole" / "report.md").read_text()
   assert "## The answer" in report_text.split("## Per arm")[0]
+  assert report_text.splitlines()[2].startswith("*Environment:*")
   # Qiu & Yao's delta probe: one signed share per layer at each logged step.
   logs = [r for r in whole if r["kind"] == "log"]
   depth = config.model.depth

@@ -10,11 +10,14 @@ swept over one learning-rate grid, with and without the mitigations
 (qk-norm, z-loss, an attention softcap, Qiu & Yao's tie fix), in
 replicates. Built on the drift experiment's model, trainer, corpus and
 run directory; the step is compiled once per arm (the learning rate is a
-traced input).
+traced input). The Baseline arms are trained again on another machine
+(`machine_twin`: one CPU instruction set down, or a GPU without
+autotuning), the reference for how far Flash moves the sensitivity.
 """
 
 from __future__ import annotations
 
+from stableattn.experiments import machine_twin
 from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.stability.report import write_report
 from stableattn.experiments.stability.settings import (
@@ -37,13 +40,33 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     run_dir.bind_config(
       config.to_dict(), extendable=EXTENDABLE, restart=restart
     )
-    done = {
-      (r["arm"], r["lr"], r["replicate"])
-      for r in run_dir.read_metrics()
-      if r.get("kind") == "final"
-    }
-    sweep(s, run_dir, done)
+    done = _done(run_dir)
+    sweep(s, s.arms_here, run_dir, done)
+    missing = [
+      (arm, lr, r)
+      for arm in s.arms_elsewhere
+      for lr in s.learning_rates
+      for r in range(s.replicates)
+      if (arm.name, lr, r) not in done
+    ]
+    if missing:
+      machine_twin.run_child(
+        "stableattn.experiments.stability.twin",
+        config.to_dict(),
+        run_dir.path,
+        s.machine_flags,
+        s.machine,
+      )
     return write_report(s, run_dir, run_dir.read_metrics())
+
+
+def _done(run_dir: RunDir) -> set:
+  """(arm, lr, replicate) of every cell with a final row."""
+  return {
+    (r["arm"], r["lr"], r["replicate"])
+    for r in run_dir.read_metrics()
+    if r.get("kind") == "final"
+  }
 
 
 __all__ = ["Settings", "run", "settings_from_config"]

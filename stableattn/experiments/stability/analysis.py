@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import stats
 
 from stableattn.experiments.reporting import Interval, mean_interval
 
@@ -104,26 +105,58 @@ def interval(values, *, log2: bool = False) -> Interval | None:
   return Interval(back(i.mean), back(i.low), back(i.high), i.count)
 
 
-def paired_difference(
-  a: dict, b: dict, key: str, *, log2=False
-) -> Interval | None:
-  """Interval of a[key] - b[key] over the replicates both measured (log2
-  of the values first if `log2`; a None largest stable LR is skipped)."""
-  pairs = []
+def paired_values(a: dict, b: dict, key: str, *, log2=False) -> list[float]:
+  """a[key] - b[key] per replicate both measured (log2 of the values
+  first if `log2`; a None largest stable LR is skipped)."""
+  values = []
   for rep in sorted(set(a["replicates"]) & set(b["replicates"])):
     x = a[key][a["replicates"].index(rep)]
     y = b[key][b["replicates"].index(rep)]
     if x is None or y is None:
       continue
-    pairs.append(math.log2(x) - math.log2(y) if log2 else x - y)
-  return mean_interval(pairs) if pairs else None
+    values.append(math.log2(x) - math.log2(y) if log2 else x - y)
+  return values
+
+
+def paired_difference(
+  a: dict, b: dict, key: str, *, log2=False
+) -> Interval | None:
+  """Interval of a[key] - b[key] over the replicates both measured."""
+  values = paired_values(a, b, key, log2=log2)
+  return mean_interval(values) if values else None
+
+
+def spread_ratio(
+  a: list[float], b: list[float], confidence: float = 0.95
+) -> Interval | None:
+  """How far one difference moves a quantity against another: the ratio
+  of root-mean-square paired differences, sqrt(mean a^2 / mean b^2), with
+  the F-distribution's interval (each a zero-mean difference: n degrees of
+  freedom; approximate, the replicates are shared). None without values
+  or where b is identically 0."""
+  if not a or not b:
+    return None
+  ms_a = float(np.mean(np.square(a)))
+  ms_b = float(np.mean(np.square(b)))
+  if ms_b == 0:
+    return None
+  observed = ms_a / ms_b
+  tail = (1 - confidence) / 2
+  upper = stats.f.ppf(1 - tail, len(a), len(b))
+  lower = stats.f.ppf(tail, len(a), len(b))
+  return Interval(
+    math.sqrt(observed),
+    math.sqrt(observed / upper),
+    math.sqrt(observed / lower),
+    min(len(a), len(b)),
+  )
 
 
 def change_verdict(
-  diff: Interval | None, reference: Interval | None = None
+  diff: Interval | None, references: dict[str, Interval | None] | None = None
 ) -> str:
-  """Whether a paired difference is told apart from 0 (and how it
-  compares with a reference difference)."""
+  """Whether a paired difference is told apart from 0, and how its mean
+  compares with each reference difference's {label: interval}."""
   if diff is None:
     return "no rows"
   if diff.low is None:
@@ -134,14 +167,16 @@ def change_verdict(
     word = "lower"
   else:
     word = "no difference told apart from 0"
-  if reference is not None and reference.low is not None:
+  for label, reference in (references or {}).items():
+    if reference is None or reference.low is None:
+      continue
     if abs(diff.mean) == abs(reference.mean):
       relation = "as large as"
     elif abs(diff.mean) < abs(reference.mean):
       relation = "smaller than"
     else:
       relation = "larger than"
-    word += f"; {relation} the BF16-vs-FP32 difference"
+    word += f"; {relation} the {label} difference"
   return word
 
 

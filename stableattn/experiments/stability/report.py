@@ -7,9 +7,11 @@ import json
 
 import numpy as np
 
-from stableattn.experiments.reporting import num, table
+from stableattn import environment
+from stableattn.experiments.reporting import Interval, num, resolution, table
 from stableattn.experiments.stability import analysis
-from stableattn.experiments.stability.settings import Settings
+from stableattn.experiments.stability.settings import Arm, Settings
+from stableattn.experiments.stability.sweep import load_tokens
 from stableattn.plotting import Series, line_panels
 
 
@@ -37,34 +39,40 @@ def _interval_dict(i):
 
 
 def verdicts(s: Settings, numbers: dict) -> dict:
-  """Flash (and every other variant) against Baseline, BF16 against FP32
-  training, each mitigation against none, and Wortsman et al.'s
-  qualitative result, from the arms' numbers."""
+  """Flash (and every other variant) against Baseline, next to the two
+  references (BF16 against FP32 training, Baseline on another machine);
+  each mitigation against none; and Wortsman et al.'s qualitative result,
+  from the arms' numbers."""
   precision = s.arms[0].precision
   mitigations = sorted({a.mitigation for a in s.arms}, key=_mitigation_order)
   variants = [
-    v for v in dict.fromkeys(a.variant for a in s.arms) if v != "baseline"
+    v for v in dict.fromkeys(a.variant for a in s.arms_here) if v != "baseline"
   ]
-  out = {"variants": {}, "mitigations": {}, "precision": {}}
+  out = {"variants": {}, "mitigations": {}, "precision": {}, "machine": {}}
   for m in mitigations:
     base = numbers.get(f"baseline/{precision}/{m}")
-    reference = numbers.get(f"baseline/{s.reference_precision}/{m}")
-    ref_s = ref_l = None
-    if base and reference:
-      ref_s = analysis.paired_difference(base, reference, "lr_sensitivity")
-      ref_l = analysis.paired_difference(
-        base, reference, "largest_stable_lr", log2=True
+    elsewhere = Arm("baseline", precision, m, s.machine)
+    others = {
+      "precision": numbers.get(f"baseline/{s.reference_precision}/{m}"),
+      "machine": numbers.get(elsewhere.name)
+      if s.machine_flags is not None
+      else None,
+    }
+    references = {}  # label -> (per-replicate differences, comparison)
+    for kind, other in others.items():
+      if not (base and other):
+        continue
+      # BF16 minus FP32 training; the other machine minus this one.
+      first, second = (base, other) if kind == "precision" else (other, base)
+      out[kind][m] = _comparison(first, second, {})
+      references[_reference_label(s, kind)] = (
+        analysis.paired_values(first, second, "lr_sensitivity"),
+        out[kind][m],
       )
-      out["precision"][m] = _comparison(ref_s, ref_l, None, None)
     for v in variants:
       arm = numbers.get(f"{v}/{precision}/{m}")
-      if not (arm and base):
-        continue
-      d_s = analysis.paired_difference(arm, base, "lr_sensitivity")
-      d_l = analysis.paired_difference(
-        arm, base, "largest_stable_lr", log2=True
-      )
-      out["variants"][f"{v} ({m})"] = _comparison(d_s, d_l, ref_s, ref_l)
+      if arm and base:
+        out["variants"][f"{v} ({m})"] = _comparison(arm, base, references)
   for m in mitigations:
     if m == "none":
       continue
@@ -72,26 +80,53 @@ def verdicts(s: Settings, numbers: dict) -> dict:
       with_m = numbers.get(f"{v}/{precision}/{m}")
       without = numbers.get(f"{v}/{precision}/none")
       if with_m and without:
-        d_s = analysis.paired_difference(with_m, without, "lr_sensitivity")
-        d_l = analysis.paired_difference(
-          with_m, without, "largest_stable_lr", log2=True
-        )
-        out["mitigations"][f"{m}: {v}"] = _comparison(d_s, d_l, None, None)
+        out["mitigations"][f"{m}: {v}"] = _comparison(with_m, without, {})
   out["wortsman"] = _wortsman(s, numbers, precision)
   return out
+
+
+def _reference_label(s: Settings, kind: str) -> str:
+  """How a reference difference is named in verdicts."""
+  if kind == "precision":
+    return f"{s.arms[0].precision.upper()}-vs-{s.reference_precision.upper()}"
+  return f"other-machine ({s.machine})"
 
 
 def _mitigation_order(m):
   return (m != "none", m)
 
 
-def _comparison(d_s, d_l, ref_s, ref_l) -> dict:
+def _comparison(a: dict, b: dict, references: dict) -> dict:
+  """a against b, paired by replicate: LR sensitivity and largest stable
+  LR (log2), verdicts, what the interval could tell apart, and, per
+  reference {label: (its per-replicate differences, its comparison)},
+  the ratio of root-mean-square differences."""
+  d_s = analysis.paired_difference(a, b, "lr_sensitivity")
+  d_l = analysis.paired_difference(a, b, "largest_stable_lr", log2=True)
+  by_label = {
+    label: _interval_of(c["lr_sensitivity_difference"])
+    for label, (_, c) in references.items()
+  }
+  lr_refs = {
+    label: _interval_of(c["largest_stable_lr_log2_difference"])
+    for label, (_, c) in references.items()
+  }
+  own = analysis.paired_values(a, b, "lr_sensitivity")
   return {
     "lr_sensitivity_difference": _interval_dict(d_s),
-    "lr_sensitivity": analysis.change_verdict(d_s, ref_s),
+    "lr_sensitivity": analysis.change_verdict(d_s, by_label),
+    "lr_sensitivity_resolution": resolution(d_s),
     "largest_stable_lr_log2_difference": _interval_dict(d_l),
-    "largest_stable_lr": analysis.change_verdict(d_l, ref_l),
+    "largest_stable_lr": analysis.change_verdict(d_l, lr_refs),
+    "spread_ratio": {
+      label: _interval_dict(analysis.spread_ratio(own, values))
+      for label, (values, _) in references.items()
+    },
   }
+
+
+def _interval_of(d):
+  return None if d is None else Interval(**d)
 
 
 def _wortsman(s, numbers, precision) -> dict:
@@ -163,6 +198,9 @@ def headline(s: Settings, numbers: dict, judged: dict) -> dict:
     "arms": arms,
     "verdicts": judged,
     "learning_rates": list(s.learning_rates),
+    "replicates": s.replicates,
+    "machine_pair": {"xla_flags": s.machine_flags, "label": s.machine},
+    "environment": environment.describe(corpus=corpus_sha256(s)),
   }
 
 
@@ -172,25 +210,39 @@ def write_report(s: Settings, run_dir, rows) -> dict:
   result = headline(s, numbers, judged)
   run_dir.write_text("headline.json", json.dumps(result, indent=2) + "\n")
   figures = _figures(s, numbers, run_dir.path)
-  run_dir.write_text("report.md", _markdown(s, numbers, judged, figures))
+  run_dir.write_text(
+    "report.md", _markdown(s, numbers, judged, figures, result["environment"])
+  )
   return result
 
 
-def _answer_lines(judged) -> list[str]:
+def _answer_lines(s: Settings, judged) -> list[str]:
   lines = []
   for name, c in judged["variants"].items():
     lines.append(
       f"- **{name} against Baseline**: LR sensitivity "
-      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}; "
-      f"largest stable LR (log2) "
+      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}"
+      f"{_resolution_text(c)}; largest stable LR (log2) "
       f"{_diff_text(c['largest_stable_lr_log2_difference'])}: "
-      f"{c['largest_stable_lr']}."
+      f"{c['largest_stable_lr']}.{_ratio_text(c['spread_ratio'])}"
     )
   for m, c in judged["precision"].items():
     lines.append(
-      f"- **BF16 against FP32 training, Baseline ({m})**: LR sensitivity "
-      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}."
+      f"- **{_reference_label(s, 'precision')} training, Baseline ({m})**: "
+      f"LR sensitivity {_diff_text(c['lr_sensitivity_difference'])}: "
+      f"{c['lr_sensitivity']}{_resolution_text(c)}."
     )
+  for m, c in judged["machine"].items():
+    lines.append(
+      f"- **Baseline on the other machine ({s.machine}) against this one "
+      f"({m})**: LR sensitivity "
+      f"{_diff_text(c['lr_sensitivity_difference'])}: {c['lr_sensitivity']}"
+      f"{_resolution_text(c)}; largest stable LR (log2) "
+      f"{_diff_text(c['largest_stable_lr_log2_difference'])}: "
+      f"{c['largest_stable_lr']}."
+    )
+  if s.machine_flags is None:
+    lines.append(f"- No other-machine reference: {s.machine}.")
   for name, c in judged["mitigations"].items():
     lines.append(
       f"- **{name}** against no mitigation: LR sensitivity "
@@ -230,7 +282,33 @@ def _diff_text(d) -> str:
   return f"{num(d['mean'])} [{num(d['low'])}, {num(d['high'])}]"
 
 
-def _markdown(s, numbers, judged, figures) -> str:
+def _resolution_text(c: dict) -> str:
+  resolution = c["lr_sensitivity_resolution"]
+  return f" ({resolution})" if resolution else ""
+
+
+def _ratio_text(ratios: dict) -> str:
+  """' Root-mean-square difference against each reference's: ...'."""
+  parts = [
+    f"{num(r['mean'])}x the {label} difference [{num(r['low'])}, "
+    f"{num(r['high'])}]"
+    for label, r in ratios.items()
+    if r is not None
+  ]
+  if not parts:
+    return ""
+  return (
+    " Its root-mean-square difference per replicate is "
+    + "; ".join(parts)
+    + " (F interval)."
+  )
+
+
+def corpus_sha256(s: Settings) -> str:
+  return environment.corpus_digest(*load_tokens(s))
+
+
+def _markdown(s, numbers, judged, figures, env) -> str:
   rows = []
   for name, n in numbers.items():
     sens = analysis.interval(n["lr_sensitivity"])
@@ -246,13 +324,21 @@ def _markdown(s, numbers, judged, figures) -> str:
   lines = [
     "# Training stability: learning-rate sensitivity, Flash against Baseline",
     "",
+    environment.summary_line(env),
+    "",
     f"*What ran:* arms {[a.name for a in s.arms]} (variant/format/"
     f"mitigation); learning rates {list(s.learning_rates)}; {s.replicates} "
     f"replicate(s); {s.steps} steps, warmup {s.warmup_steps}, batch "
     f"{s.batch_size}, sequence {s.seq_len}; model width {s.model.width}, "
     f"depth {s.model.depth}, {s.model.heads} heads. A run diverges when "
     f"its training loss is not finite or exceeds {num(s.divergence_loss)}; "
-    f"final losses are clipped at ln 256 = {num(s.clip_loss)}.",
+    f"final losses are clipped at ln 256 = {num(s.clip_loss)}. "
+    + (
+      f"Arms marked @{s.machine} ran in a child process with XLA_FLAGS="
+      f"`{s.machine_flags}`: the same program compiled for another machine."
+      if s.machine_flags is not None
+      else f"No other-machine arms: {s.machine}."
+    ),
     "",
     "## The answer",
     "",
@@ -260,7 +346,7 @@ def _markdown(s, numbers, judged, figures) -> str:
     "order), mean [95% interval]; 'told apart' means the interval excludes "
     "0.",
     "",
-    *_answer_lines(judged),
+    *_answer_lines(s, judged),
     "",
     *[f"![{f}]({f})" for f in figures],
     "",

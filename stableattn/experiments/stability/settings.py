@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from stableattn import environment
 from stableattn import features as features_lib
 from stableattn import options as options_lib
 from stableattn.attention_fns import resolve
@@ -38,13 +39,23 @@ MITIGATIONS = ("none", "qk_norm", "z_loss")
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
+  """One variant, trained in one format, with one mitigation; `machine`
+  names the other machine it is compiled for ("": this one)."""
+
   variant: str
   precision: str
   mitigation: str
+  machine: str = ""
 
   @property
   def name(self) -> str:
-    return f"{self.variant}/{self.precision}/{self.mitigation}"
+    where = f"@{self.machine}" if self.machine else ""
+    return f"{self.variant}{where}/{self.precision}/{self.mitigation}"
+
+  @property
+  def here(self) -> Arm:
+    """The same arm on this machine."""
+    return dataclasses.replace(self, machine="")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +76,18 @@ class Settings:
   corpus_tokens: int
   data_seed: int
   reference_precision: str  # the format the baseline is also trained in
+  # XLA_FLAGS of the other machine the Baseline arms are rerun on, and its
+  # label; None and the reason where there is none.
+  machine_flags: str | None
+  machine: str
+
+  @property
+  def arms_here(self) -> tuple[Arm, ...]:
+    return tuple(a for a in self.arms if not a.machine)
+
+  @property
+  def arms_elsewhere(self) -> tuple[Arm, ...]:
+    return tuple(a for a in self.arms if a.machine)
 
   def optimizer(self) -> OptimizerSpec:
     """A unit peak learning rate; each run scales it (one compiled step
@@ -106,6 +129,7 @@ class TrainBlock:
   batch_size: int = spec(minimum=1)
   log_every: int = spec(minimum=1)
   divergence_factor: float = spec()
+  machine_pair: bool = spec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +145,12 @@ class DataBlock:
   corpus_tokens: int = spec(minimum=1)
 
 
-def settings_from_config(config) -> Settings:
-  """Validates the ConfigDict (fails fast, one clear line) into settings."""
+def settings_from_config(config, *, machine: str | None = None) -> Settings:
+  """Validates the ConfigDict (fails fast, one clear line) into settings.
+
+  machine: the other machine's label, as the parent run named it (for
+  the child process that trains its arms); None: found from this process.
+  """
   c = config
   model = from_block(ModelBlock, c, "model")
   train = from_block(TrainBlock, c, "train")
@@ -146,6 +174,13 @@ def settings_from_config(config) -> Settings:
   reference = train.reference_precision
   if reference and reference != train.precision:
     arms += [Arm("baseline", reference, m) for m in mitigations]
+  flags, label = None, "not asked for (config.train.machine_pair)"
+  if train.machine_pair:
+    flags, label = environment.other_machine_flags()
+    if machine is not None:
+      flags, label = "", machine
+  if flags is not None:
+    arms += [Arm("baseline", train.precision, m, label) for m in mitigations]
   settings = Settings(
     model=model.spec(),
     arms=tuple(arms),
@@ -163,8 +198,10 @@ def settings_from_config(config) -> Settings:
     corpus_tokens=data.corpus_tokens,
     data_seed=data.seed,
     reference_precision=reference,
+    machine_flags=flags,
+    machine=label,
   )
-  runs = {arm: _run(c, arm, settings.model, attention) for arm in arms}
+  runs = {arm: _run(c, arm.here, settings.model, attention) for arm in arms}
   return dataclasses.replace(settings, runs=runs)
 
 

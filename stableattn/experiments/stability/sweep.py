@@ -141,16 +141,17 @@ def train_cell(
   return rows
 
 
-def sweep(s: Settings, run_dir, done: set) -> None:
-  """Trains every cell not in `done` ((arm name, lr, replicate)); one
-  compiled trainer per arm, shared by its learning rates and replicates."""
+def sweep(s: Settings, arms, run_dir, done: set) -> None:
+  """Trains every cell of `arms` not in `done` ((arm name, lr,
+  replicate)); one compiled trainer per arm, shared by its learning rates
+  and replicates."""
   tokens, held_out = load_tokens(s)
   eval_batch = data_lib.eval_batch(
     held_out, seed=s.data_seed, batch_size=s.batch_size, seq_len=s.seq_len
   )
   todo = [
     (arm, lr, r)
-    for arm in s.arms
+    for arm in arms
     for r in range(s.replicates)
     for lr in s.learning_rates
     if (arm.name, lr, r) not in done
