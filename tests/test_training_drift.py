@@ -13,6 +13,7 @@ from helpers import run_once
 
 import stableattn as sa
 from configs import training_drift as drift_config
+from stableattn import environment
 from stableattn.experiments import training_drift
 from stableattn.experiments.reporting import mean_interval
 from stableattn.experiments.training_drift.analysis import (
@@ -239,6 +240,84 @@ def test_interrupted_run_resumes_bitwise(smoke_run, tmp_path):
       and r["replicate"] == replicate
     ]
     assert steps == sorted(set(steps)) == [0, 4, 8, 12]
+
+
+def test_the_other_machine_pair_drifts_and_records_where_it_ran(smoke_run):
+  workdir, result = smoke_run
+  flags, label = environment.other_machine_flags()
+  if flags is None:
+    pytest.skip(f"no other machine to compile for here: {label}")
+  drift = {
+    (r["replicate"], r["step"]): r["max_abs"]
+    for r in _rows(workdir)
+    if r["kind"] == "drift"
+    and r["scope"] == "model"
+    and r["pair"] == "other_machine"
+  }
+  logged = sorted({r["step"] for r in _rows(workdir) if r["kind"] == "drift"})
+  assert set(drift) == {(r, s) for r in (0, 1) for s in logged}
+  # Another instruction set rounds otherwise: the weights move apart.
+  assert all(drift[r, logged[-1]] > 0 for r in (0, 1))
+  headline = json.loads((workdir / "headline.json").read_text())
+  assert headline["machine_pair"] == {"xla_flags": flags, "label": label}
+  assert headline["environment"]["xla_cpu_isa"] == environment.compiled_isa()
+  assert headline["environment"]["corpus_sha256"]
+  assert "other_machine" in headline["ratios"]["flash_vs_baseline"]
+  assert result["identical_rerun_max_abs"] == 0.0  # the control stays 0
+  # The snapshots are gone once the report is written.
+  assert not (workdir / "machine_twin" / "snapshots").exists()
+
+
+def test_interrupted_run_with_the_other_machine_ends_with_the_same_rows(
+  smoke_run, tmp_path
+):
+  if environment.other_machine_flags()[0] is None:
+    pytest.skip("no other machine to compile for here")
+  full_dir, _ = smoke_run
+  config = drift_config.get_config("smoke")
+  config.pairs = "other_machine"
+  config.train.stop_at_step = 6
+  training_drift.run(config, tmp_path)
+  config.train.stop_at_step = 0
+  training_drift.run(config, tmp_path)
+
+  def machine_rows(workdir):
+    return sorted(
+      (r["replicate"], r["step"], r["scope"], r["max_abs"], r["wasserstein"])
+      for r in _rows(workdir)
+      if r["kind"] == "drift" and r["pair"] == "other_machine"
+    )
+
+  assert machine_rows(tmp_path) == machine_rows(full_dir)
+
+
+def test_verdicts_not_bits_travel_to_another_instruction_set(tmp_path):
+  """The smoke run's verdicts are the same when XLA compiles for the
+  instruction set one step down; its bits are not."""
+  flags, label = environment.other_machine_flags()
+  if flags is None:
+    pytest.skip(f"no other machine to compile for here: {label}")
+  outputs = {}
+  for name, xla_flags in (("here", environment.xla_flags()), (label, flags)):
+    env = dict(os.environ, XLA_FLAGS=xla_flags)
+    cmd = [
+      sys.executable,
+      str(REPO / "launch" / "training_drift.py"),
+      f"--workdir={tmp_path / name}",
+      f"--config={REPO / 'configs' / 'training_drift.py'}:smoke",
+      "--config.pairs=flash_vs_baseline,bf16_vs_fp32,fp16_vs_bf16,"
+      "different_seed,identical_rerun",
+      "--config.train.grad_error=False",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outputs[name] = json.loads((tmp_path / name / "headline.json").read_text())
+  here, there = outputs["here"], outputs[label]
+  assert there["environment"]["xla_cpu_isa"] == label
+  assert here["paper_verdicts"] == there["paper_verdicts"]
+  for headline in (here, there):
+    assert headline["identical_rerun_max_abs"] == 0
+  assert here["ratios"] != there["ratios"]  # the flag took effect
 
 
 def test_batch_is_sharded_over_four_simulated_devices(tmp_path):

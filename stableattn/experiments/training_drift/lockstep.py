@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -11,12 +12,14 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from stableattn import data as data_lib
+from stableattn import environment
 from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift import checkpoints, probes
 from stableattn.experiments.training_drift.data import batch_at
-from stableattn.experiments.training_drift.pairs import BY_NAME
+from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
 from stableattn.experiments.training_drift.report import write_report
 from stableattn.experiments.training_drift.settings import Settings
+from stableattn.experiments.training_drift.snapshots import Snapshots
 from stableattn.training import RunSpec, Trainer
 
 
@@ -53,6 +56,7 @@ class Lockstep:
   def __init__(self, settings: Settings, tokens, eval_source, run_dir: RunDir):
     self.s = settings
     self.tokens = tokens
+    self.eval_source = eval_source
     self.run_dir = run_dir
     self.replicates = range(settings.replicates)
     self.trainers = {
@@ -125,6 +129,10 @@ class Lockstep:
 
   def train(self) -> dict:
     start = self.restore()
+    self.machine = None
+    if self.s.machine_flags is not None:
+      self.machine = Snapshots(self.run_dir, self.s)
+      self.machine.ensure(self.steps_to_log(start))
     manager = checkpoints.checkpoint_manager(self.run_dir)
     started = time.time()
     if start == 0 and not self.rows:
@@ -146,17 +154,38 @@ class Lockstep:
         checkpoints.save(manager, step, self.states)
       if stop_here:
         return {"workdir": str(self.run_dir.path), "stopped_at_step": step}
-    headline = write_report(self.run_dir, self.s, self.rows)
+    return self.finish(started)
+
+  def steps_to_log(self, start: int) -> list[int]:
+    """The logging steps a run resumed at `start` has still to log."""
+    total = self.s.optimizer.total_steps
+    return [
+      step
+      for step in expected_log_steps(self.s, total)
+      if step > start or (step == 0 and not self.rows)
+    ]
+
+  def finish(self, started: float) -> dict:
+    """The report and the headline of a finished run."""
+    env = environment.describe(
+      corpus=environment.corpus_digest(self.tokens, self.eval_source)
+    )
+    headline = write_report(self.run_dir, self.s, self.rows, env)
+    if self.machine is not None:
+      self.machine.remove()
     physical = self.s.physical_runs
-    return {
+    headline = {
       "workdir": str(self.run_dir.path),
-      "seconds": time.time() - started,
       "runs": list(physical),
       "replicates": self.s.replicates,
       "devices": {n: spec.devices for n, spec in physical.items()},
       "batch_shards": self.batch_shards,
       **headline,
     }
+    self.run_dir.write_text(
+      "headline.json", json.dumps(headline, indent=2, default=str) + "\n"
+    )
+    return {**headline, "seconds": time.time() - started}
 
   def step(self, step: int) -> None:
     """One optimizer step of every run of every replicate."""
@@ -219,6 +248,10 @@ class Lockstep:
     params = {
       n: jax.device_get(self.states[n, replicate].params) for n in self.trainers
     }
+    if self.machine is not None:
+      evals[MACHINE_RUN], params[MACHINE_RUN] = self.machine.load(
+        step, replicate, params["base"]
+      )
     for pair in self.s.pairs:
       a, b = (self.s.physical_name(r) for r in BY_NAME[pair].runs)
       rows += probes.pair_rows(

@@ -58,6 +58,8 @@ class Pair:
 
 
 PAPER_BELOW = (2.0, 5.0)
+# The run that `machine_twin` trains in another process; no variant.
+MACHINE_RUN = "machine"
 
 PAIRS = (
   Pair("flash_vs_baseline", "base", "flash", "subject"),
@@ -66,6 +68,9 @@ PAIRS = (
   Pair("fp16_vs_bf16", "bf16", "fp16", "reference", below_band=PAPER_BELOW),
   Pair("different_seed", "base", "seed", "reference", at_most=1.0),
   Pair("one_vs_n_devices", "base", "one_device", "reference", min_devices=2),
+  # The base run compiled for another machine (one CPU instruction set
+  # down; on a GPU, no autotuning), trained in a child process.
+  Pair("other_machine", "base", MACHINE_RUN, "reference"),
   Pair("identical_rerun", "base", "rerun", "control"),
   Pair("flash_fix_vs_flash", "flash", "flash_fixed", "subject"),
   # A user's kernel in training: --config.attention.candidate=pkg.mod:fn.

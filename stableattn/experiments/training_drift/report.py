@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from stableattn import environment
 from stableattn.dispatch import IMPLEMENTATIONS
 from stableattn.drift import top_singular_share
 from stableattn.experiments.reporting import (
   Interval,
   finding_lines,
   num,
+  resolution,
   spread,
   table,
 )
@@ -36,8 +38,22 @@ DRIFT_METRICS = ("max_abs", "wasserstein", "rel_l2")
 GAP_METRICS = ("eval_loss_gap", "logit_max_abs", "logit_rel_l2")
 
 
-def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
-  headline: dict = {}
+def write_report(
+  run_dir: RunDir, settings, rows: list[dict], env: dict | None = None
+) -> dict:
+  """report.md, summary.csv and the plots; returns the headline numbers.
+
+  env: `stableattn.environment.describe()` of the run (with its corpus
+  digest); None: this process's, without one.
+  """
+  env = environment.describe() if env is None else env
+  headline: dict = {
+    "environment": env,
+    "machine_pair": {
+      "xla_flags": settings.machine_flags,
+      "label": settings.machine,
+    },
+  }
   pairs = settings.pairs
   steps = sorted({r["step"] for r in rows if r.get("kind") == "drift"})
   if not steps:
@@ -54,6 +70,8 @@ def write_report(run_dir: RunDir, settings, rows: list[dict]) -> dict:
     findings.append(fix_finding(rows, headline))
   parts = [
     "# Training drift: does Flash attention's deviation matter?",
+    "",
+    environment.summary_line(env),
     "",
     what_ran(settings, len(replicates_of(rows))),
     "",
@@ -124,7 +142,14 @@ def what_ran(settings, replicates: int) -> str:
     f"measured every {settings.log_every} steps in {replicates} "
     "replicate(s), each with its own initialization and data order. "
     f"Flash vs Baseline {compared} (attention.compare = "
-    f"{settings.compare}). Runs — {runs}."
+    f"{settings.compare}). Runs — {runs}. "
+    + (
+      f"The base run again in a child process with XLA_FLAGS="
+      f"`{settings.machine_flags}` ({settings.machine}): the same program "
+      "compiled for another machine (pair other_machine)."
+      if settings.machine_flags is not None
+      else f"No other-machine pair: {settings.machine}."
+    )
   )
 
 
@@ -160,7 +185,15 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
           findings.append(
             f"`{subject.name}` against `{reference.name}` (Wasserstein): "
             f"{_below_text(summary.over_replicates)}, over replicates; the "
-            f"paper's {reference.claim} **{verdict}**."
+            f"paper's {reference.claim} **{verdict}**"
+            f"{_resolution_text(summary.over_replicates)}."
+          )
+        elif metric == "wasserstein":
+          findings.append(
+            f"`{subject.name}` against `{reference.name}` (Wasserstein; "
+            f"the paper claims nothing here): "
+            f"{_below_text(summary.over_replicates)}, over replicates"
+            f"{_resolution_text(summary.over_replicates)}."
           )
         table_rows.append(
           [subject.name, reference.name, metric]
@@ -169,6 +202,18 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
           + [_interval_cell(summary.over_steps)]
           + ([reference.claim, verdict] if judged else ["-", "-"])
         )
+  for reference in with_role(pairs, "reference"):
+    drifts = [
+      v
+      for replicate in replicates_of(rows)
+      for v in model_drift(rows, reference.name, "max_abs", replicate).values()
+    ]
+    if drifts and max(drifts) == 0:
+      findings.append(
+        f"Reference `{reference.name}` drifts exactly 0 at every logged "
+        "step (its two runs compute the same bits here), so no subject is "
+        "divided by it."
+      )
   if not table_rows:
     return [], findings
   header = ["subject pair", "reference pair", "metric", "subject / reference"]
@@ -188,6 +233,11 @@ def _below_text(interval: Interval) -> str:
   mean = interval.mean
   side = f"{num(1 / mean)}x below" if mean < 1 else f"{num(mean)}x above"
   return f"{interval.text('x')}, i.e. {side}"
+
+
+def _resolution_text(interval: Interval) -> str:
+  text = resolution(interval, geometric=True)
+  return f" ({text})" if text else ""
 
 
 def _interval_cell(interval: Interval) -> str:

@@ -6,11 +6,16 @@ import dataclasses
 
 import jax
 
+from stableattn import environment
 from stableattn.attention_fns import IMPLEMENTATIONS, resolve
 from stableattn.dispatch import xla_unsupported_reason
 from stableattn.experiments.blocks import CORPORA, ModelBlock
 from stableattn.experiments.config_values import as_tuple, from_block, spec
-from stableattn.experiments.training_drift.pairs import BY_NAME, PAIRS
+from stableattn.experiments.training_drift.pairs import (
+  BY_NAME,
+  MACHINE_RUN,
+  PAIRS,
+)
 from stableattn.experiments.training_drift.variants import VARIANTS, Variant
 from stableattn.model import SHADOW, AttentionSpec, ModelSpec
 from stableattn.options import SCHEMES, Options
@@ -18,6 +23,7 @@ from stableattn.precision import Precision, natural_policy, preset_names
 from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 COMPARE_MODES = ("natural", "shared")
+MACHINE_PAIR = "other_machine"
 KINDS = (*IMPLEMENTATIONS, SHADOW)  # what the base and flash runs may use
 
 
@@ -39,6 +45,10 @@ class Settings:
   corpus_tokens: int
   grad_error: bool  # measure flash runs' attention-gradient error
   compare: str  # "natural": each kernel's own policy; "shared": Flash's
+  # XLA_FLAGS of the other machine the base run is trained on again (pair
+  # other_machine), and its label; None and the reason where there is none.
+  machine_flags: str | None = None
+  machine: str = "pair other_machine not asked for"
 
   @property
   def physical_runs(self) -> dict[str, RunSpec]:
@@ -50,6 +60,8 @@ class Settings:
     return out
 
   def physical_name(self, variant: str) -> str:
+    if variant == MACHINE_RUN:
+      return MACHINE_RUN
     run = self.runs[variant]
     return next(n for n, s in self.physical_runs.items() if s == run)
 
@@ -176,8 +188,12 @@ class DataBlock:
   corpus_tokens: int = spec(minimum=1)
 
 
-def settings_from_config(config) -> Settings:
-  """Validates the ConfigDict (fails fast) and builds typed settings."""
+def settings_from_config(config, *, twin: bool = False) -> Settings:
+  """Validates the ConfigDict (fails fast) and builds typed settings.
+
+  twin: the settings of the other-machine child process, which trains the
+  base run alone.
+  """
   c = config
   model = from_block(ModelBlock, c, "model")
   train = from_block(TrainBlock, c, "train")
@@ -185,12 +201,24 @@ def settings_from_config(config) -> Settings:
   data = from_block(DataBlock, c, "data")
   devices = train.devices or jax.device_count()
   pairs = _pairs(c, attention, devices)
+  flags, machine = None, Settings.machine
+  if MACHINE_PAIR in pairs and not twin:
+    flags, machine = environment.other_machine_flags()
+    if flags is None and as_tuple(c.pairs) != ("all",):
+      raise ValueError(
+        f"pair {MACHINE_PAIR!r} needs another machine to compile for, and "
+        f"there is none here: {machine}."
+      )
+  if flags is None or twin:
+    pairs = tuple(p for p in pairs if p != MACHINE_PAIR)
   if train.batch_size % devices:
     raise ValueError(
       f"train.batch_size {train.batch_size} is not divisible by the device "
       f"count {devices}."
     )
   variants = {run for p in pairs for run in BY_NAME[p].runs}
+  if twin:
+    variants = {"base"}
   runs = {
     name: _run_spec(attention, train, VARIANTS[name], devices)
     for name in VARIANTS
@@ -207,13 +235,15 @@ def settings_from_config(config) -> Settings:
     seq_len=model.seq_len,
     log_every=train.log_every,
     checkpoint_every=train.checkpoint_every,
-    stop_at_step=train.stop_at_step,
+    stop_at_step=0 if twin else train.stop_at_step,
     data_seed=data.seed,
     data_path=data.path,
     corpus=data.corpus,
     corpus_tokens=data.corpus_tokens,
-    grad_error=train.grad_error,
+    grad_error=train.grad_error and not twin,
     compare=attention.compare,
+    machine_flags=flags,
+    machine=machine,
   )
 
 
