@@ -5,8 +5,9 @@ XLA reads its flags once, when the backend starts, so the other machine
 must be another process. The parent writes its config to the run
 directory, starts `python -m <module> <config.json> <workdir> <label>`
 with the other machine's XLA_FLAGS, and waits; the child trains what the
-experiment asks of it and writes into the run directory. The child dies
-with its parent (a killed run leaves no orphan writing to the directory).
+experiment asks of it and writes into the run directory. On Linux the
+child dies with its parent (a killed run leaves no orphan writing to the
+directory).
 """
 
 from __future__ import annotations
@@ -27,12 +28,19 @@ CONFIG_NAME = "machine_twin_config.json"
 
 
 def _die_with_parent() -> None:
-  try:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-  except OSError:  # not Linux: the child may outlive a killed parent
+  """Asks Linux to kill this process when its parent dies (elsewhere a
+  killed run's child may outlive it). Called by the child itself: a hook
+  between fork and exec would run Python in a copy of a multithreaded
+  process."""
+  if sys.platform != "linux":
     return
+  parent = os.getppid()
   pr_set_pdeathsig = 1
-  libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(
+    pr_set_pdeathsig, signal.SIGKILL
+  )
+  if os.getppid() != parent:  # the parent died before the request
+    os._exit(1)
 
 
 def run_child(
@@ -55,7 +63,6 @@ def run_child(
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
-    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     check=False,
   )
   if done.returncode:
@@ -69,6 +76,7 @@ def run_child(
 def child_arguments(argv) -> tuple[ml_collections.ConfigDict, str, str]:
   """(config, workdir, label) of a child; refuses to run on the wrong
   machine (flags that did not take effect would make the pair a rerun)."""
+  _die_with_parent()
   if len(argv) != 4:
     raise SystemExit(
       f"usage: python -m {argv[0]} CONFIG.json WORKDIR LABEL (started by "

@@ -93,6 +93,12 @@ class Lockstep:
     self.previous_errors: dict = {}  # (run, replicate) -> grad errors
     self.batch_shards = None
     self.rows: list[dict] = []
+    # The base run on another machine (pair other_machine), if asked for.
+    self.machine = (
+      Snapshots(run_dir, settings)
+      if settings.machine_flags is not None
+      else None
+    )
 
   def restore(self) -> int:
     """The step to continue from; keeps the rows logged up to it."""
@@ -129,9 +135,7 @@ class Lockstep:
 
   def train(self) -> dict:
     start = self.restore()
-    self.machine = None
-    if self.s.machine_flags is not None:
-      self.machine = Snapshots(self.run_dir, self.s)
+    if self.machine is not None:
       self.machine.ensure(self.steps_to_log(start))
     manager = checkpoints.checkpoint_manager(self.run_dir)
     started = time.time()
