@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 from configs import benchmark as benchmark_config
@@ -46,6 +47,8 @@ def test_smoke_writes_timings_ratios_and_memory(tmp_path):
   assert result["memory_ratio_vs_reference"] < 1
   for name in ("report.md", "summary.csv", "tflops.png", "memory.png"):
     assert (tmp_path / name).stat().st_size > 0
+  headline = json.loads((tmp_path / "headline.json").read_text())
+  assert headline["environment"]["backend"] == jax.default_backend()
   # Block skipping: every mask timed against full attention.
   savings = result["mask_time_vs_full"]
   assert savings["forward/fp32/full"] == 1.0

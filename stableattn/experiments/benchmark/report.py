@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import jax
 
+from stableattn import environment
 from stableattn.experiments.benchmark.settings import Settings
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
@@ -20,13 +22,14 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
   masks = [r for r in rows if r["kind"] == "masks"]
   run_dir.write_csv("summary.csv", timings + memory)
   device, jax_version = _measured_on(timings)
-  parts = [header(s, device, jax_version)]
+  env = environment.describe()
+  parts = [header(s, device, jax_version), environment.summary_line(env)]
   panels = {}
   for point in itertools.product(s.modes, s.causal, s.precisions, s.head_dims):
     text, panel = timing_section(s, timings, *point)
     parts.append(text)
     panels.update(panel)
-  headline = {}
+  headline = {"environment": env}
   finding = forward_finding(s, timings)
   if finding:
     parts.append(finding[0])
@@ -54,6 +57,9 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
   if memory:
     parts.append("![memory](memory.png)")
   run_dir.write_text("report.md", "\n\n".join(parts) + "\n")
+  run_dir.write_text(
+    "headline.json", json.dumps(headline, indent=2, default=str) + "\n"
+  )
   return {"workdir": str(run_dir.path), **headline}
 
 
