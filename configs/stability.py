@@ -6,7 +6,7 @@ Run:
   python launch/stability.py --workdir=runs/stability_smoke \
       --config=configs/stability.py:smoke
 
-Variants: default (sized for at most 20 minutes on 2 CPU cores), `smoke`
+Variants: default (5 replicates; 17 minutes on 2 CPU cores), `smoke`
 (seconds; tests), `paper` (a wider grid, more replicates, every
 mitigation), `gpu` (a larger model and context, for one GPU).
 """
