@@ -209,7 +209,7 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
         f"pair {MACHINE_PAIR!r} needs another machine to compile for, and "
         f"there is none here: {machine}."
       )
-  if flags is None or twin:
+  if flags is None:
     pairs = tuple(p for p in pairs if p != MACHINE_PAIR)
   if train.batch_size % devices:
     raise ValueError(
@@ -217,8 +217,8 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
       f"count {devices}."
     )
   variants = {run for p in pairs for run in BY_NAME[p].runs}
-  if twin:
-    variants = {"base"}
+  if twin:  # the base run alone, measuring no pair (its parent does)
+    pairs, variants = (), {"base"}
   runs = {
     name: _run_spec(attention, train, VARIANTS[name], devices)
     for name in VARIANTS
