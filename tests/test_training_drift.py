@@ -291,6 +291,33 @@ def test_interrupted_run_with_the_other_machine_ends_with_the_same_rows(
   assert machine_rows(tmp_path) == machine_rows(full_dir)
 
 
+def test_lost_rows_after_the_snapshots_are_gone_are_measured_again(tmp_path):
+  """A finished run's snapshots are deleted; rows lost later make the
+  parent retrain from step 0, and the other machine's run, whose own
+  checkpoint is past the lost steps, is trained again from scratch."""
+  if environment.other_machine_flags()[0] is None:
+    pytest.skip("no other machine to compile for here")
+  config = drift_config.get_config("smoke")
+  config.pairs = "other_machine"
+  training_drift.run(config, tmp_path)
+  assert not (tmp_path / "machine_twin" / "snapshots").exists()
+  rows = _rows(tmp_path)
+  kept = [r for r in rows if r["step"] <= 4]
+  (tmp_path / "metrics.jsonl").write_text(
+    "".join(json.dumps(r) + "\n" for r in kept)
+  )
+  training_drift.run(config, tmp_path)
+
+  def drift(rows):
+    return sorted(
+      (r["replicate"], r["step"], r["scope"], r["max_abs"])
+      for r in rows
+      if r["kind"] == "drift"
+    )
+
+  assert drift(_rows(tmp_path)) == drift(rows)
+
+
 def test_verdicts_not_bits_travel_to_another_instruction_set(tmp_path):
   """The smoke run's verdicts are the same when XLA compiles for the
   instruction set one step down; its bits are not."""
