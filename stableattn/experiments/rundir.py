@@ -22,6 +22,8 @@ import pathlib
 import shutil
 from collections.abc import Iterable
 
+from stableattn.experiments import machine_twin
+
 # Files and folders a restart removes: everything a run wrote.
 RUN_OUTPUTS = (
   "metrics.jsonl",
@@ -32,6 +34,7 @@ RUN_OUTPUTS = (
   "config_history.jsonl",
   "checkpoints",
   "machine_twin",  # the other-machine run of the training experiments
+  machine_twin.CONFIG_NAME,  # the config that run was started with
 )
 
 

@@ -58,17 +58,14 @@ def verdicts(s: Settings, numbers: dict) -> dict:
       if s.machine_flags is not None
       else None,
     }
-    references = {}  # label -> (per-replicate differences, comparison)
+    references = {}  # label -> the reference's comparison
     for kind, other in others.items():
       if not (base and other):
         continue
       # BF16 minus FP32 training; the other machine minus this one.
       first, second = (base, other) if kind == "precision" else (other, base)
       out[kind][m] = _comparison(first, second, {})
-      references[_reference_label(s, kind)] = (
-        analysis.paired_values(first, second, "lr_sensitivity"),
-        out[kind][m],
-      )
+      references[_reference_label(s, kind)] = out[kind][m]
     for v in variants:
       arm = numbers.get(f"{v}/{precision}/{m}")
       if arm and base:
@@ -99,28 +96,31 @@ def _mitigation_order(m):
 def _comparison(a: dict, b: dict, references: dict) -> dict:
   """a against b, paired by replicate: LR sensitivity and largest stable
   LR (log2), verdicts, what the interval could tell apart, and, per
-  reference {label: (its per-replicate differences, its comparison)},
-  the ratio of root-mean-square differences."""
+  reference {label: its comparison}, the ratio of root-mean-square
+  differences."""
+  own = analysis.paired_values(a, b, "lr_sensitivity")
   d_s = analysis.paired_difference(a, b, "lr_sensitivity")
   d_l = analysis.paired_difference(a, b, "largest_stable_lr", log2=True)
   by_label = {
     label: _interval_of(c["lr_sensitivity_difference"])
-    for label, (_, c) in references.items()
+    for label, c in references.items()
   }
   lr_refs = {
     label: _interval_of(c["largest_stable_lr_log2_difference"])
-    for label, (_, c) in references.items()
+    for label, c in references.items()
   }
-  own = analysis.paired_values(a, b, "lr_sensitivity")
   return {
+    "lr_sensitivity_per_replicate": own,
     "lr_sensitivity_difference": _interval_dict(d_s),
     "lr_sensitivity": analysis.change_verdict(d_s, by_label),
     "lr_sensitivity_resolution": resolution(d_s),
     "largest_stable_lr_log2_difference": _interval_dict(d_l),
     "largest_stable_lr": analysis.change_verdict(d_l, lr_refs),
     "spread_ratio": {
-      label: _interval_dict(analysis.spread_ratio(own, values))
-      for label, (values, _) in references.items()
+      label: _interval_dict(
+        analysis.spread_ratio(own, c["lr_sensitivity_per_replicate"])
+      )
+      for label, c in references.items()
     },
   }
 

@@ -176,9 +176,9 @@ def settings_from_config(config, *, machine: str | None = None) -> Settings:
     arms += [Arm("baseline", reference, m) for m in mitigations]
   flags, label = None, "not asked for (config.train.machine_pair)"
   if train.machine_pair:
-    flags, label = environment.other_machine_flags()
-    if machine is not None:
-      flags, label = "", machine
+    flags, label = (
+      environment.other_machine_flags() if machine is None else ("", machine)
+    )
   if flags is not None:
     arms += [Arm("baseline", train.precision, m, label) for m in mitigations]
   settings = Settings(

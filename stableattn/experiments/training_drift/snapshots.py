@@ -50,11 +50,11 @@ class Snapshots:
     exists at every step in `steps`."""
     if not self._missing(steps):
       return
+    config = json.loads((self.run_dir.path / "config.json").read_text())
     for attempt in range(2):
       if attempt:  # its checkpoints are past the lost snapshots: anew
         shutil.rmtree(self.path)
       self.path.mkdir(parents=True, exist_ok=True)
-      config = json.loads((self.run_dir.path / "config.json").read_text())
       machine_twin.run_child(
         CHILD, config, self.path, self.s.machine_flags, self.s.machine
       )
