@@ -3,7 +3,10 @@
 Public API:
   attention(q, k, v, *, implementation, options, features, **keywords):
     keywords are fields of Options (how) or Features (what), as sugar
-  Options(precision, block_q, block_k, scheme, ...): frozen, hashable
+  paged_attention(q, k_pages, v_pages, page_table, ...): the same over a
+    paged KV cache; gather_pages(pages, page_table): its contiguous cache
+  Options(precision, block_q, block_k, scheme, num_splits, split_size,
+    ...): frozen, hashable
   Features(causal, local_window_size, segment_ids, softcap, sink, ...)
   golden_attention(q, k, v, causal) / golden_attention_vjp(...)
   compare(expected, actual) -> Deviation; error_ratio; passes_fa_rule
@@ -26,6 +29,7 @@ from stableattn.flax_attention import make_attention_fn
 from stableattn.golden import golden_attention, golden_attention_vjp
 from stableattn.metrics import Deviation, compare, error_ratio, rounding_floor
 from stableattn.options import SCHEMES, Options
+from stableattn.paged import gather_pages, paged_attention
 from stableattn.precision import STAGES, Precision, preset_names
 from stableattn.rounding import round_to
 from stableattn.rules import passes_fa_rule
@@ -46,9 +50,11 @@ __all__ = [
   "check",
   "compare",
   "error_ratio",
+  "gather_pages",
   "golden_attention",
   "golden_attention_vjp",
   "make_attention_fn",
+  "paged_attention",
   "passes_fa_rule",
   "preset_names",
   "round_to",

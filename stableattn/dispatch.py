@@ -173,6 +173,11 @@ def kernel_config(
       f"must be a multiple of {group} (got {block_k}): a group may not "
       "straddle two key tiles."
     )
+  if options.split_size is not None and options.split_size % block_k:
+    raise ValueError(
+      f"split_size={options.split_size} must be a multiple of block_k="
+      f"{block_k}: a split is a run of whole key blocks."
+    )
   if for_gpu:
     reason = gpu_unsupported_reason(policy) or shared_memory_reason(
       policy, q_shape[3], (block_q, block_k, bwd_block_q, bwd_block_k)

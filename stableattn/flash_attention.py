@@ -39,14 +39,14 @@ def padded_head_dim(head_dim: int, interpret: bool) -> int:
   return max(MIN_GPU_BLOCK, next_power_of_two(head_dim))
 
 
-def _pad_to(x, length: int, head_dim: int):
+def pad_to(x, length: int, head_dim: int):
   pad = [(0, 0), (0, length - x.shape[1]), (0, 0), (0, head_dim - x.shape[3])]
   if all(p == (0, 0) for p in pad):
     return x
   return jnp.pad(x, pad)
 
 
-def _pad_operands(ops: MaskOperands, cfg: KernelConfig) -> MaskOperands:
+def pad_operands(ops: MaskOperands, cfg: KernelConfig) -> MaskOperands:
   """The feature operands at the padded lengths; the sink as rows
   [heads, q_len_padded] (a block of it per query block)."""
   q_len_padded, kv_len_padded = cfg.padded_lengths
@@ -77,7 +77,9 @@ def _pad_operands(ops: MaskOperands, cfg: KernelConfig) -> MaskOperands:
   )
 
 
-def _ranges(ops: MaskOperands, cfg: KernelConfig, block_q: int, block_k: int):
+def tile_ranges(
+  ops: MaskOperands, cfg: KernelConfig, block_q: int, block_k: int
+):
   if not cfg.mask.skips_blocks:
     return None
   q_len_padded, kv_len_padded = cfg.padded_lengths
@@ -115,11 +117,11 @@ def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
 def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None):
   q_len_padded, kv_len_padded = cfg.padded_lengths
   head_dim_padded = padded_head_dim(cfg.head_dim, cfg.interpret)
-  q_p = _pad_to(q, q_len_padded, head_dim_padded)
-  k_p = _pad_to(k, kv_len_padded, head_dim_padded)
-  v_p = _pad_to(v, kv_len_padded, head_dim_padded)
-  ops_p = _pad_operands(ops, cfg)
-  ranges = _ranges(ops_p, cfg, cfg.block_q, cfg.block_k)
+  q_p = pad_to(q, q_len_padded, head_dim_padded)
+  k_p = pad_to(k, kv_len_padded, head_dim_padded)
+  v_p = pad_to(v, kv_len_padded, head_dim_padded)
+  ops_p = pad_operands(ops, cfg)
+  ranges = tile_ranges(ops_p, cfg, cfg.block_q, cfg.block_k)
   key_ranges = None if ranges is None else ranges[0]
   out_p, lse = flash_forward(
     q_p, k_p, v_p, ops_p, key_ranges, cfg, _pad_scales(scales, cfg)
@@ -193,8 +195,8 @@ def _flash_bwd(cfg: KernelConfig, saved, d_out):
 def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   """(dq, dk, dv, d_ops) from the padded forward residuals."""
   q_p, k_p, v_p, ops_p, out_p, lse = residuals
-  d_out_p = _pad_to(d_out.astype(out_p.dtype), out_p.shape[1], out_p.shape[3])
-  ranges = _ranges(ops_p, cfg, cfg.bwd_block_q, cfg.bwd_block_k)
+  d_out_p = pad_to(d_out.astype(out_p.dtype), out_p.shape[1], out_p.shape[3])
+  ranges = tile_ranges(ops_p, cfg, cfg.bwd_block_q, cfg.bwd_block_k)
   dq_p, dk_p, dv_p, delta, dbias_p = flash_backward(
     q_p, k_p, v_p, out_p, lse, d_out_p, ops_p, ranges, cfg
   )

@@ -73,6 +73,14 @@ class Options:
       maximum r_m, subtract beta * r_m (or 0 if r_m < 0) instead of r_m,
       so no probability is exactly 1. The kernel applies it per tile, the
       reference per row; "xla" does not support it.
+    num_splits: split-KV (flash-decoding) with this many splits of each
+      query block's keys, each a separate program whose partial output
+      and log-sum-exp are merged (FlashAttention's `num_splits`); the
+      boundaries move with the cache length. None: one pass.
+    split_size: split-KV with this many keys per split (a multiple of
+      block_k): boundaries at fixed key positions, so a row's result does
+      not depend on the batch or the cache's padding (SGLang's and
+      FlashInfer's batch-invariant mode). Exclusive with num_splits.
     num_warps, num_stages: Triton compiler parameters (GPU only).
     interpret: run the Pallas kernel in interpret mode; None means "iff
       the default backend is the CPU".
@@ -85,6 +93,8 @@ class Options:
   bwd_block_k: int | None = None
   scheme: str = "fa2"
   tie_beta: float | None = None
+  num_splits: int | None = None
+  split_size: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   interpret: bool | None = None
@@ -96,8 +106,21 @@ class Options:
     put("precision", resolve(self.precision))
     for name in ("block_q", "block_k"):
       put(name, _tile(name, getattr(self, name)))
-    for name in ("bwd_block_q", "bwd_block_k", "num_warps", "num_stages"):
+    for name in (
+      "bwd_block_q",
+      "bwd_block_k",
+      "num_splits",
+      "split_size",
+      "num_warps",
+      "num_stages",
+    ):
       put(name, _tile(name, getattr(self, name), optional=True))
+    if self.num_splits is not None and self.split_size is not None:
+      raise ValueError(
+        f"num_splits={self.num_splits} and split_size={self.split_size} "
+        "both choose how split-KV divides the keys; give one of them (a "
+        "fixed split_size is the batch-invariant choice)."
+      )
     if self.scheme not in SCHEMES:
       raise ValueError(
         f"Unknown scheme {self.scheme!r}; valid: {list(SCHEMES)}."

@@ -56,6 +56,7 @@ class KernelConfig:
   q_len: int  # true lengths, before padding
   kv_len: int
   head_dim: int  # true head dim
+  page_size: int | None = None  # keys per page of a paged KV cache
 
   def __getattr__(self, name):
     # The options' fields read as the configuration's own (cfg.block_q).
@@ -82,6 +83,30 @@ class KernelConfig:
   @property
   def kv_len_padded(self) -> int:
     return self.padded_lengths[1]
+
+  @property
+  def blocks_per_split(self) -> int | None:
+    """Key blocks per split-KV split, or None for one pass over all keys.
+
+    `split_size` fixes the keys per split, so a key's split depends on its
+    position only (the batch-invariant schedule of SGLang and FlashInfer);
+    `num_splits` fixes the count, so the boundaries move with the cache
+    length (FlashAttention's `num_splits`: ceil(blocks / splits) each).
+    """
+    if self.split_size is not None:
+      return self.split_size // self.block_k
+    if self.num_splits is not None:
+      key_blocks = self.kv_len_padded // self.block_k
+      return -(-key_blocks // self.num_splits)
+    return None
+
+  @property
+  def kv_splits(self) -> int:
+    """How many splits the keys are divided into (1 without split-KV)."""
+    per_split = self.blocks_per_split
+    if per_split is None:
+      return 1
+    return -(-(self.kv_len_padded // self.block_k) // per_split)
 
   @property
   def causal(self) -> bool:
@@ -112,18 +137,21 @@ class KernelConfig:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
-  """One program: one query block of one (batch, head), its key blocks.
+  """One program: one query block of one (batch, head), its key blocks
+  (with split-KV, those of one split).
 
-  `refs` are the feature operands named by `names` (see
-  `kernel_operands.py`), then the outputs o and lse. Every line below is
-  one operation of the documented algorithm; its result is rounded to the
-  stage named beside it (see `rounding.py`).
+  `refs` are the page table (a paged cache only), the feature operands
+  named by `names` (see `kernel_operands.py`), then the outputs o and lse.
+  Every line below is one operation of the documented algorithm; its
+  result is rounded to the stage named beside it (see `rounding.py`).
   """
+  if cfg.page_size is not None:
+    page_table_ref, *refs = refs
   *feature_refs, o_ref, lse_ref = refs
   tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
-  kv_len_padded = k_ref.shape[0]
+  kv_len_padded = cfg.kv_len_padded
   head_dim_padded = q_ref.shape[-1]
 
   def stats(x):
@@ -137,14 +165,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   forward_order = cfg.policy.key_order == "forward"
 
   first, end = tiles.block_range(kv_len_padded // block_k)
+  split = None
+  if cfg.blocks_per_split is not None:
+    split = pl.program_id(3)
+    first = jnp.maximum(first, split * cfg.blocks_per_split)
+    end = jnp.minimum(end, (split + 1) * cfg.blocks_per_split)
+    end = jnp.maximum(end, first)
 
   def body(step, carry):
     acc_BqxD, m_Bq, l_Bq = carry
     # Key blocks in order, or last to first (policy option key_order).
     k_index = step if forward_order else first + end - 1 - step
     k_start = pl.multiple_of(k_index * block_k, block_k)
-    k_BkxD = k_ref[pl.ds(k_start, block_k), :]
-    v_BkxD = v_ref[pl.ds(k_start, block_k), :]
+    read_start = k_start
+    if cfg.page_size is not None:
+      # A key block lies inside one page: its physical place in the pool.
+      page = page_table_ref[k_start // cfg.page_size]
+      read_start = pl.multiple_of(
+        page * cfg.page_size + k_start % cfg.page_size, block_k
+      )
+    k_BkxD = k_ref[pl.ds(read_start, block_k), :]
+    v_BkxD = v_ref[pl.ds(read_start, block_k), :]
     mask = tiles.mask(q_start, k_start, block_q, block_k)
     scales = tiles.scales(q_start, k_start, block_q, block_k)
     v_scale = None if scales is None else scales[2]
@@ -183,9 +224,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       )
     return acc_BqxD, m_new_Bq, l_new_Bq
 
-  init = _initial_state(tiles, ar, block_q, head_dim_padded)
+  init = _initial_state(tiles, ar, block_q, head_dim_padded, split)
   carry = lax.fori_loop(first, end, body, init)
-  _store(carry, cfg, ar, o_ref, lse_ref)
+  _store(carry, cfg, ar, o_ref, lse_ref, partial=split is not None)
 
 
 def _fa1_update(ar, s_BqxBk, stats_Bq, acc_BqxD, times_values):
@@ -218,24 +259,31 @@ def _fa1_update(ar, s_BqxBk, stats_Bq, acc_BqxD, times_values):
   return acc_BqxD, l_new_Bq
 
 
-def _initial_state(tiles, ar, block_q: int, head_dim_padded: int):
-  """(accumulator, running max, running sum) before the first key block."""
+def _initial_state(tiles, ar, block_q: int, head_dim_padded: int, split):
+  """(accumulator, running max, running sum) before the first key block;
+  with split-KV, the sink belongs to the first split only."""
   carrier = ar.carrier
+  m_init = jnp.full((block_q,), -jnp.inf, carrier)
+  l_init = jnp.zeros((block_q,), carrier)
   if "sink_rows" in tiles.refs:
     # The sink is a key with logit `sink` and value 0: it starts the
     # running maximum and contributes exp(sink - m) to the sum.
-    m_init = ar.round(
+    m_sink = ar.round(
       tiles.refs["sink_rows"][...].astype(carrier), "softmax_stats"
     )
-    l_init = jnp.ones((block_q,), carrier)
-  else:
-    m_init = jnp.full((block_q,), -jnp.inf, carrier)
-    l_init = jnp.zeros((block_q,), carrier)
+    l_sink = jnp.ones((block_q,), carrier)
+    if split is None:
+      m_init, l_init = m_sink, l_sink
+    else:
+      m_init = jnp.where(split == 0, m_sink, m_init)
+      l_init = jnp.where(split == 0, l_sink, l_init)
   return jnp.zeros((block_q, head_dim_padded), carrier), m_init, l_init
 
 
-def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref) -> None:
-  """Normalizes (fa2) and stores the output and the log-sum-exp."""
+def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref, partial: bool):
+  """Normalizes (fa2) and stores the output and the log-sum-exp; a split's
+  partial output goes to `partials`, and its lse is -inf where no key of
+  the split attends, so the merge gives it weight 0."""
   acc_BqxD, m_Bq, l_Bq = carry
 
   def stats(x):
@@ -246,48 +294,70 @@ def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref) -> None:
     l_safe_Bq = jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq)
     inverse_Bq = ar.round(stats(1.0 / l_safe_Bq), "out_accum")
     acc_BqxD = ar.round(acc_BqxD * inverse_Bq[:, None], "out_accum")
-  o_ref[...] = ar.stored(acc_BqxD, "output")
+  o_ref[...] = ar.stored(acc_BqxD, "partials" if partial else "output")
   lse_Bq = jnp.where(
     empty_Bq,
-    jnp.full_like(l_Bq, jnp.inf),
+    jnp.full_like(l_Bq, -jnp.inf if partial else jnp.inf),
     m_Bq + stats(jnp.log(jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq))),
   )
   lse_ref[...] = ar.stored(lse_Bq, "softmax_stats")
 
 
 def flash_forward(
-  q, k, v, ops: MaskOperands, ranges, cfg: KernelConfig, scales=None
+  q,
+  k,
+  v,
+  ops: MaskOperands,
+  ranges,
+  cfg: KernelConfig,
+  scales=None,
+  page_table=None,
 ):
   """Runs the forward kernel on padded inputs.
 
   Args:
     q: [batch, q_len_padded, heads, head_dim_padded].
-    k, v: [batch, kv_len_padded, kv_heads, head_dim_padded].
+    k, v: [batch, kv_len_padded, kv_heads, head_dim_padded]; for a paged
+      cache (`cfg.page_size`), the page pool [1, pages * page_size,
+      kv_heads, head_dim_padded].
     ops: the padded feature operands (`masking.MaskOperands`; the sink as
       rows [heads, q_len_padded]).
     ranges: key-block ranges [B|1, n_q_blocks, 2], or None.
     cfg: static configuration; lengths padded to multiples of the tiles.
     scales: padded row scales (`quantization.QuantScales`) of a policy
       with operands below 16 bits, or None.
+    page_table: int32 [batch, pages per sequence] (paged cache only): the
+      pool page that holds each page of a sequence's keys.
 
   Returns:
     (out [batch, q_len_padded, heads, head_dim_padded] in `output`,
      lse [batch, heads, q_len_padded] in `softmax_stats`; +inf for a row
-     no key attends).
+     no key attends). With split-KV, one of each per split, merged by
+     `merge_splits`: out [batch, splits, ...] in `partials` and lse
+     [batch, splits, heads, q_len_padded], -inf where a split is empty.
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
-  kv_len_padded, kv_heads = k.shape[1], k.shape[2]
+  kv_len_padded, kv_heads = cfg.kv_len_padded, k.shape[2]
+  pool_len = k.shape[1]
   group = heads // kv_heads
   policy = cfg.policy
-  grid = (q_len_padded // cfg.block_q, batch, heads)
+  splits = cfg.kv_splits
+  split_kv = cfg.blocks_per_split is not None
+  grid = (q_len_padded // cfg.block_q, batch, heads, splits)
+
+  def per_split(spec):
+    """A BlockSpec of the unsplit grid (i, b, h), read by every split."""
+    index_map = spec.index_map
+    return pl.BlockSpec(spec.block_shape, lambda i, b, h, s: index_map(i, b, h))
 
   q_spec = pl.BlockSpec(
     (None, cfg.block_q, None, head_dim_padded),
-    lambda i, b, h: (b, i, h, 0),
+    lambda i, b, h, s: (b, i, h, 0),
   )
+  paged = page_table is not None
   kv_spec = pl.BlockSpec(
-    (None, kv_len_padded, None, head_dim_padded),
-    lambda i, b, h: (b, 0, h // group, 0),
+    (None, pool_len, None, head_dim_padded),
+    lambda i, b, h, s: (0 if paged else b, 0, h // group, 0),
   )
   names, arrays, specs = operand_specs(
     cfg.mask,
@@ -303,20 +373,98 @@ def flash_forward(
     group=group,
     policy=cfg.policy,
   )
-  lse_spec = pl.BlockSpec((None, None, cfg.block_q), lambda i, b, h: (b, h, i))
-  out_shape = (
-    jax.ShapeDtypeStruct(q.shape, policy.dtype("output")),
-    jax.ShapeDtypeStruct(
-      (batch, heads, q_len_padded), policy.dtype("softmax_stats")
-    ),
-  )
-  return pl.pallas_call(
+  specs = [per_split(spec) for spec in specs]
+  if paged:
+    table_spec = pl.BlockSpec(
+      (None, page_table.shape[1]), lambda i, b, h, s: (b, 0)
+    )
+    specs, arrays = [table_spec, *specs], [page_table, *arrays]
+  if split_kv:
+    o_spec = pl.BlockSpec(
+      (None, None, cfg.block_q, None, head_dim_padded),
+      lambda i, b, h, s: (b, s, i, h, 0),
+    )
+    lse_spec = pl.BlockSpec(
+      (None, None, None, cfg.block_q), lambda i, b, h, s: (b, s, h, i)
+    )
+    out_shape = (
+      jax.ShapeDtypeStruct(
+        (batch, splits, *q.shape[1:]), policy.dtype("partials")
+      ),
+      jax.ShapeDtypeStruct(
+        (batch, splits, heads, q_len_padded), policy.dtype("softmax_stats")
+      ),
+    )
+  else:
+    o_spec = q_spec
+    lse_spec = pl.BlockSpec(
+      (None, None, cfg.block_q), lambda i, b, h, s: (b, h, i)
+    )
+    out_shape = (
+      jax.ShapeDtypeStruct(q.shape, policy.dtype("output")),
+      jax.ShapeDtypeStruct(
+        (batch, heads, q_len_padded), policy.dtype("softmax_stats")
+      ),
+    )
+  out, lse = pl.pallas_call(
     functools.partial(_forward_kernel, cfg=cfg, names=names),
     grid=grid,
     in_specs=[q_spec, kv_spec, kv_spec, *specs],
-    out_specs=[q_spec, lse_spec],
+    out_specs=[o_spec, lse_spec],
     out_shape=out_shape,
     compiler_params=cfg.compiler_params(cfg.block_q * cfg.block_k),
     interpret=cfg.interpret,
     name=f"stableattn_flash_forward_{cfg.scheme}",
   )(q, k, v, *arrays)
+  if split_kv:
+    return merge_splits(out, lse, cfg)
+  return out, lse
+
+
+def merge_splits(partial_out, partial_lse, cfg: KernelConfig):
+  """Split-KV's combine step (FlashAttention's `combine_attn_seqk_parallel`):
+  lse = max_s lse_s + log(sum_s exp(lse_s - max)), then
+  O = sum_s exp(lse_s - lse) O_s, summed over the splits in order.
+
+  Arithmetic in the carrier: exponentials, logs and the lse in
+  `softmax_stats`, each weighted partial and the running sum in
+  `out_accum`; the result is stored in `output`. An empty split (lse -inf)
+  adds exactly 0; a row no split attends gives output 0 and lse +inf.
+
+  Args:
+    partial_out: [batch, splits, q_len, heads, head_dim] in `partials`.
+    partial_lse: [batch, splits, heads, q_len] in `softmax_stats`.
+  """
+  ar = PolicyArithmetic(cfg.policy)
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  def accum(x):
+    return ar.round(x, "out_accum")
+
+  lse_BxSxHxT = partial_lse.astype(ar.carrier)
+  splits = lse_BxSxHxT.shape[1]
+  top_BxHxT = jnp.max(lse_BxSxHxT, axis=1)
+  empty_BxHxT = top_BxHxT == -jnp.inf
+  top_BxHxT = jnp.where(empty_BxHxT, jnp.zeros_like(top_BxHxT), top_BxHxT)
+  total_BxHxT = jnp.zeros_like(top_BxHxT)
+  for s in range(splits):
+    total_BxHxT = stats(
+      total_BxHxT + stats(jnp.exp(stats(lse_BxSxHxT[:, s] - top_BxHxT)))
+    )
+  total_safe = jnp.where(empty_BxHxT, jnp.ones_like(total_BxHxT), total_BxHxT)
+  lse_BxHxT = stats(top_BxHxT + stats(jnp.log(total_safe)))
+  out_BxTxHxD = jnp.zeros(
+    (partial_out.shape[0], *partial_out.shape[2:]), ar.carrier
+  )
+  for s in range(splits):
+    weight_BxHxT = stats(jnp.exp(stats(lse_BxSxHxT[:, s] - lse_BxHxT)))
+    weight_BxTxH = jnp.swapaxes(accum(weight_BxHxT), 1, 2)
+    part = partial_out[:, s].astype(ar.carrier)
+    out_BxTxHxD = accum(out_BxTxHxD + accum(weight_BxTxH[..., None] * part))
+  lse_BxHxT = jnp.where(empty_BxHxT, jnp.inf, lse_BxHxT)
+  return (
+    ar.stored(out_BxTxHxD, "output"),
+    ar.stored(lse_BxHxT, "softmax_stats"),
+  )

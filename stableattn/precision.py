@@ -85,6 +85,7 @@ STAGES = (
   "softmax_stats",
   "probs",
   "out_accum",
+  "partials",
   "output",
   "delta",
   "grad_accum",
@@ -97,6 +98,7 @@ STAGE_DESCRIPTIONS = {
   "softmax_stats": "running max m, running sum l, exp, rescale factors",
   "probs": "probabilities P cast before PV",
   "out_accum": "running output accumulator O, rescaled once per key block",
+  "partials": "split-KV: each split's normalized output before the merge",
   "output": "final O",
   "delta": "backward: delta = rowsum(dO * O)",
   "grad_accum": "backward: running dQ, dK, dV sums across blocks",
@@ -158,6 +160,9 @@ class Precision:
   output: str
   delta: str
   grad_accum: str
+  # FlashAttention keeps split-KV partial outputs in FP32 whatever the
+  # input format; policies that name no format for them do the same.
+  partials: str = "fp32"
   name: str = "custom"
   # How operands below 16 bits are scaled before their cast (see
   # `QUANT_OPTIONS`); none of these change a policy of 16 bits or more.

@@ -391,10 +391,14 @@ def forward(
   causal,
   tie_beta=None,
   options=None,
+  num_splits=None,
+  split_size=None,
   **kw,
 ):
   """Flash forward (fa1 or fa2). Returns (out float64, lse float64 [B,H,T]);
-  `options` are the policy's quantization options, `kw` the features."""
+  `options` are the policy's quantization options, `kw` the features.
+  With `num_splits` or `split_size`, split-KV: each split's keys give a
+  partial output (in `partials`) and lse, merged in split order."""
   em = Emulator(stages, options)
   q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   scales = None
@@ -426,32 +430,90 @@ def forward(
         )
       for qs in range(0, tp, block_q):
         rows = slice(qs, qs + block_q)
-        o, m, l_ = _forward_rows(
-          em,
-          qh[rows],
-          kh,
-          vh,
-          f,
-          allowed[rows],
-          None if bias is None else bias[rows],
-          sink,
-          block_k,
-          scheme,
-          tie_beta,
-          None
-          if head_scales is None
-          else (head_scales[0][rows], head_scales[1], head_scales[2]),
-        )
-        out[b, rows, h] = o
-        with np.errstate(divide="ignore"):
-          lse_rows = em.r(m + em.log(np.where(l_ == 0, 1, l_)), "softmax_stats")
-        lse[b, h, rows] = np.where(l_ == 0, np.inf, lse_rows)
+        parts = []
+        for first, end in _split_blocks(
+          sp // block_k, num_splits, split_size, block_k
+        ):
+          o, m, l_ = _forward_rows(
+            em,
+            qh[rows],
+            kh,
+            vh,
+            f,
+            allowed[rows],
+            None if bias is None else bias[rows],
+            sink if first == 0 else None,
+            block_k,
+            scheme,
+            tie_beta,
+            None
+            if head_scales is None
+            else (head_scales[0][rows], head_scales[1], head_scales[2]),
+            key_blocks=(first, end),
+          )
+          with np.errstate(divide="ignore"):
+            lse_rows = em.r(
+              m + em.log(np.where(l_ == 0, 1, l_)), "softmax_stats"
+            )
+          parts.append((o, np.where(l_ == 0, -np.inf, lse_rows)))
+        if num_splits is None and split_size is None:
+          ((o, lse_rows),) = parts
+          out[b, rows, h] = em.r(o, "output")
+          lse[b, h, rows] = np.where(lse_rows == -np.inf, np.inf, lse_rows)
+        else:
+          out[b, rows, h], lse[b, h, rows] = _merge(em, parts)
   return out[:, :t], lse
 
 
+def _split_blocks(key_blocks, num_splits, split_size, block_k):
+  """(first, end) key-block ranges of the splits; one range without."""
+  if split_size is not None:
+    per = split_size // block_k
+  elif num_splits is not None:
+    per = -(-key_blocks // num_splits)
+  else:
+    return [(0, key_blocks)]
+  return [(s, min(s + per, key_blocks)) for s in range(0, key_blocks, per)]
+
+
+def _merge(em, parts):
+  """lse = max + log(sum_s exp(lse_s - max)); O = sum_s exp(lse_s - lse)
+  O_s, in split order; O_s in `partials`, sums in `out_accum`."""
+  c = em.carrier
+  st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
+  oa = lambda x: em.r(x, "out_accum")  # noqa: E731
+  lses = [np.asarray(lse_s, c) for _, lse_s in parts]
+  top = np.max(lses, axis=0)
+  empty = top == -np.inf
+  top = np.where(empty, c(0), top).astype(c)
+  total = np.zeros_like(top)
+  for lse_s in lses:
+    total = st(total + em.exp(st(lse_s - top)))
+  lse = st(top + em.log(np.where(empty, c(1), total)))
+  out = np.zeros(parts[0][0].shape, c)
+  for (o_s, _), lse_s in zip(parts, lses):
+    weight = oa(em.exp(st(lse_s - lse)))
+    out = oa(out + oa(weight[:, None] * em.r(o_s, "partials")))
+  return em.r(out, "output"), np.where(empty, np.inf, lse)
+
+
 def _forward_rows(
-  em, qb, kh, vh, f, allowed, bias, sink, block_k, scheme, tie_beta, scales
+  em,
+  qb,
+  kh,
+  vh,
+  f,
+  allowed,
+  bias,
+  sink,
+  block_k,
+  scheme,
+  tie_beta,
+  scales,
+  key_blocks=None,
 ):
+  """One query block over the key blocks in `key_blocks` (first, end),
+  all by default; the output normalized (fa2) but not yet stored."""
   bq, d = qb.shape
   sp = kh.shape[0]
   c = em.carrier
@@ -464,7 +526,8 @@ def _forward_rows(
     l_ = np.ones((bq,), c)
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   oa = lambda x: em.r(x, "out_accum")  # noqa: E731
-  starts = list(range(0, sp, block_k))
+  first, end = key_blocks or (0, sp // block_k)
+  starts = list(range(first * block_k, end * block_k, block_k))
   if em.options["key_order"] == "reversed":
     starts = starts[::-1]
   for ks in starts:
@@ -509,7 +572,7 @@ def _forward_rows(
   if scheme == "fa2":
     l_safe = np.where(l_ == 0, c(1), l_)
     acc = oa(acc * oa(st(c(1.0) / l_safe))[:, None])
-  return em.r(acc, "output"), m, l_
+  return acc, m, l_
 
 
 def reference(

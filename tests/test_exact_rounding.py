@@ -152,6 +152,63 @@ def test_reference_matches_emulator(preset):
   _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
 
 
+# Split-KV: (preset, partials format or None for the preset's, schedule).
+SPLIT_CASES = [
+  ("bf16-fa2", None, {"num_splits": 3}),
+  ("bf16-fa2", "bf16", {"split_size": 32}),
+  ("fp16-fa2", "fp16", {"num_splits": 2}),
+  ("bf16", None, {"split_size": 16}),
+  ("fp32", None, {"num_splits": 4}),
+]
+
+
+@pytest.mark.parametrize(
+  "preset, partials, schedule",
+  SPLIT_CASES,
+  ids=[f"{p}-{f}-{next(iter(s))}" for p, f, s in SPLIT_CASES],
+)
+def test_split_kv_matches_emulator(preset, partials, schedule):
+  """Each split's partial output is rounded to `partials`, the merge's
+  exps, logs and lse to `softmax_stats`, its weighted sum to `out_accum`."""
+  shape = SHAPES[SPLIT_CASES.index((preset, partials, schedule)) % 4]
+  q, k, v = _inputs(13, shape)
+  *_, block_q, block_k, causal = shape
+  policy = sa.Precision.from_name(preset)
+  if partials is not None:
+    policy = policy.with_stage(partials=partials)
+  if "split_size" in schedule:
+    schedule = {"split_size": max(schedule["split_size"], block_k)}
+  out, lse = sa.attention(
+    q,
+    k,
+    v,
+    precision=policy,
+    block_q=block_q,
+    block_k=block_k,
+    causal=causal,
+    return_lse=True,
+    **schedule,
+  )
+  want, want_lse = emu.forward(
+    q,
+    k,
+    v,
+    policy.stages(),
+    block_q=block_q,
+    block_k=block_k,
+    scheme="fa2",
+    causal=causal,
+    **schedule,
+  )
+  _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
+  # The lse is FP32 in most policies, where every exp, log and sum-order
+  # difference shows: a few ulps of its value.
+  want_lse = want_lse[..., : shape[0]]
+  ulp = np.spacing(np.abs(want_lse).astype(policy.dtype("softmax_stats")))
+  gap = np.abs(np.asarray(lse, np.float64) - want_lse)
+  assert np.max(gap / ulp.astype(np.float64)) <= 4.0
+
+
 BACKWARD_CASES = [
   (preset, scheme, SHAPES[i % len(SHAPES)])
   for i, (preset, scheme) in enumerate(

@@ -63,6 +63,65 @@ def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
+@pytest.mark.parametrize(
+  "schedule", [{"num_splits": 3}, {"split_size": 128}], ids=str
+)
+def test_split_kv_lowers_for_cuda(schedule):
+  """The split kernel (forward; the backward reads the merged output) and
+  its jnp merge lower, causal over a padded cache and not."""
+  q = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
+  for causal in (False, True):
+
+    def loss(q, k, v):
+      out = sa.attention(
+        q,
+        k,
+        v,
+        precision="bf16-fa2",
+        interpret=False,
+        causal=causal,
+        **schedule,
+      )
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    text = (
+      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+def test_paged_decode_lowers_for_cuda():
+  """One query per sequence over a paged, padded cache, split by size."""
+  q = jax.ShapeDtypeStruct((2, 1, 4, 64), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((10, 64, 2, 64), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def decode(q, k_pages, v_pages, table, lengths):
+    return sa.paged_attention(
+      q,
+      k_pages,
+      v_pages,
+      table,
+      precision="bf16-fa2",
+      interpret=False,
+      split_size=128,
+      causal=True,
+      causal_alignment="bottom_right",
+      key_value_seq_lengths=lengths,
+    )
+
+  text = (
+    jax.jit(decode)
+    .trace(q, pool, pool, table, lengths)
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
+  assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 def test_tiles_beyond_gpu_shared_memory_raise_clearly():
   q = jnp.zeros((1, 256, 2, 128), jnp.float32)
   with pytest.raises(ValueError, match="shared memory.*at most 64"):
@@ -166,6 +225,37 @@ def test_compiled_kernel_rounds_like_interpret_mode(precision):
   ulp = np.spacing(np.float32(np.abs(outs[1]).max()))
   apart = float(np.abs(outs[0] - outs[1]).max() / ulp)
   assert apart <= 16, f"{apart:.1f} ulps of the largest output apart"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", [{"num_splits": 4}, {"split_size": 128}])
+def test_compiled_split_kv_and_paged_cache_round_like_interpret_mode(schedule):
+  """Split-KV decode, contiguous and paged, compiled against interpreted."""
+  q, k, v = (
+    np.clip(np.round(x * 16) / 16, -4, 4).astype(np.float32)
+    for x in random_qkv(3, batch=2, q_len=4, kv_len=512, head_dim=64)
+  )
+  table = np.arange(16, dtype=np.int32).reshape(2, 8)[:, ::-1].copy()
+  pages = lambda x: x.reshape(16, 64, *x.shape[2:])[np.argsort(table.ravel())]  # noqa: E731
+  kwargs = dict(
+    precision="bf16-fa2",
+    block_q=16,
+    block_k=64,
+    causal=True,
+    causal_alignment="bottom_right",
+    key_value_seq_lengths=np.array([512, 300], np.int32),
+    **schedule,
+  )
+  for run in (
+    lambda i: sa.attention(q, k, v, interpret=i, **kwargs),
+    lambda i: sa.paged_attention(
+      q, pages(k), pages(v), table, interpret=i, **kwargs
+    ),
+  ):
+    compiled, interpreted = (
+      np.asarray(run(i).astype(jnp.float32)) for i in (False, True)
+    )
+    assert float(np.mean(compiled == interpreted)) >= 0.995
 
 
 FEATURE_LOWERINGS = {
