@@ -38,6 +38,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Our implementations' own policy; "auto": Flash's natural policy for
   # pallas, eager attention's for reference/xla, at each input format.
   c.kernel_precision = "auto"
+  # More options of our implementations, "name=value,..." (fields of
+  # stableattn.Options), e.g. "split_size=64" or "num_splits=4,block_k=32".
+  c.kernel_options = ""
   # Input format and the same-policy baseline of the FlashAttention and
   # FlexAttention rules: eager attention in BF16, and FP32.
   c.precisions = "fp32,bf16-framework"
@@ -54,8 +57,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # alibi (the kernel is called with them under jax's names).
   c.features = "none;causal"
   c.repeats = 3  # identical runs that must agree bit for bit
-  # Rules deciding `passed` (all four are reported).
+  # Rules deciding `passed` (all four are reported); add "invariance" to
+  # fail a kernel whose invariance probes are not bitwise equal.
   c.gate = "flashattention,flexattention"
+  # Inference's ways of computing the same rows, compared bitwise (opt-in;
+  # "all" or a comma list of batch, decode, chunked_prefill, padded_cache,
+  # splits): see stableattn/invariance.py.
+  c.invariances = ""
 
   if arg == "smoke":
     c.shapes = ((1, 128, 2, 32),)

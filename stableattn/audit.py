@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stableattn import invariance
 from stableattn.attention_fns import resolve, unaccepted_features
 from stableattn.feature_recipes import FeatureRecipe
 from stableattn.features import Features
@@ -232,16 +233,38 @@ def failures(rows, rules=tuple(RULES)) -> list[str]:
   return out
 
 
+# The opt-in gate that fails a kernel whose rows are not bitwise invariant.
+INVARIANCE_GATE = "invariance"
+
+
+def check_gate(gate, rules) -> None:
+  unknown = [g for g in gate if g not in rules and g != INVARIANCE_GATE]
+  if unknown:
+    raise ValueError(
+      f"unknown gate {unknown}; valid: {[*rules, INVARIANCE_GATE]}."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
-  """The rows of an audit and what failed (`passed`: nothing did)."""
+  """The rows of an audit and what failed (`passed`: nothing did);
+  `invariance_rows` are the probes of `stableattn.invariance`."""
 
   rows: tuple[dict, ...]
   gate: tuple[str, ...]
+  invariance_rows: tuple[dict, ...] = ()
+
+  @property
+  def invariant(self) -> dict:
+    """{invariance: True, False or None (n/a)} for the probes run."""
+    return invariance.verdicts(self.invariance_rows)
 
   @property
   def failures(self) -> list[str]:
-    return failures(self.rows, self.gate)
+    found = failures(self.rows, [g for g in self.gate if g in RULES])
+    if INVARIANCE_GATE in self.gate:
+      found += invariance.failures(self.invariance_rows)
+    return found
 
   @property
   def passed(self) -> bool:
@@ -265,6 +288,17 @@ class AuditReport:
         + " ".join(f"{c:>18}" for c in cells)
         + f"  {r['deterministic']}"
       )
+    for r in self.invariance_rows:
+      if r["invariant"] is None:
+        said = f"n/a: {r['reason']}"
+      elif r["invariant"]:
+        said = "bitwise equal"
+      else:
+        said = (
+          f"differ by {r['diff_ulps']:.3g} ulps (error vs FP64 "
+          f"{r['error_ulps']:.3g} ulps)"
+        )
+      lines.append(f"{r['invariance']:>16} {r['detail']:>36}  {said}")
     lines += self.failures
     lines.append("PASSED" if self.passed else "FAILED")
     return "\n".join(lines)
@@ -298,6 +332,7 @@ def audit(
   gate=("flashattention", "flexattention"),
   tensors=TENSORS,
   rules=None,
+  invariances=None,
 ) -> AuditReport:
   """Audits fn(q, k, v, **features): output and gradients under every
   rule, determinism over `repeats` runs, and NaN/Inf.
@@ -318,6 +353,11 @@ def audit(
     tensors: ("out", "dq", "dk", "dv"), or ("out",) for a forward-only
       kernel.
     rules: name -> rule of `stableattn.rules` to measure; None: `RULES`.
+    invariances: names of `stableattn.invariance.INVARIANCES` ("batch,
+      decode", a sequence or "all"): the same rows computed the ways
+      inference computes them, at the first shape's length, heads and
+      head dim, bitwise or in ulps beside the error against FP64. The
+      gate "invariance" fails a kernel that is not bitwise invariant.
 
   Raises:
     ValueError: for bad settings, a feature the kernel does not accept, or
@@ -328,13 +368,21 @@ def audit(
   if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
     raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
   rules = RULES if rules is None else rules
-  unknown = [g for g in gate if g not in rules]
-  if unknown:
-    raise ValueError(f"unknown rules {unknown}; valid: {list(rules)}.")
+  check_gate(gate, rules)
+  probes = invariance.parse(invariances)
   if tuple(tensors) not in (TENSORS, ("out",)):
     raise ValueError(f"tensors must be {TENSORS} or ('out',), got {tensors}.")
   recipe = as_recipe(features, causal)
   rows = []
-  for case in cases(shapes, tuple(distributions), seeds, recipe):
+  all_cases = cases(shapes, tuple(distributions), seeds, recipe)
+  for case in all_cases:
     rows += measure_case(fn, policy, case, repeats, tuple(tensors), rules)
-  return AuditReport(tuple(rows), tuple(gate))
+  invariance_rows = ()
+  if probes:
+    first = all_cases[0]
+    invariance_rows = tuple(
+      invariance.measure(
+        fn, policy, first.shape, probes, distribution=first.distribution
+      )
+    )
+  return AuditReport(tuple(rows), tuple(gate), invariance_rows)

@@ -93,3 +93,51 @@ def jax_segments(q, k, v, *, causal=False, segment_ids=None):
   q_ids, kv_ids = segment_ids
   mask = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
   return jax.nn.dot_product_attention(q, k, v, is_causal=causal, mask=mask)
+
+
+def split_by_batch(
+  q,
+  k,
+  v,
+  *,
+  causal=False,
+  causal_alignment="top_left",
+  key_value_seq_lengths=None,
+):
+  """Split-KV with a split count from the batch size, as a launch heuristic
+  that fills the GPU picks it: more splits for fewer rows (one at batch
+  64 and up). The arithmetic is right; a row's bits depend on its batch."""
+  splits = max(1, 8 // max(1, q.shape[0] // 8))
+  return sa.attention(
+    q,
+    k,
+    v,
+    precision="bf16-fa2",
+    num_splits=splits,
+    causal=causal,
+    causal_alignment=causal_alignment,
+    key_value_seq_lengths=key_value_seq_lengths,
+  ).astype(q.dtype)
+
+
+def decode_differs(
+  q,
+  k,
+  v,
+  *,
+  causal=False,
+  causal_alignment="top_left",
+  key_value_seq_lengths=None,
+):
+  """A separate decode path: one query splits its keys in four, as
+  flash-decoding does, while prefill runs one pass."""
+  return sa.attention(
+    q,
+    k,
+    v,
+    precision="bf16-fa2",
+    num_splits=4 if q.shape[1] == 1 else None,
+    causal=causal,
+    causal_alignment=causal_alignment,
+    key_value_seq_lengths=key_value_seq_lengths,
+  ).astype(q.dtype)

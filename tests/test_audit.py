@@ -206,3 +206,85 @@ def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(
     tmp_path / "bad",
   )
   assert bad["passed"] is False
+
+
+@pytest.mark.parametrize(
+  "kernel, verdict, expected",
+  [
+    (
+      "split_by_batch",
+      {"batch": False, "decode": True},
+      "not batch-invariant (batch 1 vs 64): rows differ by",
+    ),
+    (
+      "decode_differs",
+      {"batch": True, "decode": False},
+      "not decode-invariant (last query over its prefix): rows differ by",
+    ),
+  ],
+)
+def test_invariance_gate_names_the_path_that_changes_a_row(
+  kernel, verdict, expected, tmp_path
+):
+  """Split counts picked by batch size, and a decode path apart from
+  prefill: right to the FlashAttention rule, flagged by name."""
+  config = _config(
+    f"audit_kernels:{kernel}",
+    precisions="bf16-framework",
+    features="none",
+    invariances="batch,decode",
+    gate="flashattention,invariance",
+  )
+  result = audit.run(config, tmp_path)
+  assert result["rules"]["flashattention"]
+  assert result["invariant"] == verdict
+  assert result["passed"] is False
+  assert any(expected in f for f in result["failures"]), result["failures"]
+  headline = json.loads((tmp_path / "headline.json").read_text())
+  assert headline["invariant"] == verdict
+  report = (tmp_path / "report.md").read_text()
+  assert "## Invariance" in report and "**differs**" in report
+
+
+def test_fixed_split_size_kernel_and_xla_pass_the_invariance_gate():
+  """Our kernel with a fixed split size keeps every row bitwise, however
+  inference computes it; so does jax.nn.dot_product_attention on the CPU
+  for decode, chunked prefill and a padded cache (its batch invariance
+  depends on XLA's matmul choice per batch size, and it has no splits or
+  pages)."""
+  probes = "batch,decode,chunked_prefill,padded_cache"
+  ours = sa.audit(
+    audit.resolve("pallas", sa.Options(precision="bf16-fa2", split_size=64)),
+    precision="bf16-framework",
+    shapes=((1, 128, 2, 32),),
+    tensors=("out",),
+    repeats=2,
+    invariances=probes,
+    gate=("flashattention", "invariance"),
+  )
+  assert ours.passed, ours.failures
+  assert ours.invariant == dict.fromkeys(probes.split(","), True)
+  assert any("shuffled pages" in r["detail"] for r in ours.invariance_rows)
+  xla_fn = audit.resolve("xla", sa.Options(precision="bf16-framework"))
+  xla = sa.audit(
+    xla_fn,
+    precision="bf16-framework",
+    shapes=((1, 128, 2, 32),),
+    tensors=("out",),
+    repeats=2,
+    invariances="decode,chunked_prefill,padded_cache,splits",
+    gate=("flashattention", "invariance"),
+  )
+  assert xla.passed, xla.failures
+  assert xla.invariant == {
+    "decode": True,
+    "chunked_prefill": True,
+    "padded_cache": True,
+    "splits": None,
+  }
+  reasons = {r["reason"] for r in xla.invariance_rows if r["invariant"] is None}
+  assert "the kernel takes no page table" in reasons
+  with pytest.raises(ValueError, match="Unknown invariances \\['batches'\\]"):
+    sa.audit(xla_fn, invariances="batches")
+  with pytest.raises(ValueError, match="unknown gate \\['invariant'\\]"):
+    sa.audit(xla_fn, gate=("invariant",))

@@ -73,7 +73,7 @@ def test_split_kv_lowers_for_cuda(schedule):
   kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
   for causal in (False, True):
 
-    def loss(q, k, v):
+    def loss(q, k, v, causal=causal):
       out = sa.attention(
         q,
         k,

@@ -18,9 +18,16 @@ import json
 import jax
 import numpy as np
 
-from stableattn import environment
+from stableattn import environment, invariance
 from stableattn.attention_fns import IMPLEMENTATIONS, needs_gpu, resolve
-from stableattn.audit import cases, check_accepts, failures, measure_case
+from stableattn.audit import (
+  INVARIANCE_GATE,
+  cases,
+  check_accepts,
+  check_gate,
+  failures,
+  measure_case,
+)
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
@@ -35,13 +42,15 @@ from stableattn.rules import RULES
 class Settings:
   kernel: str
   kernel_precision: str  # our implementations' own policy ("auto": natural)
+  kernel_options: str  # more fields of our implementations' Options
   precisions: tuple[str, ...]  # input format and same-policy baseline
   shapes: tuple[tuple[int, ...], ...]
   distributions: tuple[str, ...]
   seeds: int
   features: tuple[FeatureRecipe, ...]  # each feature set is audited
   repeats: int
-  gate: tuple[str, ...]  # rules that decide `passed`
+  gate: tuple[str, ...]  # rules (and "invariance") that decide `passed`
+  invariances: tuple[str, ...] = ()  # probes of `stableattn.invariance`
 
 
 def settings_from_config(c) -> Settings:
@@ -55,16 +64,27 @@ def settings_from_config(c) -> Settings:
   if kernel_precision != "auto":
     Precision.from_name(kernel_precision)
   gate = as_tuple(c.gate)
-  bad = [g for g in gate if g not in RULES]
-  if bad:
-    raise ValueError(f"config.gate: unknown {bad}; valid: {list(RULES)}.")
+  try:
+    check_gate(gate, RULES)
+    invariances = invariance.parse(c.get("invariances", ""))
+  except ValueError as e:
+    raise ValueError(f"config: {e}") from None
   precisions = as_tuple(c.precisions)
   for name in precisions:
     Precision.from_name(name)  # a clear error naming the valid presets
   shapes = tuple(tuple(int(x) for x in s) for s in c.shapes)
+  kernel_options = str(c.get("kernel_options", "") or "")
+  if kernel_options:
+    if kernel not in IMPLEMENTATIONS:
+      raise ValueError(
+        f"config.kernel_options={kernel_options!r} applies to our "
+        f"implementations {list(IMPLEMENTATIONS)}, not {kernel!r}."
+      )
+    Options.from_string(kernel_options)  # names and values checked here
   return Settings(
     kernel=kernel,
     kernel_precision=kernel_precision,
+    kernel_options=kernel_options,
     precisions=precisions,
     shapes=shapes,
     distributions=as_tuple(c.distributions),
@@ -72,6 +92,7 @@ def settings_from_config(c) -> Settings:
     features=_feature_sets(c.features),
     repeats=field(c, "repeats", minimum=2),
     gate=gate,
+    invariances=invariances,
   )
 
 
@@ -104,7 +125,9 @@ def kernel_fn(s: Settings, policy: Precision):
   elif own == "auto":
     fmt = format_name(policy.dtype("inputs"))
     own = natural_policy(fmt, "flash" if s.kernel == "pallas" else "baseline")
-  return resolve(s.kernel, Options(precision=own))
+  return resolve(
+    s.kernel, Options.from_string(s.kernel_options, Options(precision=own))
+  )
 
 
 def run(config, workdir, *, restart: bool = False) -> dict:
@@ -122,7 +145,23 @@ def run(config, workdir, *, restart: bool = False) -> dict:
           new = _measure(fn, policy, case, s)
           run_dir.append_metrics(new)
           rows += new
-    return write_report(run_dir, s, rows)
+    probes = []
+    if s.invariances:
+      for name in s.precisions:
+        policy = Precision.from_name(name)
+        first = cases(s.shapes, s.distributions, 1)[0]
+        probes += [
+          {"kernel": s.kernel, "policy": policy.name, **r}
+          for r in invariance.measure(
+            kernel_fn(s, policy),
+            policy,
+            first.shape,
+            s.invariances,
+            distribution=first.distribution,
+          )
+        ]
+      run_dir.write_csv("invariance.csv", probes)
+    return write_report(run_dir, s, rows, probes)
 
 
 def _measure(fn, policy, case, s: Settings) -> list[dict]:
@@ -138,10 +177,16 @@ def _measure(fn, policy, case, s: Settings) -> list[dict]:
   return [{"kernel": s.kernel, **r} for r in rows]
 
 
-def headline(s: Settings, rows) -> dict:
+def headline(s: Settings, rows, probes=()) -> dict:
   # Failures list what the gate, determinism and the NaN scan failed, so
   # the kernel passed exactly when there are none.
-  found = failures(rows, s.gate)
+  found = failures(rows, [g for g in s.gate if g in RULES])
+  if INVARIANCE_GATE in s.gate:
+    found += [
+      f"{p['policy']}: {text}"
+      for p in probes
+      for text in invariance.failures([p])
+    ]
   return {
     "kernel": s.kernel,
     "passed": not found,
@@ -150,14 +195,15 @@ def headline(s: Settings, rows) -> dict:
     "deterministic": all(r["deterministic"] for r in rows),
     "finite": all(r["nonfinite"] == 0 for r in rows),
     "failures": found,
+    "invariant": invariance.verdicts(probes) if s.invariances else {},
     "environment": environment.describe(),
   }
 
 
-def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
+def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
   if not rows:
     raise ValueError("the audit measured nothing: no verdict from 0 rows.")
-  result = headline(s, rows)
+  result = headline(s, rows, probes)
   run_dir.write_text(
     "headline.json", json.dumps(result, indent=2, default=str) + "\n"
   )
@@ -182,6 +228,7 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
     error_table(rows),
     "",
     f"![errors]({figure})",
+    *invariance_section(probes),
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return {"workdir": str(run_dir.path), **result}
@@ -269,3 +316,30 @@ def _worst(rows, label: str, key: str) -> float:
   values = [r[key] for r in rows if f"{r['policy']} {r['tensor']}" == label]
   finite = [v for v in values if np.isfinite(v)]
   return max(finite) if finite else float("nan")
+
+
+def invariance_section(probes) -> list[str]:
+  """The invariance probes: bitwise, or the difference in ulps of the
+  output format beside the kernel's error against FP64 in the same unit."""
+  if not probes:
+    return []
+  body = []
+  for p in probes:
+    if p["invariant"] is None:
+      said, diff, error = f"n/a: {p['reason']}", "", ""
+    else:
+      said = "bitwise" if p["invariant"] else "**differs**"
+      diff, error = num(p["diff_ulps"]), num(p["error_ulps"])
+    body.append([p["policy"], p["invariance"], p["detail"], said, diff, error])
+  header = ["policy", "invariance", "probe", "rows", "diff (ulps)"]
+  header.append("error vs FP64 (ulps)")
+  return [
+    "",
+    "## Invariance: the same rows computed the ways inference does",
+    "",
+    "Ulps of the output format at the rows' largest FP64 value. "
+    + "; ".join(f"`{k}`: {v}" for k, v in invariance.DESCRIPTIONS.items())
+    + ".",
+    "",
+    table(header, body),
+  ]
