@@ -54,7 +54,14 @@ from stableattn.experiments.forward import STUDIES
 # 20-45 seconds each cold); the paper variant runs them, the smoke variant
 # all but the three whose rows are each a policy of their own (their
 # smoke sizes run in tests/test_quantization.py, once).
-OPT_IN = ("features", "fa3_fp8", "fp8_underflow", "sage_fp8", "fp8_stages")
+OPT_IN = (
+  "features",
+  "fa3_fp8",
+  "fp8_underflow",
+  "sage_fp8",
+  "fp8_stages",
+  "inference",
+)
 SMOKE_SKIPS = ("fp8_underflow", "sage_fp8", "fp8_stages")
 
 
@@ -167,6 +174,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.fp8_stages.head_dims = (64, 128)
   c.fp8_stages.distributions = "normal,outliers"
   c.fp8_stages.seeds = 2
+  # Inference: split-KV, batch, chunked prefill, pages, decode position
+  c.inference = ml_collections.ConfigDict()
+  c.inference.policies = "bf16-fa2,fp16-fa2,fp8-fa3"
+  # The partial outputs of split-KV in FP32 or in the input format.
+  c.inference.partials = "fp32,input"
+  c.inference.cache_len = 512
+  c.inference.batch = 8  # sequences in the decode step
+  c.inference.split_counts = (1, 2, 4, 8, 16, 64)
+  # Multiples of common.block_k; the first is the batch-invariant schedule.
+  c.inference.split_sizes = (64, 128, 256)
+  c.inference.batch_sizes = (16, 64)  # the step among N sequences
+  c.inference.chunk_sizes = (64, 128)
+  c.inference.page_sizes = (64, 128)
+  c.inference.positions = 8
+  c.inference.seeds = 2
 
   if arg not in (None, "", "default", "paper", "smoke"):
     raise ValueError(
@@ -199,6 +221,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sage_fp8.seeds = 3
     c.fp8_stages.seq_len = 2048
     c.fp8_stages.seeds = 3
+    c.inference.cache_len = 2048
+    c.inference.split_sizes = (64, 256, 1024)
+    c.inference.chunk_sizes = (64, 256, 512)
+    c.inference.page_sizes = (64, 256)
+    c.inference.seeds = 3
   if arg == "smoke":
     c.common.seeds = 2
     c.common.heads = 1
@@ -250,4 +277,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.fp8_stages.head_dims = (32,)
     c.fp8_stages.distributions = "normal"
     c.fp8_stages.seeds = 1
+    c.inference.policies = "bf16-fa2"
+    c.inference.cache_len = 64
+    c.inference.batch = 4
+    c.inference.split_counts = (1, 4)
+    c.inference.split_sizes = (32,)
+    c.inference.batch_sizes = (64,)
+    c.inference.chunk_sizes = (32,)
+    c.inference.page_sizes = (16,)
+    c.inference.positions = 3
+    c.inference.seeds = 1
   return c

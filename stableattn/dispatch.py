@@ -158,6 +158,11 @@ def kernel_config(
   q_len, kv_len = q_shape[1], kv_shape[1]
 
   def tile(name, value, length):
+    # Fixed tiles are not clamped to a short sequence: a decode step's one
+    # query then runs in the same tile, and the same arithmetic, as its
+    # row of the prefill pass.
+    if options.fixed_tiles:
+      length = None
     return check_block_size(name, value, for_gpu=for_gpu, length=length)
 
   block_q = tile("block_q", options.block_q, q_len)

@@ -81,6 +81,12 @@ class Options:
       block_k): boundaries at fixed key positions, so a row's result does
       not depend on the batch or the cache's padding (SGLang's and
       FlashInfer's batch-invariant mode). Exclusive with num_splits.
+    fixed_tiles: keep the tile sizes for sequences shorter than a tile
+      (padding them) instead of clamping the tiles to the sequence. A
+      row's sums then do not depend on how many queries or keys the call
+      has: a decoded query and a chunk of prefill compute as their rows
+      of the full pass, bitwise, at the cost of padded work (the fixed
+      tiles of batch-invariant kernels, Thinking Machines 2025).
     num_warps, num_stages: Triton compiler parameters (GPU only).
     interpret: run the Pallas kernel in interpret mode; None means "iff
       the default backend is the CPU".
@@ -95,6 +101,7 @@ class Options:
   tie_beta: float | None = None
   num_splits: int | None = None
   split_size: int | None = None
+  fixed_tiles: bool = False
   num_warps: int | None = None
   num_stages: int | None = None
   interpret: bool | None = None
@@ -126,6 +133,7 @@ class Options:
         f"Unknown scheme {self.scheme!r}; valid: {list(SCHEMES)}."
       )
     put("tie_beta", _tie_beta(self.tie_beta))
+    put("fixed_tiles", check_flag("fixed_tiles", self.fixed_tiles))
     if self.interpret is not None:
       put("interpret", check_flag("interpret", self.interpret))
 

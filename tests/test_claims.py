@@ -132,10 +132,73 @@ def test_fig3_and_tile_claims():
 
 
 def test_every_paper_claim_has_one_study():
-  assert sorted(CLAIMS) == ["fig3", "fig4", "fig5", "fig6a", "fig6b", "fig6c"]
+  assert sorted(CLAIMS) == [
+    "fig3",
+    "fig4",
+    "fig5",
+    "fig6a",
+    "fig6b",
+    "fig6c",
+    "inference_fixed_split",
+    "inference_fp32_partials",
+    "inference_heuristic_split",
+    "inference_split_error",
+  ]
 
 
 @pytest.mark.parametrize("name", sorted(CLAIMS))
 def test_no_verdict_from_no_rows(name):
   with pytest.raises(ValueError, match="no rows|verdict"):
     CLAIMS[name].compute([])
+
+
+def _inference_row(axis, value, bitwise, diff, error, reference, **labels):
+  return {
+    "study": "inference",
+    "policy": labels.pop("policy", "bf16-fa2"),
+    "partials": labels.pop("partials", "fp32"),
+    "axis": axis,
+    "value": value,
+    "bitwise_min": bitwise,
+    "diff_ulps_max": diff,
+    "error_ulps_max": error,
+    "reference_error_ulps_max": reference,
+    "error_ratio_max": error / reference,
+    **labels,
+  }
+
+
+def test_inference_claims_follow_from_rows():
+  rows = [
+    _inference_row("batch", 64, 1.0, 0, 0.5, 0.5, schedule="split_size"),
+    _inference_row("batch", 16, 1.0, 0, 0.5, 0.5, schedule="split_size"),
+    _inference_row(
+      "batch", 64, 0.0, 0.5, 0.5, 0.5, schedule="num_splits_by_batch"
+    ),
+    _inference_row("num_splits", 4, 0.0, 0.25, 0.5, 0.5),
+    _inference_row("num_splits", 4, 0.0, 1.0, 1.5, 0.5, partials="input"),
+  ]
+  fixed = CLAIMS["inference_fixed_split"].compute(rows)
+  assert fixed["verdict"] == "reproduced" and fixed["bitwise"] == 2
+  assert CLAIMS["inference_heuristic_split"].compute(rows)["verdict"] == (
+    "reproduced"
+  )
+  error = CLAIMS["inference_split_error"].compute(rows)
+  assert error["ratio"] == {"bf16-fa2": pytest.approx(0.5)}
+  assert error["verdict"] == "reproduced"
+  harmless = CLAIMS["inference_fp32_partials"].compute(rows)
+  assert harmless["verdict"] == "reproduced"
+  assert harmless["worst_error_ratio"]["bf16-fa2 (input)"] == pytest.approx(3)
+  # One row that changes bits under a fixed split size breaks the claim;
+  # a split change above the FP64 error breaks the other.
+  rows[1] = {**rows[1], "bitwise_min": 0.0}
+  assert CLAIMS["inference_fixed_split"].compute(rows)["verdict"] == (
+    "reproduced in part"
+  )
+  rows[3] = {**rows[3], "diff_ulps_max": 0.75, "error_ratio_max": 2.0}
+  assert CLAIMS["inference_split_error"].compute(rows)["verdict"] == (
+    "not reproduced"
+  )
+  assert CLAIMS["inference_fp32_partials"].compute(rows)["verdict"] == (
+    "not reproduced"
+  )

@@ -103,6 +103,10 @@ def test_headline_claims_follow_from_the_measured_rows(smoke_run):
     "fig6a",
     "fig6b",
     "fig6c",
+    "inference_fixed_split",
+    "inference_heuristic_split",
+    "inference_split_error",
+    "inference_fp32_partials",
   }
   assert headline["claims"] == json.loads(json.dumps(result["claims"]))
   fig4 = headline["claims"]["fig4"]
@@ -161,6 +165,7 @@ def test_every_verdict_follows_from_the_rows_in_metrics_jsonl(smoke_run):
     for name in members[0]["values"]:
       values = [m["values"][name] for m in members]
       row[f"{name}_mean"] = sum(values) / len(values)
+      row[f"{name}_min"], row[f"{name}_max"] = min(values), max(values)
     summary.append(row)
   claims_table = (workdir / "report.md").read_text().split("\n## ")[1]
   for study in STUDIES.values():
@@ -193,6 +198,41 @@ def test_invariants(smoke_run):
   # Fewer mantissa bits, larger deviation.
   assert worst["fp64"] < worst["fp32"] < worst["bf16"]
   assert all(r["values"]["n_nan"] == 0 for r in _rows(workdir))
+
+
+def test_inference_study_keeps_rows_bitwise_where_the_kernel_promises(
+  smoke_run,
+):
+  """Measured, not assumed: one split, a fixed split size across batch
+  sizes, pages, chunked prefill and decode positions leave every bit; a
+  split count from the batch size, or several splits, do not."""
+  workdir, _, _ = smoke_run
+  rows = [r for r in _rows(workdir) if r["study"] == "inference"]
+  assert rows
+
+  def bitwise(**labels):
+    found = [
+      r["values"]["bitwise"]
+      for r in rows
+      if all(r["labels"].get(k) == v for k, v in labels.items())
+    ]
+    assert found, labels
+    return found
+
+  assert all(bitwise(axis="num_splits", value=1))
+  assert all(bitwise(axis="batch", schedule="split_size"))
+  assert all(bitwise(axis="batch", schedule="unsplit"))
+  for axis in ("page_size", "chunk", "position"):
+    assert all(bitwise(axis=axis)), axis
+  assert not all(bitwise(axis="batch", schedule="num_splits_by_batch"))
+  assert not all(bitwise(axis="num_splits", value=4))
+  # The input-format partials round once more: never closer to FP64.
+  errors = {
+    r["labels"]["partials"]: r["values"]["error_ulps"]
+    for r in rows
+    if r["labels"]["axis"] == "num_splits" and r["labels"]["value"] == 4
+  }
+  assert errors["input"] >= errors["fp32"]
 
 
 def test_rerun_skips_finished_points_and_repairs_a_cut_line(

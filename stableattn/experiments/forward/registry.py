@@ -20,6 +20,7 @@ STUDY_MODULES = (
   "fp8_underflow",
   "sage_fp8",
   "fp8_stages",
+  "inference",
 )
 
 

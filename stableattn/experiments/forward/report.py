@@ -38,7 +38,12 @@ def _claims_section(claims: dict) -> str:
       "in part (in some), not reproduced (in none).",
       "",
       table(
-        ["claim", "paper (Golden et al. 2024)", "verdict", "where it holds"],
+        [
+          "claim",
+          "claimed (Golden et al. 2024; later work)",
+          "verdict",
+          "where it holds",
+        ],
         [
           [
             claim_id,
