@@ -332,9 +332,9 @@ def flash_forward(
   Returns:
     (out [batch, q_len_padded, heads, head_dim_padded] in `output`,
      lse [batch, heads, q_len_padded] in `softmax_stats`; +inf for a row
-     no key attends). With split-KV, one of each per split, merged by
-     `merge_splits`: out [batch, splits, ...] in `partials` and lse
-     [batch, splits, heads, q_len_padded], -inf where a split is empty.
+     no key attends). With split-KV the kernel writes one output (in
+     `partials`) and lse (-inf where the split is empty) per split, and
+     `merge_splits` returns them merged, in the same formats as above.
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
   kv_len_padded, kv_heads = cfg.kv_len_padded, k.shape[2]
