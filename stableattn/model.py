@@ -24,6 +24,7 @@ softcap), Gemma 2).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,10 @@ from stableattn.options import Options
 
 SHADOW = "shadow"
 FP32 = Options(precision="fp32")
+# The language-model head's formats: FP32 operands, or BF16 operands (FP32
+# accumulation) with the logits stored in BF16, as a BF16 inference engine
+# computes them.
+HEAD_FORMATS = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,18 +141,54 @@ class SelfAttention(nnx.Module):
       self.key_norm = RMSNorm(self.head_dim)
     self.qk_norm = spec.qk_norm
 
-  def __call__(self, x_BxTxW, collect_stats: bool = False, probe_tap=None):
-    """Output and statistics. `probe_tap` ([B, T, H, D], zeros) is added to
-    the attention output, so its gradient is dO; with it the statistics
-    hold this attention's output and FP32 attention's on the same q, k, v
-    (arrays, for `Trainer.deltas`)."""
-    batch, length, width = x_BxTxW.shape
+  def project(self, x_BxTxW):
+    """Queries, keys and values [B, T, H, D] of x."""
+    batch, length, _ = x_BxTxW.shape
     shape = (batch, length, self.heads, self.head_dim)
     q = self.query(x_BxTxW).reshape(shape)
     k = self.key(x_BxTxW).reshape(shape)
     v = self.value(x_BxTxW).reshape(shape)
     if self.qk_norm:
       q, k = self.query_norm(q), self.key_norm(k)
+    return q, k, v
+
+  def extend(self, x_BxNxW, keys, values, lengths, spec: AttentionSpec):
+    """Attention of N new tokens over a KV cache: their keys and values
+    are written at positions lengths .. lengths + N - 1 of the cache
+    buffers [B, max_len, H, D], and each new token attends to its prefix
+    (bottom-right causal, the cache's valid length per example), as an
+    inference engine's prefill (N > 1) or decode step (N = 1) does.
+
+    Returns the output [B, N, W] and the updated buffers."""
+    q, k, v = self.project(x_BxNxW)
+
+    def write(buffer, new):
+      def one(b, n, start):
+        zero = jnp.zeros((), start.dtype)  # one index dtype, 64-bit or not
+        return jax.lax.dynamic_update_slice(b, n, (start, zero, zero))
+
+      return jax.vmap(one)(buffer, new.astype(buffer.dtype), lengths)
+
+    keys, values = write(keys, k), write(values, v)
+    features = spec.features.replace(
+      causal=True,
+      causal_alignment="bottom_right",
+      key_value_seq_lengths=lengths + x_BxNxW.shape[1],
+    )
+    fn = attention_fns.resolve(spec.kind, spec.options)
+    out = fn(
+      q, keys.astype(q.dtype), values.astype(q.dtype), **features.kwargs()
+    )
+    out = out.astype(x_BxNxW.dtype).reshape(x_BxNxW.shape)
+    return self.out(out), keys, values
+
+  def __call__(self, x_BxTxW, collect_stats: bool = False, probe_tap=None):
+    """Output and statistics. `probe_tap` ([B, T, H, D], zeros) is added to
+    the attention output, so its gradient is dO; with it the statistics
+    hold this attention's output and FP32 attention's on the same q, k, v
+    (arrays, for `Trainer.deltas`)."""
+    batch, length, width = x_BxTxW.shape
+    q, k, v = self.project(x_BxTxW)
     spec = self.attention_spec
     stats = {}
     if spec.kind == SHADOW:
@@ -188,8 +229,25 @@ class Block(nnx.Module):
       self.attention_norm(x), collect_stats, probe_tap
     )
     x = x + attended
-    x = x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
-    return x, stats
+    return self.mlp(x), stats
+
+  def mlp(self, x):
+    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+
+  def extend(self, x, keys, values, lengths, spec: AttentionSpec):
+    attended, keys, values = self.attention.extend(
+      self.attention_norm(x), keys, values, lengths, spec
+    )
+    return self.mlp(x + attended), keys, values
+
+
+class DecodeCache(NamedTuple):
+  """Every layer's key and value buffers [B, max_len, H, D] and how many
+  tokens each example holds ([B] int32)."""
+
+  keys: tuple
+  values: tuple
+  lengths: jax.Array
 
 
 class Transformer(nnx.Module):
@@ -206,9 +264,15 @@ class Transformer(nnx.Module):
     )
     self.final_norm = RMSNorm(spec.width)
 
-  def __call__(self, tokens_BxT, collect_stats: bool = False, probe_taps=None):
+  def __call__(
+    self,
+    tokens_BxT,
+    collect_stats: bool = False,
+    probe_taps=None,
+    head_format: str = "fp32",
+  ):
     """Logits [B, T, vocab] (FP32) and per-layer statistics; `probe_taps`:
-    one per layer, see `SelfAttention`."""
+    one per layer, see `SelfAttention`; `head_format`: see `head`."""
     length = tokens_BxT.shape[1]
     if length > self.spec.max_len:
       raise ValueError(
@@ -222,5 +286,57 @@ class Transformer(nnx.Module):
     for block, tap in zip(self.blocks, taps):
       x, stats = block(x, collect_stats, tap)
       layer_stats.append(stats)
-    logits = self.embed.attend(self.final_norm(x))
-    return logits.astype(jnp.float32), layer_stats
+    return self.head(x, head_format), layer_stats
+
+  def head(self, x, head_format: str = "fp32"):
+    """Logits (FP32) of hidden states x: the tied embedding's matmul with
+    FP32 operands, or in BF16 (BF16 operands, FP32 accumulation, logits
+    stored in BF16), one of `HEAD_FORMATS`."""
+    if head_format not in HEAD_FORMATS:
+      raise ValueError(
+        f"head_format must be one of {list(HEAD_FORMATS)}, got {head_format!r}."
+      )
+    hidden = self.final_norm(x)
+    if head_format == "fp32":
+      return self.embed.attend(hidden).astype(jnp.float32)
+    table = self.embed.embedding[...].astype(jnp.bfloat16)
+    logits = jnp.einsum(
+      "...w,vw->...v",
+      hidden.astype(jnp.bfloat16),
+      table,
+      preferred_element_type=jnp.float32,
+    )
+    return logits.astype(jnp.bfloat16).astype(jnp.float32)
+
+  def empty_cache(self, batch: int, dtype=jnp.float32) -> DecodeCache:
+    """A KV cache of `max_len` tokens per example, holding none yet."""
+    attention = self.blocks[0].attention
+    shape = (batch, self.spec.max_len, attention.heads, attention.head_dim)
+    buffers = tuple(jnp.zeros(shape, dtype) for _ in self.blocks)
+    return DecodeCache(
+      buffers,
+      tuple(jnp.zeros(shape, dtype) for _ in self.blocks),
+      jnp.zeros((batch,), jnp.int32),
+    )
+
+  def extend(
+    self,
+    tokens_BxN,
+    cache: DecodeCache,
+    attention: AttentionSpec,
+    head_format: str = "fp32",
+  ):
+    """Logits [B, N, vocab] of N new tokens appended to the cache, with
+    `attention` over it (prefill for N > 1, a decode step for N = 1), and
+    the cache holding them. Positions continue each example's length."""
+    count = tokens_BxN.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(count)[None]
+    x = self.embed(tokens_BxN)
+    x = x + self.positions[...][positions].astype(x.dtype)
+    keys, values = [], []
+    for block, k, v in zip(self.blocks, cache.keys, cache.values):
+      x, k, v = block.extend(x, k, v, cache.lengths, attention)
+      keys.append(k)
+      values.append(v)
+    cache = DecodeCache(tuple(keys), tuple(values), cache.lengths + count)
+    return self.head(x, head_format), cache

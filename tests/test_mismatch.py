@@ -1,0 +1,110 @@
+"""The sampler's path against the trainer's: the model's KV-cache decode,
+generation, scoring and the per-token mismatch metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stableattn import mismatch
+from stableattn.model import AttentionSpec, ModelSpec, Transformer
+from stableattn.options import Options
+
+SPEC = ModelSpec(width=32, depth=2, heads=2, max_len=40)
+FP32 = AttentionSpec("reference", Options(precision="fp32"))
+FLASH = AttentionSpec("pallas", Options(precision="bf16-fa2"))
+PROMPT = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(SPEC, FP32, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  return np.random.default_rng(1).integers(0, 256, (3, PROMPT))
+
+
+def test_kv_cache_decode_matches_the_full_pass(model):
+  """Prefill then one token at a time through the cache gives the logits
+  of one causal pass over the sequence (FP32: to summation order)."""
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, 20)))
+  full, _ = model(tokens)
+  cache = model.empty_cache(2)
+  logits, cache = model.extend(tokens[:, :12], cache, FP32)
+  steps = [logits]
+  for t in range(12, 20):
+    logits, cache = model.extend(tokens[:, t : t + 1], cache, FP32)
+    steps.append(logits)
+  np.testing.assert_array_equal(cache.lengths, [20, 20])
+  decoded = jnp.concatenate(steps, axis=1)
+  assert float(jnp.max(jnp.abs(decoded - full))) < 1e-5
+
+
+def test_control_pair_is_exactly_zero_and_known_causes_are_seen(model, prompts):
+  """Scoring with the sampler's own path recomputes it: every metric 0.
+  A BF16 head, or the flash kernel's one pass instead of its decode
+  steps, moves the probabilities."""
+  sampler = mismatch.Path(FLASH, mode="decode")
+  tokens, log_sample = mismatch.generate(
+    model, prompts, 8, sampler, key=jax.random.key(0)
+  )
+  assert tokens.shape == (3, PROMPT + 8) and log_sample.shape == (3, 8)
+  control = mismatch.token_metrics(
+    log_sample, mismatch.score(model, tokens, PROMPT, sampler)
+  )
+  zero = {k: v for k, v in control.items() if k != "tokens"}
+  assert zero == dict.fromkeys(zero, 0.0)
+  head = mismatch.token_metrics(
+    log_sample,
+    mismatch.score(
+      model, tokens, PROMPT, mismatch.Path(FLASH, "bf16", mode="decode")
+    ),
+  )
+  assert head["rollout_probs_diff_max"] > 1e-5 and head["kl_k3"] > 0
+  trainer = mismatch.token_metrics(
+    log_sample, mismatch.score(model, tokens, PROMPT, mismatch.Path(FLASH))
+  )
+  assert 0 < trainer["rollout_probs_diff_max"] < head["rollout_probs_diff_max"]
+
+
+def test_greedy_generation_is_deterministic_and_divergence_is_found(
+  model, prompts
+):
+  path = mismatch.Path(FP32, mode="decode")
+  a, _ = mismatch.generate(model, prompts, 6, path, greedy=True)
+  b, _ = mismatch.generate(model, prompts, 6, path, greedy=True)
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(mismatch.first_divergence(a, b, PROMPT), 6)
+  c = np.asarray(a).copy()
+  c[0, PROMPT + 2] += 1
+  c[2, PROMPT] += 1
+  np.testing.assert_array_equal(
+    mismatch.first_divergence(a, c, PROMPT), [2, 6, 0]
+  )
+
+
+def test_token_metrics_from_known_probabilities():
+  p_sample = np.array([0.5, 0.25, 0.1, 0.8])
+  p_train = np.array([0.5, 0.75, 0.05, 0.8])
+  got = mismatch.token_metrics(np.log(p_sample), np.log(p_train))
+  ratio = p_train / p_sample
+  assert got["rollout_probs_diff_max"] == pytest.approx(0.5)
+  assert got["rollout_probs_diff_mean"] == pytest.approx(0.55 / 4)
+  assert got["kl_k1"] == pytest.approx(np.mean(np.log(p_sample / p_train)))
+  assert got["kl_k3"] == pytest.approx(np.mean(ratio - 1 - np.log(ratio)))
+  assert got["tis_share"] == pytest.approx(0.25)  # one ratio of 3 > 2
+  assert got["tokens"] == 4
+
+
+def test_bad_paths_and_lengths_say_what_is_valid(model, prompts):
+  with pytest.raises(ValueError, match="head_format must be one of"):
+    mismatch.Path(head_format="fp16")
+  with pytest.raises(ValueError, match="mode must be one of"):
+    mismatch.Path(mode="prefill")
+  with pytest.raises(ValueError, match="exceed the model's max_len 40"):
+    mismatch.generate(model, prompts, 40, mismatch.Path(), greedy=True)
+  with pytest.raises(ValueError, match="needs a PRNG key"):
+    mismatch.generate(model, prompts, 2, mismatch.Path())
