@@ -290,3 +290,27 @@ def test_fixed_split_size_kernel_and_xla_pass_the_invariance_gate():
     sa.audit(xla_fn, invariances="batches")
   with pytest.raises(ValueError, match="unknown gate \\['invariant'\\]"):
     sa.audit(xla_fn, gate=("invariant",))
+
+
+def test_invariance_and_kernel_option_settings_are_checked_before_running():
+  with pytest.raises(ValueError, match="config: Unknown invariances"):
+    audit.settings_from_config(_config("xla", invariances="batch,batches"))
+  with pytest.raises(ValueError, match="applies to our implementations"):
+    audit.settings_from_config(
+      _config("jax_mha", kernel_options="split_size=64")
+    )
+  with pytest.raises(ValueError, match="Unknown Options fields"):
+    audit.settings_from_config(_config("pallas", kernel_options="splits=4"))
+  s = audit.settings_from_config(
+    _config("pallas", kernel_options="split_size=64", invariances="all")
+  )
+  assert s.invariances == (
+    "batch",
+    "decode",
+    "chunked_prefill",
+    "padded_cache",
+    "splits",
+  )
+  fn = audit.kernel_fn(s, sa.Precision.from_name("bf16-framework"))
+  assert fn.keywords["options"].split_size == 64
+  assert fn.keywords["options"].precision.name == "bf16-fa2"
