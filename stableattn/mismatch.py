@@ -31,6 +31,7 @@ TIS_THRESHOLD = 2.0
 
 
 MODES = ("full", "decode")
+WEIGHT_FORMATS = ("fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +47,14 @@ class Path:
       over a KV cache, as a sampler computes it). `generate` always
       decodes; `score` follows the mode, so scoring with the sampler's
       own path recomputes exactly what the sampler did.
+    weights: "fp32", or "bf16": every parameter rounded to BF16 (an
+      inference engine's copy of FP32 training weights).
   """
 
   attention: AttentionSpec = AttentionSpec()
   head_format: str = "fp32"
   mode: str = "full"
+  weights: str = "fp32"
 
   def __post_init__(self):
     if self.head_format not in HEAD_FORMATS:
@@ -60,15 +64,35 @@ class Path:
       )
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}.")
+    if self.weights not in WEIGHT_FORMATS:
+      raise ValueError(
+        f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}."
+      )
 
 
 def with_attention(model: Transformer, attention: AttentionSpec):
   """The same weights in a model whose layers compute `attention`."""
-  graphdef, state = nnx.split(model)
+  _, state = nnx.split(model)
   twin = Transformer(model.spec, attention, rngs=nnx.Rngs(0))
   nnx.update(twin, state)
-  del graphdef
   return twin
+
+
+def with_weights(model: Transformer, weights: str) -> Transformer:
+  """The model itself ("fp32"), or a copy with every parameter rounded to
+  BF16 and held in its own dtype ("bf16")."""
+  if weights == "fp32":
+    return model
+  graphdef, state = nnx.split(model)
+  rounded = jax.tree.map(
+    lambda x: (
+      x.astype(jnp.bfloat16).astype(x.dtype)
+      if jnp.issubdtype(x.dtype, jnp.floating)
+      else x
+    ),
+    state,
+  )
+  return nnx.merge(graphdef, rounded)
 
 
 def _log_softmax(logits):
@@ -107,6 +131,7 @@ def _decode(model, prompts, new_tokens: int, path: Path, choose):
   """Prefill the prompts, then one decode step per new token; `choose(
   step, log_p)` gives the token to append. Returns (tokens, log-probs)."""
   path = dataclasses.replace(path, mode="decode")
+  model = with_weights(model, path.weights)
   batch, prompt_len = prompts.shape
   _check_length(model, prompt_len + new_tokens)
   cache = model.empty_cache(batch)
@@ -173,7 +198,7 @@ def score(model: Transformer, tokens, prompt_len: int, path: Path):
     )
     return log_probs
   _check_length(model, tokens.shape[1])
-  trainer = with_attention(model, path.attention)
+  trainer = with_weights(with_attention(model, path.attention), path.weights)
   return _score_full(trainer, tokens, prompt_len, path.head_format)
 
 

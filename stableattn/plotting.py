@@ -262,3 +262,42 @@ def ratio_heatmaps(
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9)
   fig.suptitle(title, fontsize=10)
   return _save(fig, path, tight_box=True)
+
+
+def interval_plot(
+  path: str | pathlib.Path,
+  labels: list[str],
+  intervals: list,
+  *,
+  title: str,
+  ylabel: str,
+  logy: bool = True,
+) -> pathlib.Path:
+  """One mean with its interval per label (`reporting.Interval`s); a mean
+  of 0 (an exact control) is named in the title, not drawn on a log axis."""
+  shown = [
+    (label, i)
+    for label, i in zip(labels, intervals)
+    if not logy or (i.mean and i.mean > 0)
+  ]
+  zero = [
+    label for label, i in zip(labels, intervals) if (label, i) not in shown
+  ]
+  if zero:
+    title += f"\n({', '.join(zero)}: 0, not drawn)"
+  fig, ax = plt.subplots(figsize=(max(6.4, 0.7 * len(shown) + 2), 4.4), dpi=110)
+  for x, (_, i) in enumerate(shown):
+    low = i.mean if i.low is None else i.low
+    high = i.mean if i.high is None else i.high
+    if logy:
+      low = max(low, i.mean / 10)
+    ax.errorbar(
+      [x], [i.mean], yerr=[[i.mean - low], [high - i.mean]], fmt="o", capsize=4
+    )
+  ax.set_xticks(range(len(shown)))
+  ax.set_xticklabels([label for label, _ in shown], rotation=35, ha="right")
+  if logy:
+    ax.set_yscale("log")
+  ax.set(title=title, ylabel=ylabel)
+  ax.grid(True, axis="y", which="both", alpha=0.3)
+  return _save(fig, path)

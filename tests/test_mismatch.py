@@ -108,3 +108,61 @@ def test_bad_paths_and_lengths_say_what_is_valid(model, prompts):
     mismatch.generate(model, prompts, 40, mismatch.Path(), greedy=True)
   with pytest.raises(ValueError, match="needs a PRNG key"):
     mismatch.generate(model, prompts, 2, mismatch.Path())
+
+
+def _experiment_config(**changes):
+  from configs import mismatch as mismatch_config
+
+  config = mismatch_config.get_config("smoke")
+  config.train.steps = 4
+  config.sample.prompts = 3
+  config.pairs = "flash_decode_vs_train_bf16,head_bf16_vs_fp32"
+  for name, value in changes.items():
+    node = config
+    *parents, leaf = name.split(".")
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+@pytest.mark.slow
+def test_experiment_measures_pairs_reports_and_resumes(tmp_path):
+  """End to end: the control is exactly 0, the head's reference is not,
+  verdicts and both figures are written, and a rerun redoes nothing."""
+  import json
+
+  from stableattn.experiments import mismatch as experiment
+
+  first = experiment.run(_experiment_config(), tmp_path)
+  assert first["measured"] == 3 * 2  # control and two pairs, two seeds
+  headline = json.loads((tmp_path / "headline.json").read_text())
+  assert headline["verdicts"]["control"]["verdict"] == "exactly 0"
+  assert set(headline["verdicts"]) == {"control", "attention_vs_head"}
+  head = headline["pairs"]["head_bf16_vs_fp32"]["rollout_probs_diff_mean"]
+  assert head["mean"] > 0 and head["count"] == 6
+  control = headline["pairs"]["control"]["rollout_probs_diff_max"]
+  assert control["mean"] == 0
+  report = (tmp_path / "report.md").read_text()
+  for part in ("## Verdicts", "## Every pair", "## Subjects against"):
+    assert part in report
+  for png in ("mismatch.png", "importance_ratio.png"):
+    assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+  again = experiment.run(_experiment_config(), tmp_path)
+  assert again["measured"] == 0 and again["verdicts"] == first["verdicts"]
+  # More seeds extend the run; another model does not fit the directory.
+  more = experiment.run(_experiment_config(**{"sample.seeds": 3}), tmp_path)
+  assert more["measured"] == 3
+  with pytest.raises(ValueError, match="another config"):
+    experiment.run(_experiment_config(**{"model.width": 16}), tmp_path)
+
+
+def test_experiment_settings_are_checked(tmp_path):
+  from stableattn.experiments import mismatch as experiment
+
+  with pytest.raises(ValueError, match="config.pairs: unknown \\['nope'\\]"):
+    experiment.settings_from_config(_experiment_config(pairs="nope"))
+  with pytest.raises(ValueError, match="exceed model.max_len 32"):
+    experiment.settings_from_config(
+      _experiment_config(**{"sample.new_tokens": 30})
+    )

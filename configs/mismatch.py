@@ -1,0 +1,68 @@
+"""Training-inference mismatch experiment.
+
+Run:
+  python launch/mismatch.py --workdir=runs/mismatch
+  python launch/mismatch.py --workdir=runs/mismatch_smoke \
+      --config=configs/mismatch.py:smoke
+
+Trains the byte-level model in FP32 (or loads it from the run directory),
+then samples continuations of held-out prompts with each pair's sampler
+path (a KV cache, one decode step per token) and scores the same tokens
+with its trainer path, with identical weights. Variants: default (a few
+minutes on 2 CPU cores), `smoke` (tests; under two minutes), `paper`
+(more prompts and seeds), `gpu` (a larger model, for one GPU).
+
+Pairs (`config.pairs`, "all" or a comma list; the control always runs):
+see stableattn/experiments/mismatch/pairs.py.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict()
+  c.model.width = 64
+  c.model.depth = 2
+  c.model.heads = 2
+  c.model.max_len = 128
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 200
+  c.train.batch = 16
+  c.train.learning_rate = 3e-3
+  c.sample = ml_collections.ConfigDict()
+  c.sample.prompts = 16  # held-out prompts per seed
+  c.sample.prompt_len = 32
+  c.sample.new_tokens = 64
+  c.sample.seeds = 3
+  c.pairs = "all"
+  # Truncated importance sampling's cap on p_train / p_sample.
+  c.tis_threshold = 2.0
+  if arg == "smoke":
+    c.model.width = 32
+    c.model.max_len = 32
+    c.train.steps = 10
+    c.train.batch = 8
+    c.sample.prompts = 4
+    c.sample.prompt_len = 8
+    c.sample.new_tokens = 8
+    c.sample.seeds = 2
+  elif arg == "paper":
+    c.sample.prompts = 32
+    c.sample.seeds = 5
+  elif arg == "gpu":
+    c.model.width = 512
+    c.model.depth = 8
+    c.model.heads = 8
+    c.model.max_len = 512
+    c.train.steps = 2000
+    c.train.batch = 32
+    c.sample.prompts = 64
+    c.sample.prompt_len = 128
+    c.sample.new_tokens = 256
+    c.sample.seeds = 5
+  elif arg not in (None, "", "default"):
+    raise ValueError(
+      f"Unknown config variant {arg!r}; valid: default, smoke, paper, gpu."
+    )
+  return c

@@ -1,0 +1,207 @@
+"""The training-inference mismatch experiment: how much of the sampler's
+disagreement with the trainer does attention cause?
+
+  python launch/mismatch.py --workdir=runs/mismatch \
+      [--config=configs/mismatch.py:smoke]
+
+It trains the byte-level model (or loads the one it trained before, from
+the run directory), then for each pair (`pairs.PAIRS`) and seed samples
+continuations of held-out prompts with the pair's sampler path (a KV
+cache, one decode step per token) and scores the same tokens with its
+trainer path, with identical weights. Each (pair, seed) is one row of
+metrics.jsonl holding every sequence's metrics, so a stopped run resumes
+where it stopped and a rerun redoes nothing. The report gives every pair's
+mismatch with intervals over prompts and seeds, every subject divided by
+every reference (paired by prompt and seed), and verdicts computed from
+the rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+from flax import nnx
+
+from stableattn import data, environment, mismatch
+from stableattn.experiments.config_values import field
+from stableattn.experiments.mismatch import report
+from stableattn.experiments.mismatch.pairs import Pair, resolve
+from stableattn.experiments.rundir import RunDir
+from stableattn.model import AttentionSpec, ModelSpec
+from stableattn.options import Options
+from stableattn.training import OptimizerSpec, RunSpec, Trainer
+
+MODEL_FILE = "checkpoints/mismatch_model.npz"
+# The per-sequence metrics a row keeps (`mismatch.token_metrics`' names).
+METRICS = (
+  "rollout_probs_diff_max",
+  "rollout_probs_diff_mean",
+  "kl_k1",
+  "kl_k3",
+  "log_ratio_p01",
+  "log_ratio_p99",
+  "tis_share",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  model: ModelSpec
+  train_steps: int
+  train_batch: int
+  learning_rate: float
+  prompts: int
+  prompt_len: int
+  new_tokens: int
+  seeds: int
+  pairs: tuple[Pair, ...]
+  tis_threshold: float
+
+
+def settings_from_config(c) -> Settings:
+  model = ModelSpec(
+    width=field(c.model, "width", minimum=8),
+    depth=field(c.model, "depth", minimum=1),
+    heads=field(c.model, "heads", minimum=1),
+    max_len=field(c.model, "max_len", minimum=2),
+  )
+  s = Settings(
+    model=model,
+    train_steps=field(c.train, "steps", minimum=0),
+    train_batch=field(c.train, "batch", minimum=1),
+    learning_rate=float(c.train.learning_rate),
+    prompts=field(c.sample, "prompts", minimum=2),
+    prompt_len=field(c.sample, "prompt_len", minimum=1),
+    new_tokens=field(c.sample, "new_tokens", minimum=1),
+    seeds=field(c.sample, "seeds", minimum=1),
+    pairs=resolve(c.pairs),
+    tis_threshold=float(c.tis_threshold),
+  )
+  if s.prompt_len + s.new_tokens > model.max_len:
+    raise ValueError(
+      f"config.sample: prompt_len {s.prompt_len} + new_tokens "
+      f"{s.new_tokens} exceed model.max_len {model.max_len}."
+    )
+  return s
+
+
+TRAINING_ATTENTION = AttentionSpec("reference", Options(precision="fp32"))
+
+
+def trained_model(run_dir: RunDir, s: Settings):
+  """The byte-level model, trained in FP32 on the standard library's
+  source (the drift experiment's corpus), or loaded from this run."""
+  trainer = Trainer(
+    s.model,
+    RunSpec(attention=TRAINING_ATTENTION),
+    OptimizerSpec(
+      learning_rate=s.learning_rate,
+      warmup_steps=max(1, s.train_steps // 10),
+      total_steps=max(1, s.train_steps),
+    ),
+    s.train_batch,
+  )
+  state = trainer.init_state(0)
+  leaves, treedef = jax.tree.flatten(state.params)
+  path = run_dir.path / MODEL_FILE
+  if path.exists():
+    stored = np.load(path)
+    leaves = [stored[f"leaf_{i}"] for i in range(len(leaves))]
+    params = jax.tree.unflatten(treedef, leaves)
+    return nnx.merge(trainer.graphdef, params), json.loads(str(stored["log"]))
+  tokens, _ = data.stdlib_corpus()
+  losses = []
+  for step in range(s.train_steps):
+    batch = data.batch_at(
+      tokens,
+      seed=0,
+      step=step,
+      batch_size=s.train_batch,
+      seq_len=s.model.max_len,
+    )
+    state, metrics = trainer.step(state, trainer.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  log = {
+    "steps": s.train_steps,
+    "first_loss": losses[:1],
+    "last_loss": losses[-1:],
+  }
+  path.parent.mkdir(parents=True, exist_ok=True)
+  arrays = {
+    f"leaf_{i}": np.asarray(x)
+    for i, x in enumerate(jax.tree.leaves(state.params))
+  }
+  np.savez(path, log=json.dumps(log), **arrays)
+  return nnx.merge(trainer.graphdef, state.params), log
+
+
+def prompts_of(s: Settings, seed: int) -> np.ndarray:
+  """Held-out windows of the corpus: the same prompts for every pair."""
+  _, held_out = data.stdlib_corpus()
+  windows = data.batch_at(
+    held_out,
+    seed=1_000 + seed,
+    step=0,
+    batch_size=s.prompts,
+    seq_len=s.prompt_len,
+  )
+  return windows[:, : s.prompt_len]
+
+
+def measure(model, s: Settings, pair: Pair, seed: int) -> dict:
+  """One (pair, seed): every sequence's mismatch metrics."""
+  tokens, log_sample = mismatch.generate(
+    model,
+    prompts_of(s, seed),
+    s.new_tokens,
+    pair.sampler,
+    key=jax.random.key(seed),
+  )
+  log_train = mismatch.score(model, tokens, s.prompt_len, pair.trainer)
+  per_sequence = [
+    mismatch.token_metrics(a, b, s.tis_threshold)
+    for a, b in zip(np.asarray(log_sample), np.asarray(log_train))
+  ]
+  log_ratio = np.asarray(log_train, np.float64) - np.asarray(
+    log_sample, np.float64
+  )
+  return {
+    "pair": pair.name,
+    "role": pair.role,
+    "seed": seed,
+    **{m: [row[m] for row in per_sequence] for m in METRICS},
+    "log_ratio_histogram": report.histogram(log_ratio.ravel()),
+  }
+
+
+def run(config, workdir, *, restart: bool = False) -> dict:
+  s = settings_from_config(config)
+  run_dir = RunDir(workdir)
+  with run_dir.lock():
+    run_dir.bind_config(
+      config.to_dict(), extendable=("sample.seeds", "pairs"), restart=restart
+    )
+    rows = run_dir.read_metrics()
+    done = {(r["pair"], r["seed"]) for r in rows}
+    model, training_log = trained_model(run_dir, s)
+    measured = 0
+    for pair in s.pairs:
+      for seed in range(s.seeds):
+        if (pair.name, seed) in done:
+          continue
+        row = measure(model, s, pair, seed)
+        run_dir.append_metrics([row])
+        rows.append(row)
+        measured += 1
+    chosen = {p.name for p in s.pairs}
+    rows = [r for r in rows if r["pair"] in chosen and r["seed"] < s.seeds]
+    result = report.write(run_dir, s, rows, training_log)
+    return {
+      "workdir": str(run_dir.path),
+      "measured": measured,
+      "environment": environment.summary_line(result["environment"]),
+      "verdicts": result["verdicts"],
+    }

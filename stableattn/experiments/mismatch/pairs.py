@@ -1,0 +1,120 @@
+"""The mismatch experiment's pairs: a sampler path against a trainer path,
+with the same weights.
+
+Subjects change how attention computes (the question), the control
+changes nothing and must give exactly 0, references change another part
+of the model (the language-model head's format; the weights' format), so
+that attention's share of the mismatch can be read against them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stableattn.mismatch import Path
+from stableattn.model import AttentionSpec
+from stableattn.options import Options
+
+SUBJECT, CONTROL, REFERENCE = "subject", "control", "reference"
+
+
+def _flash(precision: str, **options) -> AttentionSpec:
+  return AttentionSpec("pallas", Options(precision=precision, **options))
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+  name: str
+  role: str
+  sampler: Path
+  trainer: Path
+  meaning: str
+
+
+def _decode(attention, head="fp32", weights="fp32") -> Path:
+  return Path(attention, head, mode="decode", weights=weights)
+
+
+def _full(attention, head="fp32", weights="fp32") -> Path:
+  return Path(attention, head, mode="full", weights=weights)
+
+
+BF16 = _flash("bf16-fa2")
+PAIRS = {
+  pair.name: pair
+  for pair in (
+    Pair(
+      "control",
+      CONTROL,
+      _decode(BF16),
+      _decode(BF16),
+      "the sampler's own path, recomputed: must be exactly 0",
+    ),
+    Pair(
+      "flash_decode_vs_train_bf16",
+      SUBJECT,
+      _decode(BF16),
+      _full(BF16),
+      "flash decode over a KV cache vs the flash training pass, bf16-fa2",
+    ),
+    Pair(
+      "flash_decode_vs_train_fp16",
+      SUBJECT,
+      _decode(_flash("fp16-fa2")),
+      _full(_flash("fp16-fa2")),
+      "the same in fp16-fa2 (Qi et al.: FP16 removes the mismatch)",
+    ),
+    Pair(
+      "split_vs_unsplit_decode",
+      SUBJECT,
+      _decode(_flash("bf16-fa2", num_splits=4)),
+      _decode(BF16),
+      "split-KV decode (4 splits) vs unsplit decode, bf16-fa2",
+    ),
+    Pair(
+      "fp8_decode_vs_bf16_train",
+      SUBJECT,
+      _decode(_flash("fp8-fa3")),
+      _full(BF16),
+      "fp8-fa3 decode vs the bf16-fa2 training pass",
+    ),
+    Pair(
+      "baseline_decode_vs_flash_train",
+      SUBJECT,
+      _decode(AttentionSpec("reference", Options(precision="bf16-framework"))),
+      _full(BF16),
+      "eager BF16 attention decoding vs the flash training pass",
+    ),
+    Pair(
+      "head_bf16_vs_fp32",
+      REFERENCE,
+      _decode(BF16, head="bf16"),
+      _decode(BF16),
+      "the language-model head in BF16 vs FP32 (PipelineRL's fix), same "
+      "attention path",
+    ),
+    Pair(
+      "weights_bf16_vs_fp32",
+      REFERENCE,
+      _decode(BF16, weights="bf16"),
+      _decode(BF16),
+      "weights rounded to BF16 vs FP32, same attention path",
+    ),
+  )
+}
+
+
+def resolve(names) -> tuple[Pair, ...]:
+  """Pairs by name ("all", or a comma list); the control always runs."""
+  if isinstance(names, str):
+    names = [n.strip() for n in names.split(",") if n.strip()]
+  names = list(names)
+  if names == ["all"]:
+    return tuple(PAIRS.values())
+  unknown = [n for n in names if n not in PAIRS]
+  if unknown or not names:
+    raise ValueError(
+      f"config.pairs: unknown {unknown}; valid: {list(PAIRS)} or 'all'."
+    )
+  chosen = dict.fromkeys(["control", *names])
+  return tuple(PAIRS[n] for n in chosen)

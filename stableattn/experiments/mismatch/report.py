@@ -1,0 +1,241 @@
+"""The mismatch experiment's report: every pair with intervals, subjects
+against references, verdicts from rows, figures."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from stableattn import environment
+from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
+from stableattn.experiments.reporting import (
+  Interval,
+  mean_interval,
+  resolution,
+  table,
+)
+from stableattn.experiments.rundir import RunDir
+from stableattn.plotting import Series, interval_plot, line_plot
+
+# Bins of |log(p_train / p_sample)| for the importance-ratio figure: exact
+# zeros, then two bins per decade from 1e-10 to 10, then beyond.
+HISTOGRAM_EDGES = np.concatenate([[0.0], np.logspace(-10, 1, 23), [np.inf]])
+# The metric subjects are divided by references with.
+RATIO_METRIC = "rollout_probs_diff_mean"
+SUMMARY_METRICS = (
+  "rollout_probs_diff_max",
+  "rollout_probs_diff_mean",
+  "kl_k3",
+  "tis_share",
+)
+
+
+def histogram(log_ratio) -> list[int]:
+  """Counts of |log ratio|: [exactly 0, then the bins of HISTOGRAM_EDGES
+  above 1e-10 ...]; values in (0, 1e-10) join the first decade's bin."""
+  magnitude = np.abs(np.asarray(log_ratio, np.float64))
+  zero = int(np.sum(magnitude == 0))
+  positive = np.clip(magnitude[magnitude > 0], 1e-10, None)
+  counts, _ = np.histogram(positive, HISTOGRAM_EDGES[1:])
+  return [zero, *counts.tolist()]
+
+
+def _values(rows, pair: str, metric: str) -> list[float]:
+  """Every sequence's value, in (seed, sequence) order."""
+  chosen = sorted(
+    (r for r in rows if r["pair"] == pair), key=lambda r: r["seed"]
+  )
+  return [v for r in chosen for v in r[metric]]
+
+
+def pair_intervals(rows) -> dict:
+  """{pair: {metric: Interval}} over prompts and seeds."""
+  pairs = list(dict.fromkeys(r["pair"] for r in rows))
+  return {
+    p: {m: mean_interval(_values(rows, p, m)) for m in SUMMARY_METRICS}
+    for p in pairs
+  }
+
+
+def ratio(rows, subject: str, reference: str) -> Interval | None:
+  """Geometric mean of subject / reference of the mean |p_s - p_t| per
+  sequence, paired by prompt and seed; None where no pair of positive
+  values exists."""
+  a, b = (
+    _values(rows, subject, RATIO_METRIC),
+    _values(rows, reference, RATIO_METRIC),
+  )
+  paired = [x / y for x, y in zip(a, b) if x > 0 and y > 0]
+  return mean_interval(paired, geometric=True) if paired else None
+
+
+def _side(interval: Interval | None, below: str, above: str) -> str:
+  if interval is None:
+    return "not measured"
+  if interval.high is not None and interval.high < 1:
+    return below
+  if interval.low is not None and interval.low > 1:
+    return above
+  return "cannot be told apart"
+
+
+def verdicts(rows) -> dict:
+  present = {r["pair"] for r in rows}
+  out = {}
+  if "control" in present:
+    control = [r for r in rows if r["pair"] == "control"]
+    zero = all(
+      v == 0
+      for r in control
+      for m in SUMMARY_METRICS + ("kl_k1", "log_ratio_p01", "log_ratio_p99")
+      for v in r[m]
+    )
+    out["control"] = {
+      "verdict": "exactly 0" if zero else "NOT 0: the measurement is broken",
+    }
+  if {"flash_decode_vs_train_bf16", "head_bf16_vs_fp32"} <= present:
+    r = ratio(rows, "flash_decode_vs_train_bf16", "head_bf16_vs_fp32")
+    out["attention_vs_head"] = {
+      "verdict": _side(
+        r,
+        "attention's mismatch is below the head's",
+        "attention's mismatch is above the head's",
+      ),
+      "ratio": None if r is None else r.as_dict(),
+      "resolution": resolution(r, geometric=True),
+    }
+  if {"flash_decode_vs_train_fp16", "flash_decode_vs_train_bf16"} <= present:
+    r = ratio(rows, "flash_decode_vs_train_fp16", "flash_decode_vs_train_bf16")
+    out["fp16_vs_bf16"] = {
+      "verdict": _side(
+        r,
+        "FP16 lowers the mismatch (Qi et al.'s direction holds)",
+        "FP16 raises the mismatch (against Qi et al.)",
+      ),
+      "ratio": None if r is None else r.as_dict(),
+      "removed_share": None if r is None else 1 - r.mean,
+      "resolution": resolution(r, geometric=True),
+    }
+  return out
+
+
+def _ratio_table(rows) -> str:
+  present = list(dict.fromkeys(r["pair"] for r in rows))
+  subjects = [p for p in present if PAIRS[p].role == SUBJECT]
+  references = [p for p in present if PAIRS[p].role == REFERENCE]
+  body = []
+  for s in subjects:
+    cells = []
+    for ref in references:
+      r = ratio(rows, s, ref)
+      cells.append("-" if r is None else r.text("x"))
+    body.append([s, *cells])
+  return table(["subject / reference", *references], body)
+
+
+def write(run_dir: RunDir, s, rows, training_log: dict) -> dict:
+  if not rows:
+    raise ValueError(
+      "the mismatch run measured nothing: no verdict from 0 rows."
+    )
+  stats = pair_intervals(rows)
+  found = verdicts(rows)
+  env = environment.describe()
+  headline = {
+    "verdicts": found,
+    "pairs": {
+      p: {m: i.as_dict() for m, i in metrics.items()}
+      for p, metrics in stats.items()
+    },
+    "training": training_log,
+    "environment": env,
+  }
+  run_dir.write_text("headline.json", json.dumps(headline, indent=2) + "\n")
+  run_dir.write_csv(
+    "summary.csv",
+    [
+      {"pair": p, "role": PAIRS[p].role, "metric": m, **i.as_dict()}
+      for p, metrics in stats.items()
+      for m, i in metrics.items()
+    ],
+  )
+  labels = list(stats)
+  mismatch_png = interval_plot(
+    run_dir.path / "mismatch.png",
+    labels,
+    [stats[p][RATIO_METRIC] for p in labels],
+    title="Mean |p_sample - p_train| per sequence, 95% interval",
+    ylabel="mean |p_sample - p_train|",
+  )
+  # Geometric bin centres; the last (open) bin is drawn at 30.
+  edges = HISTOGRAM_EDGES[1:]
+  centers = np.sqrt(edges[:-2] * edges[1:-1]).tolist() + [30.0]
+  series = []
+  for p in labels:
+    counts = np.sum(
+      [r["log_ratio_histogram"] for r in rows if r["pair"] == p], 0
+    )
+    if counts.sum():
+      exact = counts[0] / counts.sum()
+      label = p if exact == 1 else f"{p} ({exact:.0%} exactly 0)"
+      series.append(
+        Series(label, centers, (counts[1:] / counts.sum()).tolist())
+      )
+  ratio_png = line_plot(
+    run_dir.path / "importance_ratio.png",
+    series,
+    title="|log(p_train / p_sample)| per token",
+    xlabel="|log importance ratio| (the rightmost point: above 10)",
+    ylabel="share of tokens",
+  )
+  pair_rows = [
+    [
+      p,
+      PAIRS[p].role,
+      *(stats[p][m].text() for m in SUMMARY_METRICS),
+    ]
+    for p in labels
+  ]
+  verdict_lines = [
+    f"- **{name}**: {v['verdict']}"
+    + (f" (ratio {Interval(**v['ratio']).text('x')})" if v.get("ratio") else "")
+    for name, v in found.items()
+  ]
+  parts = [
+    "# Training-inference mismatch",
+    "",
+    environment.summary_line(env),
+    "",
+    f"The byte-level model (width {s.model.width}, depth {s.model.depth}, "
+    f"{s.model.heads} heads) trained {training_log['steps']} steps in FP32 "
+    f"(loss {training_log['first_loss']} -> {training_log['last_loss']}); "
+    f"{s.prompts} held-out prompts of {s.prompt_len} bytes, {s.new_tokens} "
+    f"sampled bytes each, {s.seeds} seed(s). The sampler decodes over a KV "
+    "cache; the trainer scores in one pass (or, where the pair says so, "
+    "through the sampler's own decode steps). Means over sequences with 95% "
+    "intervals over prompts and seeds.",
+    "",
+    "## Verdicts",
+    "",
+    *verdict_lines,
+    "",
+    "## Every pair",
+    "",
+    table(["pair", "role", *SUMMARY_METRICS], pair_rows),
+    "",
+    "Pairs: " + "; ".join(f"`{p}`: {PAIRS[p].meaning}" for p in labels) + ".",
+    "",
+    "## Subjects against references",
+    "",
+    f"Geometric mean of the per-sequence ratio of `{RATIO_METRIC}`, paired "
+    "by prompt and seed; a sequence where either pair's mismatch is exactly "
+    "0 has no ratio and is left out (n counts the rest).",
+    "",
+    _ratio_table(rows),
+    "",
+    f"![mismatch per pair]({mismatch_png.name})",
+    f"![importance ratios]({ratio_png.name})",
+  ]
+  run_dir.write_text("report.md", "\n".join(parts) + "\n")
+  return {"verdicts": found, "environment": env}
