@@ -38,6 +38,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.pairs = "all"
   # Truncated importance sampling's cap on p_train / p_sample.
   c.tis_threshold = 2.0
+  # Does it matter: a policy-gradient run (REINFORCE, group baseline)
+  # rewarding the share of `target_byte` in what the model writes, with
+  # the sampler and trainer of each arm (see policy_gradient.py).
+  c.rl = ml_collections.ConfigDict()
+  c.rl.arms = "all"
+  c.rl.replicates = 2
+  c.rl.steps = 30
+  c.rl.prompts = 4  # per step, each sampled `group` times
+  c.rl.group = 4
+  c.rl.prompt_len = 16
+  c.rl.new_tokens = 16
+  c.rl.learning_rate = 1e-3
+  c.rl.target_byte = 101  # "e"
   if arg == "smoke":
     c.model.width = 32
     c.model.max_len = 32
@@ -47,9 +60,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sample.prompt_len = 8
     c.sample.new_tokens = 8
     c.sample.seeds = 2
+    c.rl.arms = "fp8_sampler,fp8_sampler_tis"
+    c.rl.replicates = 1
+    c.rl.steps = 3
+    c.rl.prompt_len = 8
+    c.rl.new_tokens = 8
   elif arg == "paper":
     c.sample.prompts = 32
     c.sample.seeds = 5
+    c.rl.replicates = 4
+    c.rl.steps = 100
   elif arg == "gpu":
     c.model.width = 512
     c.model.depth = 8
@@ -61,6 +81,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sample.prompt_len = 128
     c.sample.new_tokens = 256
     c.sample.seeds = 5
+    c.rl.replicates = 5
+    c.rl.steps = 300
+    c.rl.prompts = 16
+    c.rl.group = 8
+    c.rl.prompt_len = 64
+    c.rl.new_tokens = 128
   elif arg not in (None, "", "default"):
     raise ValueError(
       f"Unknown config variant {arg!r}; valid: default, smoke, paper, gpu."

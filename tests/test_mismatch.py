@@ -117,6 +117,8 @@ def _experiment_config(**changes):
   config.train.steps = 4
   config.sample.prompts = 3
   config.pairs = "flash_decode_vs_train_bf16,head_bf16_vs_fp32"
+  config.rl.arms = "fp8_sampler"
+  config.rl.steps = 2
   for name, value in changes.items():
     node = config
     *parents, leaf = name.split(".")
@@ -135,7 +137,8 @@ def test_experiment_measures_pairs_reports_and_resumes(tmp_path):
   from stableattn.experiments import mismatch as experiment
 
   first = experiment.run(_experiment_config(), tmp_path)
-  assert first["measured"] == 3 * 2  # control and two pairs, two seeds
+  # Control and two pairs, two seeds; on-policy and FP8 policy gradient.
+  assert first["measured"] == 3 * 2 + 2
   headline = json.loads((tmp_path / "headline.json").read_text())
   assert headline["verdicts"]["control"]["verdict"] == "exactly 0"
   assert set(headline["verdicts"]) == {"control", "attention_vs_head"}
@@ -146,8 +149,24 @@ def test_experiment_measures_pairs_reports_and_resumes(tmp_path):
   report = (tmp_path / "report.md").read_text()
   for part in ("## Verdicts", "## Every pair", "## Subjects against"):
     assert part in report
-  for png in ("mismatch.png", "importance_ratio.png"):
+  for png in ("mismatch.png", "importance_ratio.png", "rl_reward.png"):
     assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+  assert "## Does it matter" in report
+  runs = [
+    json.loads(line)
+    for line in (tmp_path / "metrics.jsonl").open()
+    if '"arm"' in line
+  ]
+  assert {r["arm"] for r in runs} == {"on_policy", "fp8_sampler"}
+  for run in runs:
+    assert len(run["reward"]) == 2 and run["finite"]
+    kl = run["kl_k3"]
+    assert (max(kl) == 0) == (run["arm"] == "on_policy")
+  assert set(headline["policy_gradient"]) == {
+    "mismatch_effect",
+    "tis_effect",
+    "collapse",
+  }
   again = experiment.run(_experiment_config(), tmp_path)
   assert again["measured"] == 0 and again["verdicts"] == first["verdicts"]
   # More seeds extend the run; another model does not fit the directory.
@@ -166,3 +185,19 @@ def test_experiment_settings_are_checked(tmp_path):
     experiment.settings_from_config(
       _experiment_config(**{"sample.new_tokens": 30})
     )
+
+
+def test_reward_and_collapse_from_known_sequences():
+  from stableattn.experiments.mismatch import policy_gradient as pg
+
+  tokens = np.array([[1, 2, 101, 101, 7], [1, 2, 5, 6, 101]])
+  np.testing.assert_allclose(pg.reward(tokens, 2, 101), [2 / 3, 1 / 3])
+  rising = [0.1] * 5 + [0.3] * 10
+  assert pg.collapse_step(rising) is None
+  # One bad step is noise; a lasting fall to a tenth is a collapse.
+  assert pg.collapse_step(rising + [0.0] + [0.3] * 5) is None
+  fall = rising + [0.02] * 8
+  assert pg.collapse_step(fall) == 17  # the 5-step mean: 0.132 < 0.15
+  assert pg.collapse_step([0.3] * 3) is None  # too short to judge
+  with pytest.raises(ValueError, match="config.rl.arms: unknown"):
+    pg.resolve_arms("fp4_sampler")

@@ -27,7 +27,7 @@ from flax import nnx
 
 from stableattn import data, environment, mismatch
 from stableattn.experiments.config_values import field
-from stableattn.experiments.mismatch import report
+from stableattn.experiments.mismatch import policy_gradient, report
 from stableattn.experiments.mismatch.pairs import Pair, resolve
 from stableattn.experiments.rundir import RunDir
 from stableattn.model import AttentionSpec, ModelSpec
@@ -59,6 +59,23 @@ class Settings:
   seeds: int
   pairs: tuple[Pair, ...]
   tis_threshold: float
+  rl: RLSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+  """The policy-gradient run (`policy_gradient.py`)."""
+
+  arms: tuple[policy_gradient.Arm, ...]
+  replicates: int
+  steps: int
+  prompts: int  # per step; each sampled `group` times
+  group: int
+  prompt_len: int
+  new_tokens: int
+  learning_rate: float
+  target_byte: int
+  tis_cap: float
 
 
 def settings_from_config(c) -> Settings:
@@ -79,7 +96,28 @@ def settings_from_config(c) -> Settings:
     seeds=field(c.sample, "seeds", minimum=1),
     pairs=resolve(c.pairs),
     tis_threshold=float(c.tis_threshold),
+    rl=RLSettings(
+      arms=policy_gradient.resolve_arms(c.rl.arms),
+      replicates=field(c.rl, "replicates", minimum=0),
+      steps=field(c.rl, "steps", minimum=1),
+      prompts=field(c.rl, "prompts", minimum=1),
+      group=field(c.rl, "group", minimum=2),
+      prompt_len=field(c.rl, "prompt_len", minimum=1),
+      new_tokens=field(c.rl, "new_tokens", minimum=1),
+      learning_rate=float(c.rl.learning_rate),
+      target_byte=field(c.rl, "target_byte", minimum=0),
+      tis_cap=float(c.tis_threshold),
+    ),
   )
+  if s.rl.target_byte > 255:
+    raise ValueError(
+      f"config.rl.target_byte must be a byte (0-255), got {s.rl.target_byte}."
+    )
+  if s.rl.prompt_len + s.rl.new_tokens > model.max_len:
+    raise ValueError(
+      f"config.rl: prompt_len {s.rl.prompt_len} + new_tokens "
+      f"{s.rl.new_tokens} exceed model.max_len {model.max_len}."
+    )
   if s.prompt_len + s.new_tokens > model.max_len:
     raise ValueError(
       f"config.sample: prompt_len {s.prompt_len} + new_tokens "
@@ -182,10 +220,13 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   run_dir = RunDir(workdir)
   with run_dir.lock():
     run_dir.bind_config(
-      config.to_dict(), extendable=("sample.seeds", "pairs"), restart=restart
+      config.to_dict(),
+      extendable=("sample.seeds", "pairs", "rl.replicates", "rl.arms"),
+      restart=restart,
     )
     rows = run_dir.read_metrics()
-    done = {(r["pair"], r["seed"]) for r in rows}
+    done = {(r.get("pair"), r.get("seed")) for r in rows}
+    runs_done = {(r.get("arm"), r.get("replicate")) for r in rows}
     model, training_log = trained_model(run_dir, s)
     measured = 0
     for pair in s.pairs:
@@ -196,9 +237,25 @@ def run(config, workdir, *, restart: bool = False) -> dict:
         run_dir.append_metrics([row])
         rows.append(row)
         measured += 1
+    for arm in s.rl.arms:
+      for replicate in range(s.rl.replicates):
+        if (arm.name, replicate) in runs_done:
+          continue
+        row = policy_gradient.train_arm(model, arm, replicate, s.rl)
+        run_dir.append_metrics([row])
+        rows.append(row)
+        measured += 1
     chosen = {p.name for p in s.pairs}
-    rows = [r for r in rows if r["pair"] in chosen and r["seed"] < s.seeds]
-    result = report.write(run_dir, s, rows, training_log)
+    pair_rows = [
+      r for r in rows if r.get("pair") in chosen and r["seed"] < s.seeds
+    ]
+    arms = {a.name for a in s.rl.arms}
+    rl_rows = [
+      r
+      for r in rows
+      if r.get("arm") in arms and r["replicate"] < s.rl.replicates
+    ]
+    result = report.write(run_dir, s, pair_rows, training_log, rl_rows)
     return {
       "workdir": str(run_dir.path),
       "measured": measured,

@@ -9,9 +9,11 @@ import numpy as np
 
 from stableattn import environment
 from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
+from stableattn.experiments.mismatch.policy_gradient import collapse_step
 from stableattn.experiments.reporting import (
   Interval,
   mean_interval,
+  num,
   resolution,
   table,
 )
@@ -134,16 +136,162 @@ def _ratio_table(rows) -> str:
   return table(["subject / reference", *references], body)
 
 
-def write(run_dir: RunDir, s, rows, training_log: dict) -> dict:
+# The final reward of a policy-gradient run: its mean over the last steps.
+FINAL_STEPS = 5
+
+
+def final_reward(run: dict) -> float:
+  return float(np.mean(run["reward"][-FINAL_STEPS:]))
+
+
+def _difference(rl_rows, arm: str, against: str) -> Interval | None:
+  """Final reward of `arm` minus `against`'s, paired by replicate."""
+  by = {(r["arm"], r["replicate"]): r for r in rl_rows}
+  diffs = [
+    final_reward(by[(arm, i)]) - final_reward(by[(against, i)])
+    for (name, i) in by
+    if name == arm and (against, i) in by
+  ]
+  return mean_interval(diffs) if diffs else None
+
+
+def _sign(interval: Interval | None, what: str) -> dict:
+  if interval is None:
+    return {"verdict": "not measured"}
+  if interval.low is None:
+    verdict = "one replicate: no interval"
+  elif interval.low > 0:
+    verdict = f"{what} raises the final reward"
+  elif interval.high < 0:
+    verdict = f"{what} lowers the final reward"
+  else:
+    verdict = "no effect told apart from 0"
+  return {
+    "verdict": verdict,
+    "difference": interval.as_dict(),
+    "resolution": resolution(interval),
+  }
+
+
+def policy_collapse(run: dict) -> int | None:
+  """The step a run collapsed at (non-finite weights: its last), or None."""
+  if not run["finite"]:
+    return len(run["reward"])
+  return collapse_step(run["reward"])
+
+
+def rl_verdicts(rl_rows) -> dict:
+  out = {
+    "mismatch_effect": _sign(
+      _difference(rl_rows, "fp8_sampler", "on_policy"),
+      "an FP8 sampler (against on-policy)",
+    ),
+    "tis_effect": _sign(
+      _difference(rl_rows, "fp8_sampler_tis", "fp8_sampler"),
+      "TIS (with the FP8 sampler)",
+    ),
+  }
+  collapsed = {
+    f"{r['arm']}#{r['replicate']}": policy_collapse(r) for r in rl_rows
+  }
+  out["collapse"] = {
+    "verdict": (
+      "some runs collapse"
+      if any(v is not None for v in collapsed.values())
+      else "no run collapses"
+    ),
+    "at_step": collapsed,
+  }
+  return out
+
+
+def _rl_section(run_dir: RunDir, rl_rows, found: dict) -> list[str]:
+  if not rl_rows:
+    return []
+  arms = list(dict.fromkeys(r["arm"] for r in rl_rows))
+  body = []
+  reward_series, kl_series = [], []
+  for arm in arms:
+    runs = [r for r in rl_rows if r["arm"] == arm]
+    finals = mean_interval([final_reward(r) for r in runs])
+    collapsed = [policy_collapse(r) for r in runs]
+    body.append(
+      [
+        arm,
+        len(runs),
+        finals.text(),
+        num(max(max(r["kl_k3"]) for r in runs)),
+        num(max(max(r["rollout_probs_diff_max"]) for r in runs)),
+        num(float(np.mean([np.mean(r["tis_share"]) for r in runs]))),
+        ", ".join("no" if c is None else f"step {c}" for c in collapsed),
+      ]
+    )
+    steps = min(len(r["reward"]) for r in runs)
+    x = list(range(1, steps + 1))
+    reward_series.append(
+      Series(arm, x, np.mean([r["reward"][:steps] for r in runs], 0).tolist())
+    )
+    kl_series.append(
+      Series(arm, x, np.mean([r["kl_k3"][:steps] for r in runs], 0).tolist())
+    )
+  reward_png = line_plot(
+    run_dir.path / "rl_reward.png",
+    reward_series,
+    title="Policy gradient: mean reward per step (mean over replicates)",
+    xlabel="step",
+    ylabel="share of the target byte",
+    logx=False,
+    logy=False,
+  )
+  kl_png = line_plot(
+    run_dir.path / "rl_mismatch.png",
+    kl_series,
+    title="Sampler-trainer KL (k3) per step",
+    xlabel="step",
+    ylabel="KL k3",
+    logx=False,
+  )
+  lines = [
+    f"- **{name}**: {v['verdict']}"
+    + (
+      f" (difference {Interval(**v['difference']).text()})"
+      if v.get("difference")
+      else ""
+    )
+    for name, v in found.items()
+  ]
+  header = ["arm", "replicates", "final reward", "max KL k3"]
+  header += ["max |p_s - p_t|", "TIS share", "collapse"]
+  return [
+    "",
+    "## Does it matter: a policy-gradient run",
+    "",
+    f"Final reward: the mean over the last {FINAL_STEPS} steps, 95% interval "
+    "over replicates; differences paired by replicate. A run collapses "
+    "where its reward, averaged over 5 steps, falls below half its best "
+    "average after rising (or where its weights stop being finite).",
+    "",
+    *lines,
+    "",
+    table(header, body),
+    "",
+    f"![reward]({reward_png.name})",
+    f"![mismatch over steps]({kl_png.name})",
+  ]
+
+
+def write(run_dir: RunDir, s, rows, training_log: dict, rl_rows=()) -> dict:
   if not rows:
     raise ValueError(
       "the mismatch run measured nothing: no verdict from 0 rows."
     )
   stats = pair_intervals(rows)
   found = verdicts(rows)
+  rl_found = rl_verdicts(rl_rows) if rl_rows else {}
   env = environment.describe()
   headline = {
     "verdicts": found,
+    "policy_gradient": rl_found,
     "pairs": {
       p: {m: i.as_dict() for m, i in metrics.items()}
       for p, metrics in stats.items()
@@ -236,6 +384,7 @@ def write(run_dir: RunDir, s, rows, training_log: dict) -> dict:
     "",
     f"![mismatch per pair]({mismatch_png.name})",
     f"![importance ratios]({ratio_png.name})",
+    *_rl_section(run_dir, rl_rows, rl_found),
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
-  return {"verdicts": found, "environment": env}
+  return {"verdicts": {**found, **rl_found}, "environment": env}
