@@ -201,3 +201,65 @@ def test_reward_and_collapse_from_known_sequences():
   assert pg.collapse_step([0.3] * 3) is None  # too short to judge
   with pytest.raises(ValueError, match="config.rl.arms: unknown"):
     pg.resolve_arms("fp4_sampler")
+
+
+@pytest.mark.slow
+def test_a_killed_run_restarts_to_the_same_rows(tmp_path):
+  """SIGKILL the launcher once it has written rows; rerunning the same
+  command ends with the rows of a run never interrupted."""
+  import json
+  import os
+  import pathlib
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  overrides = [
+    "--config.train.steps=4",
+    "--config.sample.prompts=3",
+    "--config.pairs=flash_decode_vs_train_bf16,head_bf16_vs_fp32",
+    "--config.rl.arms=fp8_sampler",
+    "--config.rl.steps=2",
+  ]
+  killed = tmp_path / "killed"
+  command = [
+    sys.executable,
+    str(repo / "launch" / "mismatch.py"),
+    f"--workdir={killed}",
+    f"--config={repo / 'configs' / 'mismatch.py'}:smoke",
+    *overrides,
+  ]
+  process = subprocess.Popen(
+    command, cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
+  metrics = killed / "metrics.jsonl"
+  deadline = time.time() + 240
+  while time.time() < deadline and process.poll() is None:
+    if metrics.exists() and metrics.read_text().count("\n") >= 2:
+      break
+    time.sleep(0.2)
+  assert process.poll() is None, "the run ended before it could be killed"
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait()
+  written = metrics.read_text().count("\n")
+  assert 2 <= written < 8
+  rerun = subprocess.run(command, cwd=repo, capture_output=True, timeout=300)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  # The uninterrupted run goes through the launcher too: the tests' own
+  # process has 64-bit mode on, which the launcher does not.
+  whole_command = [
+    c if not c.startswith("--workdir=") else f"--workdir={tmp_path / 'whole'}"
+    for c in command
+  ]
+  whole = subprocess.run(whole_command, cwd=repo, capture_output=True)
+  assert whole.returncode == 0 and json.loads(whole.stdout)["measured"] == 8
+
+  def rows(workdir):
+    return sorted(
+      json.dumps(json.loads(line), sort_keys=True)
+      for line in (workdir / "metrics.jsonl").open()
+    )
+
+  assert rows(killed) == rows(tmp_path / "whole")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import jax
 import numpy as np
@@ -172,7 +173,10 @@ def trained_model(run_dir: RunDir, s: Settings):
     f"leaf_{i}": np.asarray(x)
     for i, x in enumerate(jax.tree.leaves(state.params))
   }
-  np.savez(path, log=json.dumps(log), **arrays)
+  # Written whole or not at all: a run killed here retrains on restart.
+  partial = path.with_name(path.name + ".partial.npz")
+  np.savez(partial, log=json.dumps(log), **arrays)
+  os.replace(partial, path)
   return nnx.merge(trainer.graphdef, state.params), log
 
 
