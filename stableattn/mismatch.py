@@ -49,12 +49,16 @@ class Path:
       own path recomputes exactly what the sampler did.
     weights: "fp32", or "bf16": every parameter rounded to BF16 (an
       inference engine's copy of FP32 training weights).
+    decode_batch: in "decode" mode, how many sequences run together:
+      None for all of them, or a size that splits them into batches (1:
+      each alone), as an engine batches requests.
   """
 
   attention: AttentionSpec = AttentionSpec()
   head_format: str = "fp32"
   mode: str = "full"
   weights: str = "fp32"
+  decode_batch: int | None = None
 
   def __post_init__(self):
     if self.head_format not in HEAD_FORMATS:
@@ -64,6 +68,15 @@ class Path:
       )
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}.")
+    if self.decode_batch is not None and (
+      isinstance(self.decode_batch, bool)
+      or not isinstance(self.decode_batch, int)
+      or self.decode_batch < 1
+    ):
+      raise ValueError(
+        f"decode_batch must be None or an integer >= 1, got "
+        f"{self.decode_batch!r}."
+      )
     if self.weights not in WEIGHT_FORMATS:
       raise ValueError(
         f"weights must be one of {list(WEIGHT_FORMATS)}, got {self.weights!r}."
@@ -120,16 +133,42 @@ def _check_length(model, total: int) -> None:
     )
 
 
-def _pick(log_p, step: int, key, greedy: bool):
+def _pick(log_p, step: int, key, greedy: bool, rows: slice):
+  """The next tokens of sequences `rows`: each sequence draws with its own
+  key, so a sequence samples the same way in any batch."""
   if greedy:
     return jnp.argmax(log_p, axis=-1).astype(jnp.int32)
-  token = jax.random.categorical(jax.random.fold_in(key, step), log_p)
+  keys = jax.vmap(
+    lambda i: jax.random.fold_in(jax.random.fold_in(key, i), step)
+  )(jnp.arange(rows.start, rows.stop)[: log_p.shape[0]])
+  token = jax.vmap(jax.random.categorical)(keys, log_p)
   return token.astype(jnp.int32)
 
 
 def _decode(model, prompts, new_tokens: int, path: Path, choose):
   """Prefill the prompts, then one decode step per new token; `choose(
-  step, log_p)` gives the token to append. Returns (tokens, log-probs)."""
+  step, log_p, rows)` gives the token to append for the sequences `rows`.
+  Returns (tokens, log-probs); with `decode_batch`, batch by batch."""
+  size = path.decode_batch
+  if size is not None and size < prompts.shape[0]:
+    parts = [
+      _decode_batch(
+        model,
+        prompts[start : start + size],
+        new_tokens,
+        path,
+        choose,
+        slice(start, start + size),
+      )
+      for start in range(0, prompts.shape[0], size)
+    ]
+    return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts))
+  return _decode_batch(
+    model, prompts, new_tokens, path, choose, slice(0, prompts.shape[0])
+  )
+
+
+def _decode_batch(model, prompts, new_tokens, path: Path, choose, rows):
   path = dataclasses.replace(path, mode="decode")
   model = with_weights(model, path.weights)
   batch, prompt_len = prompts.shape
@@ -138,7 +177,7 @@ def _decode(model, prompts, new_tokens: int, path: Path, choose):
   log_p, cache = _prefill(model, prompts, cache, path)
   tokens, log_probs = [prompts], []
   for step in range(new_tokens):
-    token = choose(step, log_p)
+    token = choose(step, log_p, rows)
     log_probs.append(jnp.take_along_axis(log_p, token[:, None], axis=-1))
     tokens.append(token[:, None])
     if step + 1 < new_tokens:
@@ -170,7 +209,7 @@ def generate(
     jnp.asarray(prompts, jnp.int32),
     new_tokens,
     path,
-    lambda step, log_p: _pick(log_p, step, key, greedy),
+    lambda step, log_p, rows: _pick(log_p, step, key, greedy, rows),
   )
 
 
@@ -194,7 +233,7 @@ def score(model: Transformer, tokens, prompt_len: int, path: Path):
       tokens[:, :prompt_len],
       new.shape[1],
       path,
-      lambda step, log_p: new[:, step],
+      lambda step, log_p, rows: new[rows, step],
     )
     return log_probs
   _check_length(model, tokens.shape[1])

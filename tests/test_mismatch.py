@@ -104,6 +104,10 @@ def test_bad_paths_and_lengths_say_what_is_valid(model, prompts):
     mismatch.Path(head_format="fp16")
   with pytest.raises(ValueError, match="mode must be one of"):
     mismatch.Path(mode="prefill")
+  with pytest.raises(ValueError, match="decode_batch must be None or"):
+    mismatch.Path(decode_batch=0)
+  with pytest.raises(ValueError, match="weights must be one of"):
+    mismatch.Path(weights="fp8")
   with pytest.raises(ValueError, match="exceed the model's max_len 40"):
     mismatch.generate(model, prompts, 40, mismatch.Path(), greedy=True)
   with pytest.raises(ValueError, match="needs a PRNG key"):
@@ -116,7 +120,7 @@ def _experiment_config(**changes):
   config = mismatch_config.get_config("smoke")
   config.train.steps = 4
   config.sample.prompts = 3
-  config.pairs = "flash_decode_vs_train_bf16,head_bf16_vs_fp32"
+  config.pairs = "batch_n_vs_batch_1_decode,head_bf16_vs_fp32"
   config.rl.arms = "fp8_sampler"
   config.rl.steps = 2
   for name, value in changes.items():
@@ -141,9 +145,14 @@ def test_experiment_measures_pairs_reports_and_resumes(tmp_path):
   assert first["measured"] == 3 * 2 + 2
   headline = json.loads((tmp_path / "headline.json").read_text())
   assert headline["verdicts"]["control"]["verdict"] == "exactly 0"
-  assert set(headline["verdicts"]) == {"control", "attention_vs_head"}
+  assert set(headline["verdicts"]) == {"control"}
   head = headline["pairs"]["head_bf16_vs_fp32"]["rollout_probs_diff_mean"]
   assert head["mean"] > 0 and head["count"] == 6
+  # A split count that follows the batch moves a sequence's probabilities.
+  batch = headline["pairs"]["batch_n_vs_batch_1_decode"]
+  assert batch["rollout_probs_diff_max"]["mean"] > 0
+  never = headline["pairs"]["control"]["greedy_divergence"]
+  assert never["mean"] == 8  # new_tokens: the control never parts
   control = headline["pairs"]["control"]["rollout_probs_diff_max"]
   assert control["mean"] == 0
   report = (tmp_path / "report.md").read_text()
@@ -219,7 +228,7 @@ def test_a_killed_run_restarts_to_the_same_rows(tmp_path):
   overrides = [
     "--config.train.steps=4",
     "--config.sample.prompts=3",
-    "--config.pairs=flash_decode_vs_train_bf16,head_bf16_vs_fp32",
+    "--config.pairs=batch_n_vs_batch_1_decode,head_bf16_vs_fp32",
     "--config.rl.arms=fp8_sampler",
     "--config.rl.steps=2",
   ]

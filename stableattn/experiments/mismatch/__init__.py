@@ -210,11 +210,26 @@ def measure(model, s: Settings, pair: Pair, seed: int) -> dict:
   log_ratio = np.asarray(log_train, np.float64) - np.asarray(
     log_sample, np.float64
   )
+  # Thinking Machines' measure: where greedy decoding with the two paths
+  # first writes different bytes (new_tokens where it never does).
+  greedy = [
+    mismatch.generate(
+      model,
+      prompts_of(s, seed),
+      s.new_tokens,
+      dataclasses.replace(path, mode="decode"),
+      greedy=True,
+    )[0]
+    for path in (pair.sampler, pair.trainer)
+  ]
+  divergence = mismatch.first_divergence(*greedy, s.prompt_len)
   return {
     "pair": pair.name,
     "role": pair.role,
     "seed": seed,
     **{m: [row[m] for row in per_sequence] for m in METRICS},
+    "greedy_divergence": divergence.tolist(),
+    "new_tokens": s.new_tokens,
     "log_ratio_histogram": report.histogram(log_ratio.ravel()),
   }
 

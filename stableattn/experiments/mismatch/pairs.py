@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from stableattn.dispatch import attention
+from stableattn.experiments.forward.inference import heuristic_splits
 from stableattn.mismatch import Path
 from stableattn.model import AttentionSpec
 from stableattn.options import Options
@@ -39,7 +41,20 @@ def _full(attention, head="fp32", weights="fp32") -> Path:
   return Path(attention, head, mode="full", weights=weights)
 
 
+def split_by_batch(q, k, v, **features):
+  """Flash attention (`bf16-fa2`, 16x16 tiles) whose split-KV count a
+  launch heuristic picks from the batch size (more splits for fewer
+  rows), as engines without a batch-invariant mode do: a sequence's
+  probabilities depend on what it is batched with."""
+  splits = heuristic_splits(q.shape[0], q.shape[2])
+  options = Options(
+    precision="bf16-fa2", block_q=16, block_k=16, num_splits=splits
+  )
+  return attention(q, k, v, options=options, **features)
+
+
 BF16 = _flash("bf16-fa2")
+BY_BATCH = AttentionSpec(f"{__name__}:split_by_batch")
 PAIRS = {
   pair.name: pair
   for pair in (
@@ -70,6 +85,14 @@ PAIRS = {
       _decode(_flash("bf16-fa2", num_splits=4)),
       _decode(BF16),
       "split-KV decode (4 splits) vs unsplit decode, bf16-fa2",
+    ),
+    Pair(
+      "batch_n_vs_batch_1_decode",
+      SUBJECT,
+      _decode(BY_BATCH),
+      dataclasses.replace(_decode(BY_BATCH), decode_batch=1),
+      "every prompt decoded in one batch vs each alone, by a kernel whose "
+      "split count follows the batch size",
     ),
     Pair(
       "fp8_decode_vs_bf16_train",

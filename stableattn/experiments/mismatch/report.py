@@ -30,6 +30,17 @@ SUMMARY_METRICS = (
   "rollout_probs_diff_mean",
   "kl_k3",
   "tis_share",
+  "greedy_divergence",
+)
+# Metrics that are 0 where the two paths agree (the control's test).
+ZERO_METRICS = (
+  "rollout_probs_diff_max",
+  "rollout_probs_diff_mean",
+  "kl_k1",
+  "kl_k3",
+  "log_ratio_p01",
+  "log_ratio_p99",
+  "tis_share",
 )
 
 
@@ -87,11 +98,10 @@ def verdicts(rows) -> dict:
   out = {}
   if "control" in present:
     control = [r for r in rows if r["pair"] == "control"]
-    zero = all(
-      v == 0
-      for r in control
-      for m in SUMMARY_METRICS + ("kl_k1", "log_ratio_p01", "log_ratio_p99")
-      for v in r[m]
+    zero = all(v == 0 for r in control for m in ZERO_METRICS for v in r[m])
+    # ... and greedy decoding with it never parts from itself.
+    zero = zero and all(
+      v == r["new_tokens"] for r in control for v in r["greedy_divergence"]
     )
     out["control"] = {
       "verdict": "exactly 0" if zero else "NOT 0: the measurement is broken",
