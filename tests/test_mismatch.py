@@ -190,6 +190,12 @@ def test_experiment_settings_are_checked(tmp_path):
 
   with pytest.raises(ValueError, match="config.pairs: unknown \\['nope'\\]"):
     experiment.settings_from_config(_experiment_config(pairs="nope"))
+  with pytest.raises(ValueError, match="tis_threshold must be a cap > 1"):
+    experiment.settings_from_config(_experiment_config(tis_threshold=0.5))
+  with pytest.raises(ValueError, match="target_byte must be a byte"):
+    experiment.settings_from_config(
+      _experiment_config(**{"rl.target_byte": 300})
+    )
   with pytest.raises(ValueError, match="exceed model.max_len 32"):
     experiment.settings_from_config(
       _experiment_config(**{"sample.new_tokens": 30})

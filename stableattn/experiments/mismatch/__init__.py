@@ -110,6 +110,14 @@ def settings_from_config(c) -> Settings:
       tis_cap=float(c.tis_threshold),
     ),
   )
+  if not s.tis_threshold > 1:
+    raise ValueError(
+      f"config.tis_threshold must be a cap > 1 on p_train / p_sample "
+      f"(Yao et al. use 2), got {s.tis_threshold}."
+    )
+  for name, rate in (("train", s.learning_rate), ("rl", s.rl.learning_rate)):
+    if not rate > 0:
+      raise ValueError(f"config.{name}.learning_rate must be > 0, got {rate}.")
   if s.rl.target_byte > 255:
     raise ValueError(
       f"config.rl.target_byte must be a byte (0-255), got {s.rl.target_byte}."
