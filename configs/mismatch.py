@@ -43,7 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the sampler and trainer of each arm (see policy_gradient.py).
   c.rl = ml_collections.ConfigDict()
   c.rl.arms = "all"
-  c.rl.replicates = 2
+  c.rl.replicates = 3
   c.rl.steps = 30
   c.rl.prompts = 4  # per step, each sampled `group` times
   c.rl.group = 4

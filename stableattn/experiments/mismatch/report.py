@@ -148,6 +148,9 @@ def _ratio_table(rows) -> str:
 
 # The final reward of a policy-gradient run: its mean over the last steps.
 FINAL_STEPS = 5
+# Fewer replicates give no verdict: two runs that happen to differ by the
+# same token count would give a zero-width interval.
+MIN_REPLICATES = 3
 
 
 def final_reward(run: dict) -> float:
@@ -168,8 +171,11 @@ def _difference(rl_rows, arm: str, against: str) -> Interval | None:
 def _sign(interval: Interval | None, what: str) -> dict:
   if interval is None:
     return {"verdict": "not measured"}
-  if interval.low is None:
-    verdict = "one replicate: no interval"
+  if interval.count < MIN_REPLICATES:
+    verdict = (
+      f"{interval.count} replicate(s): too few to tell (at least "
+      f"{MIN_REPLICATES})"
+    )
   elif interval.low > 0:
     verdict = f"{what} raises the final reward"
   elif interval.high < 0:
