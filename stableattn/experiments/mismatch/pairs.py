@@ -20,7 +20,8 @@ from stableattn.options import Options
 SUBJECT, CONTROL, REFERENCE = "subject", "control", "reference"
 
 
-def _flash(precision: str, **options) -> AttentionSpec:
+def flash(precision: str, **options) -> AttentionSpec:
+  """Our flash kernel under `precision`."""
   return AttentionSpec("pallas", Options(precision=precision, **options))
 
 
@@ -33,11 +34,13 @@ class Pair:
   meaning: str
 
 
-def _decode(attention, head="fp32", weights="fp32") -> Path:
+def decoding(attention, head="fp32", weights="fp32") -> Path:
+  """A sampler's path: prefill, then one step per token over a KV cache."""
   return Path(attention, head, mode="decode", weights=weights)
 
 
-def _full(attention, head="fp32", weights="fp32") -> Path:
+def one_pass(attention, head="fp32", weights="fp32") -> Path:
+  """A trainer's path: one pass over the whole sequence."""
   return Path(attention, head, mode="full", weights=weights)
 
 
@@ -53,7 +56,7 @@ def split_by_batch(q, k, v, **features):
   return attention(q, k, v, options=options, **features)
 
 
-BF16 = _flash("bf16-fa2")
+BF16 = flash("bf16-fa2")
 BY_BATCH = AttentionSpec(f"{__name__}:split_by_batch")
 PAIRS = {
   pair.name: pair
@@ -61,66 +64,66 @@ PAIRS = {
     Pair(
       "control",
       CONTROL,
-      _decode(BF16),
-      _decode(BF16),
+      decoding(BF16),
+      decoding(BF16),
       "the sampler's own path, recomputed: must be exactly 0",
     ),
     Pair(
       "flash_decode_vs_train_bf16",
       SUBJECT,
-      _decode(BF16),
-      _full(BF16),
+      decoding(BF16),
+      one_pass(BF16),
       "flash decode over a KV cache vs the flash training pass, bf16-fa2",
     ),
     Pair(
       "flash_decode_vs_train_fp16",
       SUBJECT,
-      _decode(_flash("fp16-fa2")),
-      _full(_flash("fp16-fa2")),
+      decoding(flash("fp16-fa2")),
+      one_pass(flash("fp16-fa2")),
       "the same in fp16-fa2 (Qi et al.: FP16 removes the mismatch)",
     ),
     Pair(
       "split_vs_unsplit_decode",
       SUBJECT,
-      _decode(_flash("bf16-fa2", num_splits=4)),
-      _decode(BF16),
+      decoding(flash("bf16-fa2", num_splits=4)),
+      decoding(BF16),
       "split-KV decode (4 splits) vs unsplit decode, bf16-fa2",
     ),
     Pair(
       "batch_n_vs_batch_1_decode",
       SUBJECT,
-      _decode(BY_BATCH),
-      dataclasses.replace(_decode(BY_BATCH), decode_batch=1),
+      decoding(BY_BATCH),
+      dataclasses.replace(decoding(BY_BATCH), decode_batch=1),
       "every prompt decoded in one batch vs each alone, by a kernel whose "
       "split count follows the batch size",
     ),
     Pair(
       "fp8_decode_vs_bf16_train",
       SUBJECT,
-      _decode(_flash("fp8-fa3")),
-      _full(BF16),
+      decoding(flash("fp8-fa3")),
+      one_pass(BF16),
       "fp8-fa3 decode vs the bf16-fa2 training pass",
     ),
     Pair(
       "baseline_decode_vs_flash_train",
       SUBJECT,
-      _decode(AttentionSpec("reference", Options(precision="bf16-framework"))),
-      _full(BF16),
+      decoding(AttentionSpec("reference", Options(precision="bf16-framework"))),
+      one_pass(BF16),
       "eager BF16 attention decoding vs the flash training pass",
     ),
     Pair(
       "head_bf16_vs_fp32",
       REFERENCE,
-      _decode(BF16, head="bf16"),
-      _decode(BF16),
+      decoding(BF16, head="bf16"),
+      decoding(BF16),
       "the language-model head in BF16 vs FP32 (PipelineRL's fix), same "
       "attention path",
     ),
     Pair(
       "weights_bf16_vs_fp32",
       REFERENCE,
-      _decode(BF16, weights="bf16"),
-      _decode(BF16),
+      decoding(BF16, weights="bf16"),
+      decoding(BF16),
       "weights rounded to BF16 vs FP32, same attention path",
     ),
   )

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from stableattn import mismatch
-from stableattn.experiments.mismatch.pairs import BF16, _decode, _flash
+from stableattn.experiments.mismatch.pairs import BF16, decoding, flash
 from stableattn.model import AttentionSpec
 from stableattn.options import Options
 
@@ -42,9 +42,9 @@ ARMS = {
   arm.name: arm
   for arm in (
     Arm("on_policy", None, False),
-    Arm("bf16_sampler", _decode(BF16, head="bf16"), False),
-    Arm("fp8_sampler", _decode(_flash("fp8-fa3"), head="bf16"), False),
-    Arm("fp8_sampler_tis", _decode(_flash("fp8-fa3"), head="bf16"), True),
+    Arm("bf16_sampler", decoding(BF16, head="bf16"), False),
+    Arm("fp8_sampler", decoding(flash("fp8-fa3"), head="bf16"), False),
+    Arm("fp8_sampler_tis", decoding(flash("fp8-fa3"), head="bf16"), True),
   )
 }
 
