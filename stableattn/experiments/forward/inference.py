@@ -15,6 +15,7 @@ split axes run with the partial outputs in FP32 and in the input format
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -113,6 +114,17 @@ class _Workload:
       **features,
     )
     return np.asarray(out).astype(np.float64), (q, features)
+
+  @functools.cached_property
+  def full_pass(self):
+    """Sequence 0's causal pass over its whole cache, and its golden
+    value: what chunked prefill and decoded positions are held to."""
+    q, k, v = self.q[:1], self.k[:1], self.v[:1]
+    out = attention(q, k, v, options=self.options, causal=True)
+    return (
+      np.asarray(out).astype(np.float64),
+      golden_attention(q, k, v, causal=True),
+    )
 
   def golden(self, examples):
     q, features = self.decode_inputs(examples)
@@ -232,10 +244,7 @@ def _chunk_rows(w: _Workload, c, fmt) -> list[dict]:
   queries see keys up to its end (bottom-right causal, the cache's length
   marking the rest invalid), against one causal pass."""
   length = c.cache_len
-  whole = np.asarray(
-    attention(w.q[:1], w.k[:1], w.v[:1], options=w.options, causal=True)
-  ).astype(np.float64)
-  golden = golden_attention(w.q[:1], w.k[:1], w.v[:1], causal=True)
+  whole, golden = w.full_pass
   rows = []
   for chunk in c.chunk_sizes:
     if length % chunk:
@@ -260,10 +269,7 @@ def _position_rows(w: _Workload, c, fmt) -> list[dict]:
   """Position t decoded alone (keys 0..t valid in the cache buffer) vs its
   row of the full causal pass, at evenly spaced positions."""
   length = c.cache_len
-  whole = np.asarray(
-    attention(w.q[:1], w.k[:1], w.v[:1], options=w.options, causal=True)
-  ).astype(np.float64)
-  golden = golden_attention(w.q[:1], w.k[:1], w.v[:1], causal=True)
+  whole, golden = w.full_pass
   positions = np.unique(np.linspace(0, length - 1, c.positions).astype(int))
   decoded = np.concatenate(
     [

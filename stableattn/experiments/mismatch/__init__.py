@@ -36,16 +36,6 @@ from stableattn.options import Options
 from stableattn.training import OptimizerSpec, RunSpec, Trainer
 
 MODEL_FILE = "checkpoints/mismatch_model.npz"
-# The per-sequence metrics a row keeps (`mismatch.token_metrics`' names).
-METRICS = (
-  "rollout_probs_diff_max",
-  "rollout_probs_diff_mean",
-  "kl_k1",
-  "kl_k3",
-  "log_ratio_p01",
-  "log_ratio_p99",
-  "tis_share",
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,9 +178,8 @@ def trained_model(run_dir: RunDir, s: Settings):
   return nnx.merge(trainer.graphdef, state.params), log
 
 
-def prompts_of(s: Settings, seed: int) -> np.ndarray:
-  """Held-out windows of the corpus: the same prompts for every pair."""
-  _, held_out = data.stdlib_corpus()
+def prompts_of(s: Settings, held_out, seed: int) -> np.ndarray:
+  """Windows of the held-out corpus: the same prompts for every pair."""
   windows = data.batch_at(
     held_out,
     seed=1_000 + seed,
@@ -201,11 +190,11 @@ def prompts_of(s: Settings, seed: int) -> np.ndarray:
   return windows[:, : s.prompt_len]
 
 
-def measure(model, s: Settings, pair: Pair, seed: int) -> dict:
+def measure(model, s: Settings, pair: Pair, prompts, seed: int) -> dict:
   """One (pair, seed): every sequence's mismatch metrics."""
   tokens, log_sample = mismatch.generate(
     model,
-    prompts_of(s, seed),
+    prompts,
     s.new_tokens,
     pair.sampler,
     key=jax.random.key(seed),
@@ -223,7 +212,7 @@ def measure(model, s: Settings, pair: Pair, seed: int) -> dict:
   greedy = [
     mismatch.generate(
       model,
-      prompts_of(s, seed),
+      prompts,
       s.new_tokens,
       dataclasses.replace(path, mode="decode"),
       greedy=True,
@@ -235,7 +224,7 @@ def measure(model, s: Settings, pair: Pair, seed: int) -> dict:
     "pair": pair.name,
     "role": pair.role,
     "seed": seed,
-    **{m: [row[m] for row in per_sequence] for m in METRICS},
+    **{m: [row[m] for row in per_sequence] for m in report.SEQUENCE_METRICS},
     "greedy_divergence": divergence.tolist(),
     "new_tokens": s.new_tokens,
     "log_ratio_histogram": report.histogram(log_ratio.ravel()),
@@ -255,12 +244,14 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     done = {(r.get("pair"), r.get("seed")) for r in rows}
     runs_done = {(r.get("arm"), r.get("replicate")) for r in rows}
     model, training_log = trained_model(run_dir, s)
-    measured = 0
+    measured, held_out = 0, None  # the corpus is read only if needed
     for pair in s.pairs:
       for seed in range(s.seeds):
         if (pair.name, seed) in done:
           continue
-        row = measure(model, s, pair, seed)
+        if held_out is None:
+          _, held_out = data.stdlib_corpus()
+        row = measure(model, s, pair, prompts_of(s, held_out, seed), seed)
         run_dir.append_metrics([row])
         rows.append(row)
         measured += 1

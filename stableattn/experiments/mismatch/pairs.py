@@ -130,17 +130,24 @@ PAIRS = {
 }
 
 
-def resolve(names) -> tuple[Pair, ...]:
-  """Pairs by name ("all", or a comma list); the control always runs."""
+def choose(names, table: dict, always: str, what: str) -> tuple:
+  """Entries of `table` by name ("all", or a comma list), `always` first.
+
+  Raises a ValueError naming `what` (the config field) and the valid
+  names for an unknown or empty choice."""
   if isinstance(names, str):
     names = [n.strip() for n in names.split(",") if n.strip()]
   names = list(names)
   if names == ["all"]:
-    return tuple(PAIRS.values())
-  unknown = [n for n in names if n not in PAIRS]
+    return tuple(table.values())
+  unknown = [n for n in names if n not in table]
   if unknown or not names:
     raise ValueError(
-      f"config.pairs: unknown {unknown}; valid: {list(PAIRS)} or 'all'."
+      f"{what}: unknown {unknown}; valid: {list(table)} or 'all'."
     )
-  chosen = dict.fromkeys(["control", *names])
-  return tuple(PAIRS[n] for n in chosen)
+  return tuple(table[n] for n in dict.fromkeys([always, *names]))
+
+
+def resolve(names) -> tuple[Pair, ...]:
+  """Pairs by name ("all", or a comma list); the control always runs."""
+  return choose(names, PAIRS, "control", "config.pairs")

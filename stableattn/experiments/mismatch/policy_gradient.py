@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from stableattn import mismatch
-from stableattn.experiments.mismatch.pairs import BF16, decoding, flash
+from stableattn.experiments.mismatch.pairs import BF16, choose, decoding, flash
 from stableattn.model import AttentionSpec
 from stableattn.options import Options
 
@@ -50,17 +50,8 @@ ARMS = {
 
 
 def resolve_arms(names) -> tuple[Arm, ...]:
-  if isinstance(names, str):
-    names = [n.strip() for n in names.split(",") if n.strip()]
-  names = list(names)
-  if names == ["all"]:
-    return tuple(ARMS.values())
-  unknown = [n for n in names if n not in ARMS]
-  if unknown or not names:
-    raise ValueError(
-      f"config.rl.arms: unknown {unknown}; valid: {list(ARMS)} or 'all'."
-    )
-  return tuple(ARMS[n] for n in dict.fromkeys(["on_policy", *names]))
+  """Arms by name ("all", or a comma list); the on-policy arm always runs."""
+  return choose(names, ARMS, "on_policy", "config.rl.arms")
 
 
 def reward(tokens, prompt_len: int, target: int) -> np.ndarray:

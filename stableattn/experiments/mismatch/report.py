@@ -32,8 +32,9 @@ SUMMARY_METRICS = (
   "tis_share",
   "greedy_divergence",
 )
-# Metrics that are 0 where the two paths agree (the control's test).
-ZERO_METRICS = (
+# The per-sequence metrics a row keeps (`mismatch.token_metrics`' names),
+# each 0 where the two paths agree (the control's test).
+SEQUENCE_METRICS = (
   "rollout_probs_diff_max",
   "rollout_probs_diff_mean",
   "kl_k1",
@@ -93,12 +94,20 @@ def _side(interval: Interval | None, below: str, above: str) -> str:
   return "cannot be told apart"
 
 
+def _ratio_verdict(r: Interval | None, below: str, above: str) -> dict:
+  return {
+    "verdict": _side(r, below, above),
+    "ratio": None if r is None else r.as_dict(),
+    "resolution": resolution(r, geometric=True),
+  }
+
+
 def verdicts(rows) -> dict:
   present = {r["pair"] for r in rows}
   out = {}
   if "control" in present:
     control = [r for r in rows if r["pair"] == "control"]
-    zero = all(v == 0 for r in control for m in ZERO_METRICS for v in r[m])
+    zero = all(v == 0 for r in control for m in SEQUENCE_METRICS for v in r[m])
     # ... and greedy decoding with it never parts from itself.
     zero = zero and all(
       v == r["new_tokens"] for r in control for v in r["greedy_divergence"]
@@ -107,28 +116,19 @@ def verdicts(rows) -> dict:
       "verdict": "exactly 0" if zero else "NOT 0: the measurement is broken",
     }
   if {"flash_decode_vs_train_bf16", "head_bf16_vs_fp32"} <= present:
-    r = ratio(rows, "flash_decode_vs_train_bf16", "head_bf16_vs_fp32")
-    out["attention_vs_head"] = {
-      "verdict": _side(
-        r,
-        "attention's mismatch is below the head's",
-        "attention's mismatch is above the head's",
-      ),
-      "ratio": None if r is None else r.as_dict(),
-      "resolution": resolution(r, geometric=True),
-    }
+    out["attention_vs_head"] = _ratio_verdict(
+      ratio(rows, "flash_decode_vs_train_bf16", "head_bf16_vs_fp32"),
+      "attention's mismatch is below the head's",
+      "attention's mismatch is above the head's",
+    )
   if {"flash_decode_vs_train_fp16", "flash_decode_vs_train_bf16"} <= present:
     r = ratio(rows, "flash_decode_vs_train_fp16", "flash_decode_vs_train_bf16")
-    out["fp16_vs_bf16"] = {
-      "verdict": _side(
-        r,
-        "FP16 lowers the mismatch (Qi et al.'s direction holds)",
-        "FP16 raises the mismatch (against Qi et al.)",
-      ),
-      "ratio": None if r is None else r.as_dict(),
-      "removed_share": None if r is None else 1 - r.mean,
-      "resolution": resolution(r, geometric=True),
-    }
+    out["fp16_vs_bf16"] = _ratio_verdict(
+      r,
+      "FP16 lowers the mismatch (Qi et al.'s direction holds)",
+      "FP16 raises the mismatch (against Qi et al.)",
+    )
+    out["fp16_vs_bf16"]["removed_share"] = None if r is None else 1 - r.mean
   return out
 
 
