@@ -312,6 +312,7 @@ def flash_forward(
   cfg: KernelConfig,
   scales=None,
   page_table=None,
+  merge: bool = True,
 ):
   """Runs the forward kernel on padded inputs.
 
@@ -328,6 +329,9 @@ def flash_forward(
       with operands below 16 bits, or None.
     page_table: int32 [batch, pages per sequence] (paged cache only): the
       pool page that holds each page of a sequence's keys.
+    merge: with split-KV, merge the splits; False returns the partials
+      (out [batch, splits, ...] in `partials`, lse -inf where a split is
+      empty) for a caller that merges them with others (ring attention).
 
   Returns:
     (out [batch, q_len_padded, heads, head_dim_padded] in `output`,
@@ -416,12 +420,12 @@ def flash_forward(
     interpret=cfg.interpret,
     name=f"stableattn_flash_forward_{cfg.scheme}",
   )(q, k, v, *arrays)
-  if split_kv:
+  if split_kv and merge:
     return merge_splits(out, lse, cfg)
   return out, lse
 
 
-def merge_splits(partial_out, partial_lse, cfg: KernelConfig):
+def merge_splits(partial_out, partial_lse, cfg: KernelConfig, final=True):
   """Split-KV's combine step (FlashAttention's `combine_attn_seqk_parallel`):
   lse = max_s lse_s + log(sum_s exp(lse_s - max)), then
   O = sum_s exp(lse_s - lse) O_s, summed over the splits in order.
@@ -434,6 +438,9 @@ def merge_splits(partial_out, partial_lse, cfg: KernelConfig):
   Args:
     partial_out: [batch, splits, q_len, heads, head_dim] in `partials`.
     partial_lse: [batch, splits, heads, q_len] in `softmax_stats`.
+    final: store the result in `output` with lse +inf for an empty row;
+      False keeps it a partial (in `partials`, lse -inf) to merge again,
+      as an online merge does.
   """
   ar = PolicyArithmetic(cfg.policy)
 
@@ -463,6 +470,12 @@ def merge_splits(partial_out, partial_lse, cfg: KernelConfig):
     weight_BxTxH = jnp.swapaxes(accum(weight_BxHxT), 1, 2)
     part = partial_out[:, s].astype(ar.carrier)
     out_BxTxHxD = accum(out_BxTxHxD + accum(weight_BxTxH[..., None] * part))
+  if not final:
+    lse_BxHxT = jnp.where(empty_BxHxT, -jnp.inf, lse_BxHxT)
+    return (
+      ar.stored(out_BxTxHxD, "partials"),
+      ar.stored(lse_BxHxT, "softmax_stats"),
+    )
   lse_BxHxT = jnp.where(empty_BxHxT, jnp.inf, lse_BxHxT)
   return (
     ar.stored(out_BxTxHxD, "output"),
