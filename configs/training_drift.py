@@ -11,7 +11,8 @@ standard library's source, 5 replicates; 13 minutes on 2 CPU cores),
 `paper` (sequence 128, 1000 steps, 5 replicates; hours on a CPU), `gpu`
 (GPT-2-small-like, 12 layers, width 768, context 1024, 400 steps, 5
 replicates; for one H100, not yet timed there), `smoke` (tiny, generated
-corpus, 2 replicates; under a minute, for tests).
+corpus, 2 replicates, the flash run also context-parallel over 2
+devices; about a minute, for tests).
 
 Each replicate has its own shared initialization and data order. The
 default's sequence is 64 and its run 75 steps so that five replicates,
@@ -71,6 +72,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # A flash policy below 16 bits (e.g. "fp8-fa3") to train with beside the
   # others (pair low_precision_vs_baseline); "": no such run.
   c.attention.low_precision = ""
+  # Devices of a ring (>= 2) over which the flash run's attention is
+  # sharded by sequence, trained beside it (pair context_parallel_vs_single;
+  # on CPU the launcher simulates the devices); 0: no such run.
+  c.attention.context_parallel = 0
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # compute format of the base run
@@ -88,7 +93,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.clip_norm = 1.0
   c.train.log_every = 15
   c.train.checkpoint_every = 30
-  c.train.devices = 0  # 0: every local device
+  c.train.devices = 0  # data parallelism; 0: every local device
   c.train.stop_at_step = 0  # >0: stop after this step's checkpoint (tests)
   # At each log: flash attention-gradient error vs FP32 attention, its
   # cosine with the previous log's error and its top singular value share.
@@ -143,6 +148,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.log_every = 4
     c.train.checkpoint_every = 6
     c.data.corpus_tokens = 1 << 15
+    # One device for data, two for the context-parallel run: the same
+    # pairs on any machine.
+    c.train.devices = 1
+    c.attention.context_parallel = 2
   elif arg not in (None, "", "default"):
     raise ValueError(
       f"Unknown config variant {arg!r}; valid: default, gpu, paper, smoke."

@@ -9,9 +9,11 @@ Kept short so that Colab and tests call the same `run`.
 
 import pathlib
 
+import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from stableattn import distributed
 from stableattn.experiments import training_drift
 from stableattn.experiments.cli import run_and_print
 
@@ -36,9 +38,15 @@ flags.DEFINE_bool(
 
 def main(argv):
   del argv
+  config = flags.FLAGS.config
+  # A context-parallel run on a CPU: its ring's devices are simulated, and
+  # the other runs keep the one real CPU device unless told otherwise.
+  if distributed.simulate_cpu_devices(config.attention.context_parallel):
+    if config.train.devices == 0 and jax.default_backend() == "cpu":
+      config.train.devices = 1
   return run_and_print(
     training_drift.run,
-    flags.FLAGS.config,
+    config,
     flags.FLAGS.workdir,
     restart=flags.FLAGS.restart,
   )

@@ -5,6 +5,8 @@ Public API:
     keywords are fields of Options (how) or Features (what), as sugar
   paged_attention(q, k_pages, v_pages, page_table, ...): the same over a
     paged KV cache; gather_pages(pages, page_table): its contiguous cache
+  ring_attention(q, k, v, *, mesh, axis, ...): the same with the sequence
+    sharded over a mesh axis (context parallelism), ring backward
   Options(precision, block_q, block_k, scheme, num_splits, split_size,
     ...): frozen, hashable
   Features(causal, local_window_size, segment_ids, softcap, sink, ...)
@@ -31,6 +33,7 @@ from stableattn.metrics import Deviation, compare, error_ratio, rounding_floor
 from stableattn.options import SCHEMES, Options
 from stableattn.paged import gather_pages, paged_attention
 from stableattn.precision import STAGES, Precision, preset_names
+from stableattn.ring import ring_attention
 from stableattn.rounding import round_to
 from stableattn.rules import passes_fa_rule
 from stableattn.tiling import tiles_from_sram
@@ -57,6 +60,7 @@ __all__ = [
   "paged_attention",
   "passes_fa_rule",
   "preset_names",
+  "ring_attention",
   "round_to",
   "rounding_floor",
   "tiles_from_sram",

@@ -39,3 +39,26 @@ def initialize(
 def is_writer() -> bool:
   """Whether this process writes the run's files (process 0)."""
   return jax.process_index() == 0
+
+
+def simulate_cpu_devices(devices: int) -> bool:
+  """Gives the CPU backend `devices` simulated devices (XLA host devices)
+  for a context-parallel ring on a machine whose CPU is one device.
+
+  Only before JAX starts, and only where neither XLA_FLAGS
+  (--xla_force_host_platform_device_count) nor `jax_num_cpu_devices`
+  already sets a count; an accelerator backend is unaffected. Returns
+  whether it did.
+  """
+  import os
+
+  from jax._src import xla_bridge
+
+  if devices < 2 or xla_bridge.backends_are_initialized():
+    return False
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return False
+  if jax.config.jax_num_cpu_devices > 0:
+    return False
+  jax.config.update("jax_num_cpu_devices", devices)
+  return True

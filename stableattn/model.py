@@ -28,11 +28,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from stableattn import attention_fns
 from stableattn.features import Features
 from stableattn.options import Options
+from stableattn.ring import ring_attention
 
 SHADOW = "shadow"
 FP32 = Options(precision="fp32")
@@ -54,6 +57,9 @@ class AttentionSpec:
     options: how `kind` computes (`stableattn.Options`); peers ignore it.
     features: what every layer computes (causal; a softcap, a window).
     shadow_baseline: the Options of "shadow"'s baseline (the reference).
+    context_parallel: our flash kernel ("pallas") runs as ring attention
+      with the sequence sharded over this many devices (a mesh axis
+      "context" of the first devices; `context_mesh`); 1: one device.
   """
 
   kind: str = "reference"
@@ -61,8 +67,19 @@ class AttentionSpec:
   features: Features = Features(causal=True)
   shadow_baseline: Options = Options(precision="fp32")
   shadow_downstream: str = "reference"  # which output "shadow" passes on
+  context_parallel: int = 1
 
   def __post_init__(self):
+    if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+      raise ValueError(
+        f"context_parallel must be an int >= 1 (devices the sequence is "
+        f"sharded over), got {self.context_parallel!r}."
+      )
+    if self.context_parallel > 1 and self.kind != "pallas":
+      raise ValueError(
+        f"context_parallel={self.context_parallel} shards our flash kernel "
+        f"over a ring; it needs kind 'pallas', got {self.kind!r}."
+      )
     if self.kind != SHADOW:
       try:
         attention_fns.check_name(self.kind)
@@ -78,8 +95,37 @@ class AttentionSpec:
 
   def call(self, q, k, v, kind: str | None = None, options=None):
     """Attention of `kind` (default: this spec's) on q, k, v."""
-    fn = attention_fns.resolve(kind or self.kind, options or self.options)
+    kind = kind or self.kind
+    if kind == "pallas" and self.context_parallel > 1:
+      return ring_attention(
+        q,
+        k,
+        v,
+        mesh=context_mesh(self.context_parallel),
+        axis=CONTEXT_AXIS,
+        options=options or self.options,
+        features=self.features,
+      )
+    fn = attention_fns.resolve(kind, options or self.options)
     return fn(q, k, v, **self.features.kwargs())
+
+
+CONTEXT_AXIS = "context"
+
+
+def context_mesh(devices: int) -> Mesh:
+  """The 1-D mesh ("context") of the first `devices` devices that a
+  context-parallel model shards its sequence over."""
+  available = jax.devices()
+  if devices > len(available):
+    raise ValueError(
+      f"context_parallel={devices} needs {devices} devices, but only "
+      f"{len(available)} are available (on CPU, simulate more with "
+      f"jax.config.update('jax_num_cpu_devices', {devices}) before JAX "
+      "starts, or XLA_FLAGS=--xla_force_host_platform_device_count="
+      f"{devices})."
+    )
+  return Mesh(np.asarray(available[:devices]), (CONTEXT_AXIS,))
 
 
 @dataclasses.dataclass(frozen=True)

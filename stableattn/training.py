@@ -5,6 +5,9 @@ compute format (params cast on the way in). FP16 adds dynamic loss scaling:
 a step whose gradients overflow is skipped and the scale halved; after
 `loss_scale_period` good steps the scale doubles. Data parallelism: the
 batch is sharded over a 1-D `Mesh` ("data" axis), parameters replicated.
+Context parallelism (`AttentionSpec.context_parallel`): every device of
+the ring holds the whole batch and the parameters, and attention runs as
+ring attention over a shard of the sequence per device.
 
 Several processes (one per host, `stableattn.distributed`): the mesh spans
 every process's devices; each process builds the same global batch and
@@ -25,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stableattn.model import AttentionSpec, ModelSpec, Transformer
+from stableattn.model import AttentionSpec, ModelSpec, Transformer, context_mesh
 from stableattn.precision import to_dtype
 
 COMPUTE_DTYPES = {name: to_dtype(name) for name in ("fp32", "bf16", "fp16")}
@@ -124,15 +127,19 @@ class Trainer:
     batch_size: int,
     eval_attention: AttentionSpec | None = None,
   ):
+    context = run.attention.context_parallel
+    if context > 1 and run.devices != 1:
+      raise ValueError(
+        f"A context-parallel run (context_parallel={context}) has no data "
+        f"parallelism here: devices must be 1, got {run.devices}."
+      )
     if batch_size % run.devices:
       raise ValueError(
         f"batch_size {batch_size} is not divisible by the {run.devices} "
         "devices of the data-parallel mesh."
       )
     self.run = run
-    self.mesh = make_mesh(run.devices)
-    self.replicated = NamedSharding(self.mesh, P())
-    self.batch_sharding = NamedSharding(self.mesh, P("data"))
+    self.replicated, self.batch_sharding = self._shardings(run)
     self.model_spec = model_spec
     self.graphdef = self.graph_with(run.attention)
     self.tx = make_optimizer(optimizer)
@@ -148,6 +155,17 @@ class Trainer:
       if eval_attention is None
       else self.graph_with(eval_attention)
     )
+
+  def _shardings(self, run: RunSpec):
+    """(parameters', batch's): over the data-parallel mesh; for a
+    context-parallel run both are replicated over its ring, whose devices
+    each attend over a shard of the sequence."""
+    context = run.attention.context_parallel
+    if context > 1:
+      self.mesh = context_mesh(context)
+      return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P())
+    self.mesh = make_mesh(run.devices)
+    return NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P("data"))
 
   def graph_with(self, attention: AttentionSpec):
     """The model's graph with another attention; the same parameters fit."""

@@ -1,4 +1,5 @@
-"""Test setup: FP64 on, a persistent compilation cache, GPU marker."""
+"""Test setup: FP64 on, eight CPU devices, a persistent compilation cache,
+GPU marker."""
 
 import os
 import pathlib
@@ -10,6 +11,12 @@ from hypothesis import HealthCheck, settings
 # Golden comparisons at FP64 need JAX's 64-bit mode; the library raises a
 # clear error without it (tested in test_precision.py).
 jax.config.update("jax_enable_x64", True)
+# Ring attention shards a sequence over 2, 4 and 8 devices; on the CPU they
+# are simulated (XLA host devices). Single-device code runs on the first.
+if "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  jax.config.update("jax_num_cpu_devices", 8)
 # Compile once per configuration across test processes and reruns.
 _CACHE = os.environ.get(
   "STABLEATTN_JAX_CACHE",

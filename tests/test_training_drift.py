@@ -355,6 +355,7 @@ def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
     f"--workdir={tmp_path}",
     f"--config={REPO / 'configs' / 'training_drift.py'}:smoke",
     "--config.pairs=one_vs_n_devices",
+    "--config.train.devices=0",
     "--config.train.total_steps=2",
     "--config.train.warmup_steps=1",
     "--config.train.log_every=1",
@@ -446,7 +447,7 @@ def test_gpu_config_trains_two_steps_on_cpu_with_tiny_overrides(tmp_path):
   config.model.width, config.model.heads, config.model.seq_len = 32, 2, 32
   config.model.depth, config.train.replicates = 2, 1
   config.attention.block_q = config.attention.block_k = 16
-  config.train.batch_size = 2
+  config.train.batch_size, config.train.devices = 2, 1
   config.train.total_steps, config.train.warmup_steps = 2, 1
   config.train.log_every = config.train.checkpoint_every = 1
   config.pairs = "flash_vs_baseline,fp16_vs_bf16,identical_rerun"

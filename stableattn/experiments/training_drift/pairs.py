@@ -90,6 +90,15 @@ PAIRS = (
     "subject",
     requires="attention.low_precision",
   ),
+  # The flash run's attention as ring attention with the sequence sharded
+  # over devices: --config.attention.context_parallel=2.
+  Pair(
+    "context_parallel_vs_single",
+    "flash",
+    "flash_context_parallel",
+    "subject",
+    requires="attention.context_parallel",
+  ),
 )
 BY_NAME = {p.name: p for p in PAIRS}
 

@@ -118,6 +118,11 @@ def _attention_label(attention) -> str:
   if attention.kind not in IMPLEMENTATIONS + ("shadow",):
     return f"{attention.kind} attention (its own arithmetic)"
   policy = attention.options.precision.name
+  if attention.context_parallel > 1:
+    return (
+      f"{attention.kind} ring attention ({policy}), the sequence sharded "
+      f"over {attention.context_parallel} devices"
+    )
   return f"{attention.kind} attention ({policy})"
 
 

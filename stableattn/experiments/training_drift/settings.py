@@ -68,11 +68,12 @@ class Settings:
   @property
   def flash_runs(self) -> list[str]:
     """Physical runs whose attention is our flash kernel (the runs whose
-    attention-gradient error the Trainer can measure)."""
+    attention-gradient error the Trainer can measure; on one device)."""
     return [
       name
       for name, run in self.physical_runs.items()
       if run.attention.kind == "pallas"
+      and run.attention.context_parallel == 1
     ]
 
 
@@ -164,6 +165,17 @@ def _low_precision(raw, name: str) -> str:
   return policy.name
 
 
+def _context_parallel(raw, name: str) -> int:
+  """0 (no context-parallel run) or a ring of >= 2 devices."""
+  value = int(raw)
+  if value == 1 or value < 0:
+    raise ValueError(
+      f"config.{name} must be 0 (off) or the devices of the ring (>= 2), "
+      f"got {raw!r}."
+    )
+  return value
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBlock:
   baseline: str = spec(choices=KINDS)  # attention of the base run
@@ -178,6 +190,7 @@ class AttentionBlock:
   fix: str = spec(parse=_kernel_options)
   candidate: str = spec(parse=_optional_kernel)
   low_precision: str = spec(parse=_low_precision)
+  context_parallel: int = spec(parse=_context_parallel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +283,7 @@ def _pairs(c, attention: AttentionBlock, devices: int) -> tuple[str, ...]:
 REQUIRED_TEXT = {
   "attention.candidate": "a kernel name or 'package.module:function'",
   "attention.low_precision": "a policy below 16 bits, e.g. fp8-fa3",
+  "attention.context_parallel": "the devices of the ring, e.g. 2",
 }
 
 
@@ -295,10 +309,22 @@ def _run_spec(
     flash = tiles.replace(precision=flash_policy + variant.flash_stages)
     extra = {None: "", "flash": a.flash_options, "fix": a.fix}
     options = Options.from_string(extra[variant.options], flash)
+  context = a.context_parallel if variant.context_parallel else 1
+  if context > 1 and kind != "pallas":
+    raise ValueError(
+      f"config.attention.context_parallel={context} runs the flash kernel "
+      f"as ring attention; config.attention.flash must be 'pallas', got "
+      f"{kind!r}."
+    )
   return RunSpec(
-    attention=AttentionSpec(kind=kind, options=options, shadow_baseline=tiles),
+    attention=AttentionSpec(
+      kind=kind,
+      options=options,
+      shadow_baseline=tiles,
+      context_parallel=context,
+    ),
     precision=precision,
-    devices=1 if variant.single_device else devices,
+    devices=1 if variant.single_device or context > 1 else devices,
     init_seed=variant.init_seed,
     replica=variant.replica,
   )

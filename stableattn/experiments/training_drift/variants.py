@@ -31,6 +31,8 @@ class Variant:
     init_seed: the initialization seed (replicates fold their number in).
     replica: a second copy of an identical run.
     single_device: train on one device instead of `config.train.devices`.
+    context_parallel: the flash kernel runs as ring attention over
+      `config.attention.context_parallel` devices (no data parallelism).
   """
 
   attention: str = "baseline"
@@ -41,6 +43,7 @@ class Variant:
   init_seed: int = 0
   replica: int = 0
   single_device: bool = False
+  context_parallel: bool = False
 
 
 VARIANTS = {
@@ -55,4 +58,7 @@ VARIANTS = {
   "one_device": Variant(single_device=True),
   "candidate": Variant(attention="candidate"),
   "flash_low": Variant(attention="flash", low_precision=True),
+  "flash_context_parallel": Variant(
+    attention="flash", options="flash", context_parallel=True
+  ),
 }
