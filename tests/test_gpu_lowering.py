@@ -324,3 +324,39 @@ def test_low_precision_forward_and_backward_lower_for_cuda(precision):
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 4
+
+
+@pytest.mark.parametrize("devices, balanced", [(2, True), (4, False)])
+def test_ring_attention_lowers_for_cuda(devices, balanced):
+  """Every ring step's kernel, forward and backward, inside shard_map."""
+  from jax.sharding import Mesh
+
+  mesh = Mesh(np.asarray(jax.devices()[:devices]), ("context",))
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+
+  def forward(q, k, v):
+    return sa.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis="context",
+      precision="bf16-fa2",
+      interpret=False,
+      causal=True,
+      balanced=balanced,
+    )
+
+  def loss(q, k, v):
+    return jnp.sum(forward(q, k, v).astype(jnp.float32) ** 2)
+
+  def lowered(fn):
+    return (
+      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    )
+
+  steps = devices * (2 if balanced else 1)  # kernel calls per device
+  assert lowered(forward).count("__gpu$xla.gpu.triton") == steps
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  assert lowered(grad).count("__gpu$xla.gpu.triton") > 2 * steps
