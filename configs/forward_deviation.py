@@ -61,6 +61,7 @@ OPT_IN = (
   "sage_fp8",
   "fp8_stages",
   "inference",
+  "context_parallel",
 )
 SMOKE_SKIPS = ("fp8_underflow", "sage_fp8", "fp8_stages")
 
@@ -189,6 +190,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.inference.page_sizes = (64, 128)
   c.inference.positions = 8
   c.inference.seeds = 2
+  # Context parallelism: ring attention over simulated devices
+  c.context_parallel = ml_collections.ConfigDict()
+  c.context_parallel.policies = "bf16-fa2,fp16-fa2"
+  c.context_parallel.layouts = "causal_balanced,causal,full"
+  c.context_parallel.device_counts = (1, 2, 4, 8)
+  # Merge, ring direction and partials vary at this count (0: not at all).
+  c.context_parallel.vary_at = 4
+  c.context_parallel.seq_len = 512
+  c.context_parallel.seeds = 2
 
   if arg not in (None, "", "default", "paper", "smoke"):
     raise ValueError(
@@ -287,4 +297,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.inference.page_sizes = (16,)
     c.inference.positions = 3
     c.inference.seeds = 1
+    c.context_parallel.policies = "bf16-fa2"
+    c.context_parallel.layouts = "causal_balanced"
+    c.context_parallel.device_counts = (2,)
+    c.context_parallel.vary_at = 0
+    c.context_parallel.seq_len = 64
+    c.context_parallel.seeds = 1
   return c

@@ -12,6 +12,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
+from stableattn import distributed
 from stableattn.experiments import forward
 from stableattn.experiments.cli import run_and_print
 
@@ -36,9 +37,15 @@ flags.DEFINE_bool(
 
 def main(argv):
   del argv
+  config = flags.FLAGS.config
+  if "context_parallel" in str(config.studies).split(","):
+    # The ring's devices, simulated on a CPU (single-device studies run
+    # on the first).
+    block = config.context_parallel
+    distributed.simulate_cpu_devices(max((*block.device_counts, block.vary_at)))
   return run_and_print(
     forward.run,
-    flags.FLAGS.config,
+    config,
     flags.FLAGS.workdir,
     restart=flags.FLAGS.restart,
   )

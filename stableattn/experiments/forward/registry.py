@@ -21,6 +21,7 @@ STUDY_MODULES = (
   "sage_fp8",
   "fp8_stages",
   "inference",
+  "context_parallel",
 )
 
 

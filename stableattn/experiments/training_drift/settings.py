@@ -72,8 +72,7 @@ class Settings:
     return [
       name
       for name, run in self.physical_runs.items()
-      if run.attention.kind == "pallas"
-      and run.attention.context_parallel == 1
+      if run.attention.kind == "pallas" and run.attention.context_parallel == 1
     ]
 
 
