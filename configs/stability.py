@@ -23,6 +23,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.candidate = ""
   # A flash policy below 16 bits (e.g. "fp8-fa3") swept beside them.
   c.low_precision = ""
+  # Devices of a ring (>= 2): the flash arm again with its attention
+  # sharded by sequence over them (on CPU the launcher simulates them).
+  c.context_parallel = 0
   # none, qk_norm, z_loss, or a name in `strengths` that is a field of
   # stableattn.Features (every kernel) or stableattn.Options (the flash
   # kernel only): each arm is swept with each.

@@ -11,6 +11,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
+from stableattn import distributed
 from stableattn.experiments import stability
 from stableattn.experiments.cli import run_and_print
 
@@ -34,9 +35,11 @@ flags.DEFINE_bool(
 
 def main(argv):
   del argv
+  config = flags.FLAGS.config
+  distributed.simulate_cpu_devices(int(config.context_parallel or 0))
   return run_and_print(
     stability.run,
-    flags.FLAGS.config,
+    config,
     flags.FLAGS.workdir,
     restart=flags.FLAGS.restart,
   )

@@ -77,6 +77,7 @@ def test_spread_ratio_and_resolution_say_what_replicates_can_tell():
     ("mitigations", "none,layernorm", "unknown 'layernorm'"),
     ("train.learning_rates", "0.1", "two or more positive numbers"),
     ("low_precision", "bf16-fa2", "not below 16 bits"),
+    ("context_parallel", 1, "0 \\(off\\) or the devices of the ring"),
   ],
 )
 def test_bad_configs_fail_fast(field, value, message):
@@ -152,6 +153,32 @@ def test_smoke_sweep_records_divergence_as_rows_and_resumes(tmp_path):
   assert sorted(
     (key(r), r["final_loss"]) for r in resumed if r["kind"] == "final"
   ) == sorted((key(r), r["final_loss"]) for r in finals)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_flash_arm_is_swept_beside_flash(tmp_path):
+  config = stability_config.get_config("smoke")
+  config.variants, config.mitigations = "flash", "none"
+  config.train.machine_pair = False
+  config.context_parallel = 2
+  settings = stability.settings_from_config(config)
+  ring = next(a for a in settings.arms if a.variant == "flash_context_parallel")
+  assert settings.runs[ring][1].attention.context_parallel == 2
+  result = stability.run(config, tmp_path)
+  flash, sharded = (
+    result["arms"][f"{v}/bf16/none"]
+    for v in ("flash", "flash_context_parallel")
+  )
+  # The same learning rates hold and break with the sequence sharded.
+  assert sharded["largest_stable_lr"] == flash["largest_stable_lr"]
+  finals = [
+    json.loads(x) for x in (tmp_path / "metrics.jsonl").open() if '"final"' in x
+  ]
+  by_arm = {
+    (r["arm"], r["lr"]): r["final_loss"] for r in finals if not r["diverged"]
+  }
+  stable = by_arm[("flash/bf16/none", 0.01)]
+  assert by_arm[("flash_context_parallel/bf16/none", 0.01)] != stable
 
 
 def test_launcher_names_a_bad_field_in_one_line(tmp_path):

@@ -221,9 +221,27 @@ def _variants(c) -> tuple[str, ...]:
         "fp8-fa3, fp8-sage or fp4-nvfp4."
       )
     names.append("low_precision")
+  if context_devices(c):
+    names.append(CONTEXT_PARALLEL)
   if not names:
     raise ValueError(f"config.variants is empty; valid: {list(VARIANTS)}.")
   return tuple(names)
+
+
+# The flash arm again with its attention as ring attention, the sequence
+# sharded over `config.context_parallel` devices.
+CONTEXT_PARALLEL = "flash_context_parallel"
+
+
+def context_devices(c) -> int:
+  """config.context_parallel: 0 (no such arm) or the ring's devices."""
+  value = int(c.get("context_parallel", 0) or 0)
+  if value == 1 or value < 0:
+    raise ValueError(
+      "config.context_parallel must be 0 (off) or the devices of the ring "
+      f"(>= 2), got {value}."
+    )
+  return value
 
 
 def _run(
@@ -232,6 +250,8 @@ def _run(
   """The model and run of one arm."""
   if arm.variant == "candidate":
     kind, policy = str(c.candidate).strip(), "fp32"
+  elif arm.variant == CONTEXT_PARALLEL:
+    kind, policy = VARIANTS["flash"]
   elif arm.variant == "low_precision":
     kind, policy = "pallas", Precision.from_name(str(c.low_precision)).name
   else:
@@ -251,7 +271,14 @@ def _run(
   # A kernel option lives in the flash kernel; the others run as is.
   if m in options_lib.field_names() and kind == "pallas":
     options = options.replace(**{m: float(c.strengths[m])})
-  attention = AttentionSpec(kind=kind, options=options, features=features)
+  attention = AttentionSpec(
+    kind=kind,
+    options=options,
+    features=features,
+    context_parallel=context_devices(c)
+    if arm.variant == CONTEXT_PARALLEL
+    else 1,
+  )
   run = RunSpec(
     attention=attention,
     precision=arm.precision,
