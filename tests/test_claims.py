@@ -133,6 +133,9 @@ def test_fig3_and_tile_claims():
 
 def test_every_paper_claim_has_one_study():
   assert sorted(CLAIMS) == [
+    "cp_bits_not_accuracy",
+    "cp_fa_rule",
+    "cp_te_tolerance",
     "fig3",
     "fig4",
     "fig5",
@@ -200,5 +203,45 @@ def test_inference_claims_follow_from_rows():
     "not reproduced"
   )
   assert CLAIMS["inference_fp32_partials"].compute(rows)["verdict"] == (
+    "not reproduced"
+  )
+
+
+def _ring_row(tensor, *, fa=1.0, te=0.1, ulps=0.5, to_single=1.0, **labels):
+  return {
+    "study": "context_parallel",
+    "policy": labels.pop("policy", "bf16-fa2"),
+    "layout": "causal_balanced",
+    "devices": 4,
+    "variation": labels.pop("variation", "none"),
+    "tensor": tensor,
+    "fa_rule_min": fa,
+    "ratio_to_baseline_max": 1.1,
+    "te_share_max": te,
+    "diff_ulps_max": ulps,
+    "ratio_to_single_max": to_single,
+    "bitwise_min": 0.0 if ulps else 1.0,
+  }
+
+
+def test_context_parallel_claims_follow_from_rows():
+  rows = [
+    _ring_row("out"),
+    _ring_row("dq", ulps=0.0),
+    _ring_row("out", variation="input_partials", to_single=3.0),
+  ]
+  assert CLAIMS["cp_fa_rule"].compute(rows)["verdict"] == "reproduced"
+  te = CLAIMS["cp_te_tolerance"].compute(rows)
+  assert te["verdict"] == "reproduced" and te["largest_share"] == 0.1
+  same = CLAIMS["cp_bits_not_accuracy"].compute(rows)
+  # Partials in the input format are left out of "bits, not accuracy".
+  assert same["verdict"] == "reproduced" and same["changed_bits"] == 1
+  rows.append(_ring_row("dk", fa=0.0, te=1.5))
+  assert CLAIMS["cp_fa_rule"].compute(rows)["verdict"] == "reproduced in part"
+  assert CLAIMS["cp_te_tolerance"].compute(rows)["verdict"] == (
+    "reproduced in part"
+  )
+  rows[0] = {**rows[0], "ratio_to_single_max": 2.0}
+  assert CLAIMS["cp_bits_not_accuracy"].compute(rows)["verdict"] == (
     "not reproduced"
   )
