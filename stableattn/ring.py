@@ -254,13 +254,25 @@ def _padded(plan: RingPlan, x, length: int):
   return pad_to(x, length, padded_head_dim(cfg.head_dim, cfg.interpret))
 
 
+def _visiting(plan: RingPlan, me, step: int, k, v):
+  """The shard `me` holds at `step`: its keys' global positions [B, S]
+  and its keys and values padded for the kernel."""
+  positions = plan.positions(plan.source(me, step), plan.kv_shard)
+  positions = jnp.broadcast_to(positions[None], (k.shape[0], plan.kv_shard))
+  kv_len_padded = plan.step.kv_len_padded
+  return (
+    positions,
+    _padded(plan, k, kv_len_padded),
+    _padded(plan, v, kv_len_padded),
+  )
+
+
 def _forward_shard(q, k, v, q_ids, kv_ids, plan: RingPlan):
   """One device's queries against every shard: (out [B, Tq, H, D] in
   `output`, lse [B, H, Tq]; +inf where no key attends)."""
   cfg = plan.step
-  q_len_padded, kv_len_padded = cfg.padded_lengths
+  q_len_padded = cfg.padded_lengths[0]
   me = lax.axis_index(plan.axis)
-  batch = q.shape[0]
   q_chunks = [_padded(plan, c, q_len_padded) for c in _chunks(plan, q)]
   q_id_chunks = _chunks(plan, q_ids)
   starts = plan.chunk_starts(me, plan.q_shard)
@@ -269,10 +281,7 @@ def _forward_shard(q, k, v, q_ids, kv_ids, plan: RingPlan):
   for step in range(plan.devices):
     if step:
       k, v, kv_ids = lax.ppermute((k, v, kv_ids), plan.axis, plan.hop)
-    positions = plan.positions(plan.source(me, step), plan.kv_shard)
-    positions = jnp.broadcast_to(positions[None], (batch, plan.kv_shard))
-    k_p = _padded(plan, k, kv_len_padded)
-    v_p = _padded(plan, v, kv_len_padded)
+    positions, k_p, v_p = _visiting(plan, me, step, k, v)
     for c, q_p in enumerate(q_chunks):
       ops = _step_operands(plan, q_id_chunks[c], kv_ids, positions, starts[c])
       ranges = tile_ranges(ops, cfg, cfg.block_q, cfg.block_k)
@@ -319,9 +328,9 @@ def _ring_shard_bwd(plan: RingPlan, saved, d_out):
   q, k, v, q_ids, kv_ids, out, lse = saved
   cfg = plan.step
   ar = PolicyArithmetic(cfg.policy)
-  q_len_padded, kv_len_padded = cfg.padded_lengths
+  q_len_padded = cfg.padded_lengths[0]
   me = lax.axis_index(plan.axis)
-  batch, _, heads, _ = q.shape
+  heads = q.shape[2]
   kv_heads = k.shape[2]
   group = heads // kv_heads
 
@@ -356,10 +365,7 @@ def _ring_shard_bwd(plan: RingPlan, saved, d_out):
       k, v, kv_ids, d_k, d_v = lax.ppermute(
         (k, v, kv_ids, d_k, d_v), plan.axis, plan.hop
       )
-    positions = plan.positions(plan.source(me, step), plan.kv_shard)
-    positions = jnp.broadcast_to(positions[None], (batch, plan.kv_shard))
-    k_p = _padded(plan, k, kv_len_padded)
-    v_p = _padded(plan, v, kv_len_padded)
+    positions, k_p, v_p = _visiting(plan, me, step, k, v)
     for c, q_p in enumerate(q_chunks):
       ops = _step_operands(plan, q_id_chunks[c], kv_ids, positions, starts[c])
       ranges = tile_ranges(ops, cfg, cfg.bwd_block_q, cfg.bwd_block_k)

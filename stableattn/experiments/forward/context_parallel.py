@@ -32,6 +32,7 @@ from stableattn.experiments.forward.study import (
   Section,
   Study,
   baseline,
+  claim_findings,
   flash,
   policies,
   require,
@@ -228,13 +229,7 @@ class ContextParallel(Study):
       ]
       for r in ordered
     ]
-    findings = []
-    for claim_id, claim in self.claims.items():
-      found = ctx.claims.get(claim_id)
-      if found is not None:
-        findings.append(
-          f"{claim.text}: {found['verdict']} ({claim.evidence(found)})."
-        )
+    findings = claim_findings(self.claims, ctx)
     series = []
     for (policy, layout), group in _by_layout(rows).items():
       group.sort(key=lambda r: r["devices"])
@@ -250,8 +245,7 @@ class ContextParallel(Study):
       plot = line_plot(
         ctx.out_dir / "context_parallel.png",
         series,
-        title="Ring attention's output against one device's (mean over "
-        "seeds)",
+        title="Ring attention's output against one device's (mean over seeds)",
         xlabel="devices in the ring",
         ylabel="largest difference (ulps of the format)",
         logy=False,

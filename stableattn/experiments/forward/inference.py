@@ -26,6 +26,7 @@ from stableattn.experiments.forward.study import (
   Claim,
   Section,
   Study,
+  claim_findings,
   deviation_values,
   policies,
   require,
@@ -522,14 +523,7 @@ class Inference(Study):
       ]
       for r in ordered
     ]
-    findings = []
-    for claim_id in self.claims:
-      found = ctx.claims.get(claim_id)
-      if found is not None:
-        claim = self.claims[claim_id]
-        findings.append(
-          f"{claim.text}: {found['verdict']} ({claim.evidence(found)})."
-        )
+    findings = claim_findings(self.claims, ctx)
     series = []
     for (policy, partials), group in _by(rows, "num_splits").items():
       group.sort(key=lambda r: r["value"])

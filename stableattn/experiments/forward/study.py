@@ -208,6 +208,18 @@ class Study:
     raise NotImplementedError
 
 
+def claim_findings(claims: dict, ctx: ReportContext) -> list[str]:
+  """One finding per claim of a study that got a verdict."""
+  findings = []
+  for claim_id, claim in claims.items():
+    found = ctx.claims.get(claim_id)
+    if found is not None:
+      findings.append(
+        f"{claim.text}: {found['verdict']} ({claim.evidence(found)})."
+      )
+  return findings
+
+
 def row(labels: dict, values: dict) -> dict:
   return {"labels": labels, "values": values}
 
