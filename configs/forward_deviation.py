@@ -18,7 +18,8 @@ those in `OPT_IN`, attention features and below 16 bits, which add 20-45
 seconds each: select them with `--config.studies=`), `paper` (every
 study, lengths to 8192, more tiles and tie conditions; 8 minutes on 2 CPU
 cores without the opt-in studies, whose paper sizes are not timed yet),
-`smoke` (every study but the three FP8 policy maps; seconds; tests).
+`smoke` (every study but the three FP8 policy maps and the ring; seconds;
+tests).
 
 Expected outcome (default): deviation falls with mantissa bits (Fig. 3).
 The paper's ~10x (Fig. 4) is reproduced in part: with every stage in BF16
@@ -50,10 +51,12 @@ import ml_collections
 
 from stableattn.experiments.forward import STUDIES
 
-# Studies a default run leaves out (attention features and below 16 bits,
-# 20-45 seconds each cold); the paper variant runs them, the smoke variant
-# all but the three whose rows are each a policy of their own (their
-# smoke sizes run in tests/test_quantization.py, once).
+# Studies a default run leaves out (attention features, below 16 bits,
+# inference, context parallelism; 20 seconds to 5 minutes each cold); the
+# paper variant runs them, the smoke variant all but the three whose rows
+# are each a policy of their own (their smoke sizes run in
+# tests/test_quantization.py, once) and the ring, whose devices must be
+# simulated before JAX starts (tests/test_ring_attention.py).
 OPT_IN = (
   "features",
   "fa3_fp8",
@@ -63,7 +66,7 @@ OPT_IN = (
   "inference",
   "context_parallel",
 )
-SMOKE_SKIPS = ("fp8_underflow", "sage_fp8", "fp8_stages")
+SMOKE_SKIPS = ("fp8_underflow", "sage_fp8", "fp8_stages", "context_parallel")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -97,9 +97,6 @@ def test_headline_claims_follow_from_the_measured_rows(smoke_run):
   assert env["jax"] and env["python"] and env["backend"] == "cpu"
   assert environment.summary_line(env) in (workdir / "report.md").read_text()
   assert set(headline["claims"]) == {
-    "cp_fa_rule",
-    "cp_te_tolerance",
-    "cp_bits_not_accuracy",
     "fig3",
     "fig4",
     "fig5",

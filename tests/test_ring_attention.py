@@ -9,6 +9,8 @@ from helpers import golden_value_and_grads, random_qkv
 from jax.sharding import Mesh
 
 import stableattn as sa
+from configs import forward_deviation as forward_config
+from stableattn.experiments import forward
 
 SEQ = 256  # 8 devices, balanced: 16 chunks of 16 rows
 TILES = dict(block_q=16, block_k=16)
@@ -199,3 +201,21 @@ def test_a_length_the_ring_cannot_share_is_refused():
   q, k, v, _ = _inputs(q_len=100)
   with pytest.raises(ValueError, match="divisible by 8"):
     sa.ring_attention(q, k, v, mesh=ring_mesh(4), axis="context", causal=True)
+
+
+def test_the_context_parallel_study_reports_its_claims(tmp_path):
+  config = forward_config.get_config("smoke")
+  config.studies = "context_parallel"
+  config.context_parallel.device_counts = (1, 2)
+  result = forward.run(config, tmp_path)
+  claims = result["claims"]
+  assert set(claims) == {
+    "cp_fa_rule",
+    "cp_te_tolerance",
+    "cp_bits_not_accuracy",
+  }
+  assert claims["cp_fa_rule"]["rows"] == 8  # 2 device counts x 4 tensors
+  assert claims["cp_te_tolerance"]["largest_share"] < 1
+  report = (tmp_path / "report.md").read_text()
+  assert "## Context parallelism" in report
+  assert (tmp_path / "context_parallel.png").stat().st_size > 0
