@@ -171,10 +171,12 @@ def _check(features: Features, spec, options: Options, q, k, n, balanced):
     )
   if spec.key_positions or spec.key_offset:
     raise ValueError(
-      "ring_attention supports causal_alignment='top_left' only when it "
-      "differs from 'bottom_right' (q_len != kv_len, or per-example "
-      f"lengths with causal/window); got {features.causal_alignment!r} with "
-      f"q_len {q.shape[1]}, kv_len {k.shape[1]}."
+      "ring_attention places keys top-left (key j at query position j): "
+      "causal_alignment='bottom_right' shifts them per example here "
+      "(q_len != kv_len, or per-example lengths with causal or a window), "
+      f"which the ring does not carry; got q_len {q.shape[1]}, kv_len "
+      f"{k.shape[1]}. Use causal_alignment='top_left' (the same when "
+      "q_len == kv_len and lengths are equal)."
     )
   parts = 2 * n if balanced else n
   for name, length in (("q", q.shape[1]), ("k/v", k.shape[1])):

@@ -168,7 +168,11 @@ def test_every_verdict_follows_from_the_rows_in_metrics_jsonl(smoke_run):
       row[f"{name}_min"], row[f"{name}_max"] = min(values), max(values)
     summary.append(row)
   claims_table = (workdir / "report.md").read_text().split("\n## ")[1]
+  ran = {r["study"] for r in summary}
   for study in STUDIES.values():
+    if study.name not in ran:  # outside the smoke variant: no verdict
+      assert not set(study.claims) & set(headline["claims"]), study.name
+      continue
     for claim_id, claim in study.claims.items():
       rows = [r for r in summary if r["study"] == study.name]
       expected = json.loads(json.dumps(claim.compute(rows)))
