@@ -28,14 +28,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 
 from stableattn import attention_fns
 from stableattn.features import Features
 from stableattn.options import Options
-from stableattn.ring import ring_attention
+from stableattn.ring import CONTEXT_AXIS, context_mesh, ring_attention
 
 SHADOW = "shadow"
 FP32 = Options(precision="fp32")
@@ -108,24 +106,6 @@ class AttentionSpec:
       )
     fn = attention_fns.resolve(kind, options or self.options)
     return fn(q, k, v, **self.features.kwargs())
-
-
-CONTEXT_AXIS = "context"
-
-
-def context_mesh(devices: int) -> Mesh:
-  """The 1-D mesh ("context") of the first `devices` devices that a
-  context-parallel model shards its sequence over."""
-  available = jax.devices()
-  if devices > len(available):
-    raise ValueError(
-      f"context_parallel={devices} needs {devices} devices, but only "
-      f"{len(available)} are available (on CPU, simulate more with "
-      f"jax.config.update('jax_num_cpu_devices', {devices}) before JAX "
-      "starts, or XLA_FLAGS=--xla_force_host_platform_device_count="
-      f"{devices})."
-    )
-  return Mesh(np.asarray(available[:devices]), (CONTEXT_AXIS,))
 
 
 @dataclasses.dataclass(frozen=True)

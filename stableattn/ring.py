@@ -66,6 +66,23 @@ from stableattn.rounding import PolicyArithmetic
 from stableattn.tiling import check_flag
 
 MERGES = ("online", "final")
+# The mesh axis of `context_mesh`, the ring a context-parallel model uses.
+CONTEXT_AXIS = "context"
+
+
+def context_mesh(devices: int) -> Mesh:
+  """The 1-D mesh (axis "context") of the first `devices` devices: the
+  ring a context-parallel model or study shards its sequence over."""
+  available = jax.devices()
+  if devices > len(available):
+    raise ValueError(
+      f"context_parallel={devices} needs {devices} devices, but only "
+      f"{len(available)} are available (on CPU, simulate more with "
+      f"jax.config.update('jax_num_cpu_devices', {devices}) before JAX "
+      "starts, or XLA_FLAGS=--xla_force_host_platform_device_count="
+      f"{devices})."
+    )
+  return Mesh(np.asarray(available[:devices]), (CONTEXT_AXIS,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +115,6 @@ class RingPlan:
     return 2 if self.balanced else 1
 
   @property
-  def q_chunk(self) -> int:
-    return self.q_shard // self.chunks_per_device
-
-  @property
   def hop(self):
     """The ppermute pairs of one hop around the ring."""
     n, d = self.devices, -1 if self.reverse else 1
@@ -129,7 +142,7 @@ class RingPlan:
     )
 
 
-def natural_order(n: int, length: int, balanced: bool) -> np.ndarray:
+def device_order(n: int, length: int, balanced: bool) -> np.ndarray:
   """Sequence indices in device order: device i's rows, then i+1's."""
   if not balanced:
     return np.arange(length)
@@ -140,6 +153,23 @@ def natural_order(n: int, length: int, balanced: bool) -> np.ndarray:
     for c in (i, 2 * n - 1 - i)
   ]
   return np.concatenate(blocks)
+
+
+def _ring_size(mesh, axis: str, merge: str, reverse, return_lse) -> int:
+  """The devices on `axis`, after checking the ring's own arguments."""
+  if not isinstance(mesh, Mesh):
+    raise ValueError(
+      f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
+    )
+  if axis not in mesh.axis_names:
+    raise ValueError(
+      f"Unknown mesh axis {axis!r}; the mesh has axes {list(mesh.axis_names)}."
+    )
+  if merge not in MERGES:
+    raise ValueError(f"Unknown merge {merge!r}; valid: {list(MERGES)}.")
+  check_flag("reverse", reverse)
+  check_flag("return_lse", return_lse)
+  return mesh.shape[axis]
 
 
 def _check(features: Features, spec, options: Options, q, k, n, balanced):
@@ -409,8 +439,8 @@ _ring_shard.defvjp(_ring_shard_fwd, _ring_shard_bwd)
 def _ring(q, k, v, q_ids, kv_ids, *, plan, mesh, return_lse, with_ids):
   ar = PolicyArithmetic(plan.step.policy)
   q, k, v = (ar.round_inputs(x) for x in (q, k, v))
-  q_order = natural_order(plan.devices, q.shape[1], plan.balanced)
-  kv_order = natural_order(plan.devices, k.shape[1], plan.balanced)
+  q_order = device_order(plan.devices, q.shape[1], plan.balanced)
+  kv_order = device_order(plan.devices, k.shape[1], plan.balanced)
   q, k, v = q[:, q_order], k[:, kv_order], v[:, kv_order]
   if with_ids:
     q_ids, kv_ids = q_ids[:, q_order], kv_ids[:, kv_order]
@@ -476,18 +506,7 @@ def ring_attention(
     natural order (and the lse with `return_lse`); differentiable in q, k
     and v by the ring backward.
   """
-  if not isinstance(mesh, Mesh):
-    raise ValueError(
-      f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
-    )
-  if axis not in mesh.axis_names:
-    raise ValueError(
-      f"Unknown mesh axis {axis!r}; the mesh has axes {list(mesh.axis_names)}."
-    )
-  if merge not in MERGES:
-    raise ValueError(f"Unknown merge {merge!r}; valid: {list(MERGES)}.")
-  check_flag("reverse", reverse)
-  check_flag("return_lse", return_lse)
+  devices = _ring_size(mesh, axis, merge, reverse, return_lse)
   options, features = dispatch.split_keywords(options, features, keywords)
   if balanced is None:
     balanced = bool(features.causal)
@@ -495,7 +514,6 @@ def ring_attention(
   require_x64_if_needed(options.precision)
   q, k, v = dispatch.validate_inputs(q, k, v)
   spec, ops = features.split(q.shape, k.shape)
-  devices = mesh.shape[axis]
   _check(features, spec, options, q, k, devices, balanced)
   plan = make_plan(
     options,

@@ -28,8 +28,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stableattn.model import AttentionSpec, ModelSpec, Transformer, context_mesh
+from stableattn.model import AttentionSpec, ModelSpec, Transformer
 from stableattn.precision import to_dtype
+from stableattn.ring import context_mesh
 
 COMPUTE_DTYPES = {name: to_dtype(name) for name in ("fp32", "bf16", "fp16")}
 

@@ -46,12 +46,13 @@ def ring_attention_and_gradients() -> dict:
   import jax
   import jax.numpy as jnp
   from jax.experimental import multihost_utils
-  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import stableattn as sa
+  from stableattn.ring import context_mesh
 
-  mesh = Mesh(np.asarray(jax.devices()), ("context",))
+  mesh = context_mesh(jax.device_count())
   rows = NamedSharding(mesh, P(None, "context"))
   rng = np.random.default_rng(0)
   shapes = [(2, 128, 4, 32), (2, 128, 2, 32), (2, 128, 2, 32)]

@@ -14,6 +14,7 @@ import pytest
 from helpers import random_qkv, value_and_grads
 
 import stableattn as sa
+from stableattn.ring import context_mesh
 
 GPU_PRESETS = [
   p
@@ -329,9 +330,7 @@ def test_low_precision_forward_and_backward_lower_for_cuda(precision):
 @pytest.mark.parametrize("devices, balanced", [(2, True), (4, False)])
 def test_ring_attention_lowers_for_cuda(devices, balanced):
   """Every ring step's kernel, forward and backward, inside shard_map."""
-  from jax.sharding import Mesh
-
-  mesh = Mesh(np.asarray(jax.devices()[:devices]), ("context",))
+  mesh = context_mesh(devices)
   q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
 

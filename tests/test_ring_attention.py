@@ -6,19 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import golden_value_and_grads, random_qkv
-from jax.sharding import Mesh
 
 import stableattn as sa
 from configs import forward_deviation as forward_config
 from stableattn.experiments import forward
+from stableattn.ring import context_mesh
 
 SEQ = 256  # 8 devices, balanced: 16 chunks of 16 rows
 TILES = dict(block_q=16, block_k=16)
 FORMAT = {"bf16-fa2": "bf16", "fp16-fa2": "fp16"}
-
-
-def ring_mesh(devices: int) -> Mesh:
-  return Mesh(np.asarray(jax.devices()[:devices]), ("context",))
 
 
 def _inputs(seed=0, **shape):
@@ -36,7 +32,7 @@ def _value_and_grads(fn, q, k, v, d_out):
 
 
 def ring(devices, **kwargs):
-  mesh = ring_mesh(devices)
+  mesh = context_mesh(devices)
   return lambda q, k, v: sa.ring_attention(
     q, k, v, mesh=mesh, axis="context", **TILES, **kwargs
   )
@@ -194,13 +190,15 @@ def test_unsupported_requests_say_what_is_valid(kwargs, message):
   q, k, v, _ = _inputs()
   kwargs = dict(axis="context") | kwargs
   with pytest.raises(ValueError, match=message):
-    sa.ring_attention(q, k, v, mesh=ring_mesh(2), **kwargs)
+    sa.ring_attention(q, k, v, mesh=context_mesh(2), **kwargs)
 
 
 def test_a_length_the_ring_cannot_share_is_refused():
   q, k, v, _ = _inputs(q_len=100)
   with pytest.raises(ValueError, match="divisible by 8"):
-    sa.ring_attention(q, k, v, mesh=ring_mesh(4), axis="context", causal=True)
+    sa.ring_attention(
+      q, k, v, mesh=context_mesh(4), axis="context", causal=True
+    )
 
 
 def test_the_context_parallel_study_reports_its_claims(tmp_path):

@@ -23,7 +23,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
@@ -44,7 +43,7 @@ from stableattn.invariance import ulp_at
 from stableattn.metrics import rounding_floor, safe_ratio
 from stableattn.plotting import Series, line_plot
 from stableattn.precision import Precision
-from stableattn.ring import ring_attention
+from stableattn.ring import CONTEXT_AXIS, context_mesh, ring_attention
 
 # layout -> (causal, balanced)
 LAYOUTS = {
@@ -79,15 +78,7 @@ class Config:
 
 
 def _check_devices(c: Config) -> None:
-  wanted = max((*c.device_counts, c.vary_at))
-  if wanted > jax.device_count():
-    raise ValueError(
-      f"context_parallel: device counts up to {wanted} need that many "
-      f"devices, but {jax.device_count()} are available. On CPU the "
-      "launcher simulates them; in Python call "
-      f"jax.config.update('jax_num_cpu_devices', {wanted}) before JAX "
-      "starts."
-    )
+  context_mesh(max((*c.device_counts, c.vary_at)))  # raises if too few
   for n in (*c.device_counts, c.vary_at):
     if n and c.seq_len % (2 * n):
       raise ValueError(
@@ -137,7 +128,7 @@ class ContextParallel(Study):
     q, k, v = engine.inputs(case)
     d_out = engine.d_out(case)
     policy = _ring_policy(p["policy"], variation["partials"])
-    mesh = Mesh(np.asarray(jax.devices()[: p["devices"]]), ("context",))
+    mesh = context_mesh(p["devices"])
 
     def ring(q, k, v):
       return ring_attention(
@@ -145,7 +136,7 @@ class ContextParallel(Study):
         k,
         v,
         mesh=mesh,
-        axis="context",
+        axis=CONTEXT_AXIS,
         options=flash(policy, s.block_q, s.block_k).options,
         causal=causal,
         balanced=balanced,
