@@ -92,159 +92,6 @@ def _ring_policy(policy: str, partials: str) -> Precision:
   return p.with_stage(partials=p.inputs if partials == "input" else partials)
 
 
-class ContextParallel(Study):
-  name = "context_parallel"
-  title = "Context parallelism: ring attention vs one device and FP64"
-  Config = Config
-  extendable = ("seeds",)
-
-  def seeds(self, common, config) -> int:
-    return config.seeds
-
-  def points(self, s, c):
-    _check_devices(c)
-    points = [
-      {"policy": p, "layout": layout, "devices": n, "variation": "none"}
-      for p in c.policies
-      for layout in c.layouts
-      for n in c.device_counts
-    ]
-    if c.vary_at:
-      points += [
-        {"policy": p, "layout": layout, "devices": c.vary_at, "variation": v}
-        for p in c.policies
-        for layout in c.layouts
-        for v in VARIATIONS
-        if v != "none"
-      ]
-    return points
-
-  def measure(self, engine, s, c, p, seed):
-    causal, balanced = LAYOUTS[p["layout"]]
-    variation = {"merge": "online", "reverse": False, "partials": "fp32"}
-    variation |= VARIATIONS[p["variation"]]
-    fmt = Precision.from_name(p["policy"]).inputs
-    case = Case(s.distributions[0], s.shape(c.seq_len), fmt, seed, causal)
-    q, k, v = engine.inputs(case)
-    d_out = engine.d_out(case)
-    policy = _ring_policy(p["policy"], variation["partials"])
-    mesh = context_mesh(p["devices"])
-
-    def ring(q, k, v):
-      return ring_attention(
-        q,
-        k,
-        v,
-        mesh=mesh,
-        axis=CONTEXT_AXIS,
-        options=flash(policy, s.block_q, s.block_k).options,
-        causal=causal,
-        balanced=balanced,
-        merge=variation["merge"],
-        reverse=variation["reverse"],
-      )
-
-    out, vjp = jax.vjp(ring, q, k, v)
-    grads = vjp(jnp.asarray(d_out).astype(out.dtype))
-    ring_values = [np.asarray(x.astype(jnp.float64)) for x in (out, *grads)]
-    single_kernel = flash(p["policy"], s.block_q, s.block_k)
-    single = [
-      engine.output(single_kernel, case),
-      *engine.grads(single_kernel, case),
-    ]
-    base_kernel = baseline(p["policy"])
-    base = [engine.output(base_kernel, case), *engine.grads(base_kernel, case)]
-    golden = [engine.golden(case), *engine.golden_grads(case)]
-    return [
-      row(
-        {"tensor": name},
-        _values(name, fmt, r, one, b, g),
-      )
-      for name, r, one, b, g in zip(TENSORS, ring_values, single, base, golden)
-    ]
-
-  def ran(self, s, c):
-    return (
-      f"one attention of length {c.seq_len} ({s.shape_text()}, tiles "
-      f"{s.block_q}x{s.block_k}) sharded over {list(c.device_counts)} "
-      f"devices, layouts {list(c.layouts)}, policies {list(c.policies)}; "
-      + (
-        f"at {c.vary_at} devices also a final merge, the reverse ring and "
-        "partials in the input format; "
-        if c.vary_at
-        else ""
-      )
-      + f"output and dQ, dK, dV (standard-normal dO); {c.seeds} seed(s)."
-    )
-
-  claims = {}  # filled below, after the claim functions
-
-  def report(self, ctx):
-    rows = ctx.rows
-    if not rows:
-      return None
-    ordered = sorted(
-      rows,
-      key=lambda r: (
-        r["policy"],
-        r["layout"],
-        r["variation"],
-        r["devices"],
-        TENSORS.index(r["tensor"]),
-      ),
-    )
-    header = [
-      "policy",
-      "layout",
-      "change",
-      "devices",
-      "tensor",
-      "error / Baseline's",
-      "FA rule",
-      "error / one device's",
-      "diff from one device (ulps)",
-      "share of TE tolerance",
-    ]
-    body = [
-      [
-        r["policy"],
-        r["layout"],
-        r["variation"],
-        r["devices"],
-        r["tensor"],
-        num(r["ratio_to_baseline_max"]),
-        "passes" if r["fa_rule_min"] == 1.0 else "**fails**",
-        num(r["ratio_to_single_max"]),
-        num(r["diff_ulps_max"]),
-        num(r["te_share_max"]),
-      ]
-      for r in ordered
-    ]
-    findings = claim_findings(self.claims, ctx)
-    series = []
-    for (policy, layout), group in _by_layout(rows).items():
-      group.sort(key=lambda r: r["devices"])
-      series.append(
-        Series(
-          f"{policy}, {layout}",
-          [r["devices"] for r in group],
-          [r["diff_ulps_mean"] for r in group],
-        )
-      )
-    plots = []
-    if series:
-      plot = line_plot(
-        ctx.out_dir / "context_parallel.png",
-        series,
-        title="Ring attention's output against one device's (mean over seeds)",
-        xlabel="devices in the ring",
-        ylabel="largest difference (ulps of the format)",
-        logy=False,
-      )
-      plots.append(plot.name)
-    return Section(table(header, body), findings, plots)
-
-
 def _values(name, fmt, ring, single, base, golden) -> dict:
   gradient = name != "out"
   error = float(np.max(np.abs(ring - golden)))
@@ -341,35 +188,185 @@ def bits_not_accuracy(rows) -> dict:
   }
 
 
-ContextParallel.claims = {
-  "cp_fa_rule": Claim(
-    "ring attention passes FlashAttention's rule against FP64",
-    fa_rule,
-    lambda c: (
-      f"{c['rows'] - len(c['failing'])} of {c['rows']} rows pass; worst "
-      f"error / Baseline's {num(c['worst'])}"
-      + (f"; failing: {', '.join(c['failing'][:4])}" if c["failing"] else "")
+class ContextParallel(Study):
+  name = "context_parallel"
+  title = "Context parallelism: ring attention vs one device and FP64"
+  Config = Config
+  extendable = ("seeds",)
+  claims = {
+    "cp_fa_rule": Claim(
+      "ring attention passes FlashAttention's rule against FP64",
+      fa_rule,
+      lambda c: (
+        f"{c['rows'] - len(c['failing'])} of {c['rows']} rows pass; worst "
+        f"error / Baseline's {num(c['worst'])}"
+        + (f"; failing: {', '.join(c['failing'][:4])}" if c["failing"] else "")
+      ),
     ),
-  ),
-  "cp_te_tolerance": Claim(
-    "ring attention is within TransformerEngine's CP test tolerance of one "
-    "device",
-    te_tolerance,
-    lambda c: (
-      f"{c['rows']} rows; at most {num(c['largest_share'])} of the "
-      f"tolerance used ({num(c['largest_ulps'])} ulps of the format)"
+    "cp_te_tolerance": Claim(
+      "ring attention is within TransformerEngine's CP test tolerance of one "
+      "device",
+      te_tolerance,
+      lambda c: (
+        f"{c['rows']} rows; at most {num(c['largest_share'])} of the "
+        f"tolerance used ({num(c['largest_ulps'])} ulps of the format)"
+      ),
     ),
-  ),
-  "cp_bits_not_accuracy": Claim(
-    "with FP32 partials the ring changes bits, not accuracy",
-    bits_not_accuracy,
-    lambda c: (
-      f"outputs differ from one device's in {c['changed_bits']} of "
-      f"{c['rows']} rows; worst error / one device's: "
-      + ", ".join(f"{p} {num(v)}" for p, v in c["worst_ratio"].items())
-      + f" (same: <= {c['factor']})"
+    "cp_bits_not_accuracy": Claim(
+      "with FP32 partials the ring changes bits, not accuracy",
+      bits_not_accuracy,
+      lambda c: (
+        f"outputs differ from one device's in {c['changed_bits']} of "
+        f"{c['rows']} rows; worst error / one device's: "
+        + ", ".join(f"{p} {num(v)}" for p, v in c["worst_ratio"].items())
+        + f" (same: <= {c['factor']})"
+      ),
     ),
-  ),
-}
+  }
+
+  def seeds(self, common, config) -> int:
+    return config.seeds
+
+  def points(self, s, c):
+    _check_devices(c)
+    points = [
+      {"policy": p, "layout": layout, "devices": n, "variation": "none"}
+      for p in c.policies
+      for layout in c.layouts
+      for n in c.device_counts
+    ]
+    if c.vary_at:
+      points += [
+        {"policy": p, "layout": layout, "devices": c.vary_at, "variation": v}
+        for p in c.policies
+        for layout in c.layouts
+        for v in VARIATIONS
+        if v != "none"
+      ]
+    return points
+
+  def measure(self, engine, s, c, p, seed):
+    causal, balanced = LAYOUTS[p["layout"]]
+    variation = {"merge": "online", "reverse": False, "partials": "fp32"}
+    variation |= VARIATIONS[p["variation"]]
+    fmt = Precision.from_name(p["policy"]).inputs
+    case = Case(s.distributions[0], s.shape(c.seq_len), fmt, seed, causal)
+    q, k, v = engine.inputs(case)
+    d_out = engine.d_out(case)
+    policy = _ring_policy(p["policy"], variation["partials"])
+    mesh = context_mesh(p["devices"])
+
+    def ring(q, k, v):
+      return ring_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        axis=CONTEXT_AXIS,
+        options=flash(policy, s.block_q, s.block_k).options,
+        causal=causal,
+        balanced=balanced,
+        merge=variation["merge"],
+        reverse=variation["reverse"],
+      )
+
+    out, vjp = jax.vjp(ring, q, k, v)
+    grads = vjp(jnp.asarray(d_out).astype(out.dtype))
+    ring_values = [np.asarray(x.astype(jnp.float64)) for x in (out, *grads)]
+    single_kernel = flash(p["policy"], s.block_q, s.block_k)
+    single = [
+      engine.output(single_kernel, case),
+      *engine.grads(single_kernel, case),
+    ]
+    base_kernel = baseline(p["policy"])
+    base = [engine.output(base_kernel, case), *engine.grads(base_kernel, case)]
+    golden = [engine.golden(case), *engine.golden_grads(case)]
+    return [
+      row(
+        {"tensor": name},
+        _values(name, fmt, r, one, b, g),
+      )
+      for name, r, one, b, g in zip(TENSORS, ring_values, single, base, golden)
+    ]
+
+  def ran(self, s, c):
+    return (
+      f"one attention of length {c.seq_len} ({s.shape_text()}, tiles "
+      f"{s.block_q}x{s.block_k}) sharded over {list(c.device_counts)} "
+      f"devices, layouts {list(c.layouts)}, policies {list(c.policies)}; "
+      + (
+        f"at {c.vary_at} devices also a final merge, the reverse ring and "
+        "partials in the input format; "
+        if c.vary_at
+        else ""
+      )
+      + f"output and dQ, dK, dV (standard-normal dO); {c.seeds} seed(s)."
+    )
+
+  def report(self, ctx):
+    rows = ctx.rows
+    if not rows:
+      return None
+    ordered = sorted(
+      rows,
+      key=lambda r: (
+        r["policy"],
+        r["layout"],
+        r["variation"],
+        r["devices"],
+        TENSORS.index(r["tensor"]),
+      ),
+    )
+    header = [
+      "policy",
+      "layout",
+      "change",
+      "devices",
+      "tensor",
+      "error / Baseline's",
+      "FA rule",
+      "error / one device's",
+      "diff from one device (ulps)",
+      "share of TE tolerance",
+    ]
+    body = [
+      [
+        r["policy"],
+        r["layout"],
+        r["variation"],
+        r["devices"],
+        r["tensor"],
+        num(r["ratio_to_baseline_max"]),
+        "passes" if r["fa_rule_min"] == 1.0 else "**fails**",
+        num(r["ratio_to_single_max"]),
+        num(r["diff_ulps_max"]),
+        num(r["te_share_max"]),
+      ]
+      for r in ordered
+    ]
+    findings = claim_findings(self.claims, ctx)
+    series = []
+    for (policy, layout), group in _by_layout(rows).items():
+      group.sort(key=lambda r: r["devices"])
+      series.append(
+        Series(
+          f"{policy}, {layout}",
+          [r["devices"] for r in group],
+          [r["diff_ulps_mean"] for r in group],
+        )
+      )
+    plots = []
+    if series:
+      plot = line_plot(
+        ctx.out_dir / "context_parallel.png",
+        series,
+        title="Ring attention's output against one device's (mean over seeds)",
+        xlabel="devices in the ring",
+        ylabel="largest difference (ulps of the format)",
+        logy=False,
+      )
+      plots.append(plot.name)
+    return Section(table(header, body), findings, plots)
+
 
 STUDY = ContextParallel()
