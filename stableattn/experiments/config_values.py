@@ -100,6 +100,17 @@ def tile_pairs(value, name: str) -> tuple[tuple[int, int], ...]:
   return out
 
 
+def ring_devices(raw, name: str) -> int:
+  """A context-parallel ring's size: 0 (no ring) or 2 devices or more."""
+  value = int(raw or 0)
+  if value == 1 or value < 0:
+    raise ValueError(
+      f"config.{name} must be 0 (off) or the devices of the ring (>= 2), "
+      f"got {raw!r}."
+    )
+  return value
+
+
 def spec(*, minimum=None, choices=None, parse=None, allow_empty=False):
   """Metadata of a config dataclass field, read by `from_block`; the
   field's values (default and per variant) live in the config file.

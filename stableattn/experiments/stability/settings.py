@@ -15,7 +15,12 @@ from stableattn import features as features_lib
 from stableattn import options as options_lib
 from stableattn.attention_fns import resolve
 from stableattn.experiments.blocks import CORPORA, ModelBlock
-from stableattn.experiments.config_values import as_tuple, from_block, spec
+from stableattn.experiments.config_values import (
+  as_tuple,
+  from_block,
+  ring_devices,
+  spec,
+)
 from stableattn.features import Features
 from stableattn.model import AttentionSpec, ModelSpec
 from stableattn.options import Options
@@ -235,13 +240,7 @@ CONTEXT_PARALLEL = "flash_context_parallel"
 
 def context_devices(c) -> int:
   """config.context_parallel: 0 (no such arm) or the ring's devices."""
-  value = int(c.get("context_parallel", 0) or 0)
-  if value == 1 or value < 0:
-    raise ValueError(
-      "config.context_parallel must be 0 (off) or the devices of the ring "
-      f"(>= 2), got {value}."
-    )
-  return value
+  return ring_devices(c.get("context_parallel", 0), "context_parallel")
 
 
 def _run(

@@ -10,7 +10,12 @@ from stableattn import environment
 from stableattn.attention_fns import IMPLEMENTATIONS, resolve
 from stableattn.dispatch import xla_unsupported_reason
 from stableattn.experiments.blocks import CORPORA, ModelBlock
-from stableattn.experiments.config_values import as_tuple, from_block, spec
+from stableattn.experiments.config_values import (
+  as_tuple,
+  from_block,
+  ring_devices,
+  spec,
+)
 from stableattn.experiments.training_drift.pairs import (
   BY_NAME,
   MACHINE_RUN,
@@ -164,17 +169,6 @@ def _low_precision(raw, name: str) -> str:
   return policy.name
 
 
-def _context_parallel(raw, name: str) -> int:
-  """0 (no context-parallel run) or a ring of >= 2 devices."""
-  value = int(raw)
-  if value == 1 or value < 0:
-    raise ValueError(
-      f"config.{name} must be 0 (off) or the devices of the ring (>= 2), "
-      f"got {raw!r}."
-    )
-  return value
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionBlock:
   baseline: str = spec(choices=KINDS)  # attention of the base run
@@ -189,7 +183,7 @@ class AttentionBlock:
   fix: str = spec(parse=_kernel_options)
   candidate: str = spec(parse=_optional_kernel)
   low_precision: str = spec(parse=_low_precision)
-  context_parallel: int = spec(parse=_context_parallel)
+  context_parallel: int = spec(parse=ring_devices)
 
 
 @dataclasses.dataclass(frozen=True)
