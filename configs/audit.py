@@ -10,7 +10,7 @@ Run:
   python launch/audit.py --workdir=runs/audit_window --config.kernel=xla \
       --config.features=causal,window
 
-The kernel follows the contract of `stableattn/attention_fns.py`:
+The kernel follows the contract of `stableattn/ops/registry.py`:
 fn(q, k, v, **features) -> out, layout [batch, length, heads, head_dim];
 it is passed only the features the config names, under jax's names.
 Variants: default (two shapes, FP32 and BF16, causal and not; about two
@@ -62,7 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.gate = "flashattention,flexattention"
   # Inference's ways of computing the same rows, compared bitwise (opt-in;
   # "all" or a comma list of batch, decode, chunked_prefill, padded_cache,
-  # splits): see stableattn/invariance.py.
+  # splits): see stableattn/auditing/invariance.py.
   c.invariances = ""
 
   if arg == "smoke":

@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Yao's safe-softmax fix with beta 2.
   c.attention.fix = "tie_beta=2.0"
   # A kernel to train with beside the others (pair candidate_vs_baseline):
-  # a name of stableattn.attention_fns or "package.module:function".
+  # a name of stableattn.ops.registry or "package.module:function".
   c.attention.candidate = ""
   # A flash policy below 16 bits (e.g. "fp8-fa3") to train with beside the
   # others (pair low_precision_vs_baseline); "": no such run.

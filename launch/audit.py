@@ -7,7 +7,7 @@ Exits 0 when the kernel passes, 1 when it fails (report.md says why), 2 on
 bad input. Kept short so that Colab and tests call the same `run`.
 """
 
-from stableattn.experiments import audit
+from stableattn.experiments import audit_grid as audit
 from stableattn.experiments.cli import launch
 
 if __name__ == "__main__":

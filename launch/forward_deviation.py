@@ -7,9 +7,9 @@ r"""Forward-deviation experiment launcher.
 Kept short so that Colab and tests call the same `run`.
 """
 
-from stableattn import distributed
 from stableattn.experiments import forward
 from stableattn.experiments.cli import launch
+from stableattn.training import distributed
 
 
 def simulate_ring_devices(config) -> None:

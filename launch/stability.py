@@ -6,9 +6,9 @@ r"""Training-stability experiment launcher (learning-rate sensitivity).
 A stopped sweep resumes: rerun the same command.
 """
 
-from stableattn import distributed
 from stableattn.experiments import stability
 from stableattn.experiments.cli import launch
+from stableattn.training import distributed
 
 
 def simulate_ring_devices(config) -> None:

@@ -9,9 +9,9 @@ Kept short so that Colab and tests call the same `run`.
 
 import jax
 
-from stableattn import distributed
 from stableattn.experiments import training_drift
 from stableattn.experiments.cli import launch
+from stableattn.training import distributed
 
 
 def simulate_ring_devices(config) -> None:

@@ -23,20 +23,25 @@ Public API:
     flax.nnx.MultiHeadAttention
 """
 
-from stableattn.audit import AuditReport, audit
-from stableattn.check import CheckReport, check
-from stableattn.dispatch import IMPLEMENTATIONS, attention
-from stableattn.features import Features
-from stableattn.flax_attention import make_attention_fn
-from stableattn.golden import golden_attention, golden_attention_vjp
-from stableattn.metrics import Deviation, compare, error_ratio, rounding_floor
-from stableattn.options import SCHEMES, Options
-from stableattn.paged import gather_pages, paged_attention
-from stableattn.precision import STAGES, Precision, preset_names
-from stableattn.ring import ring_attention
-from stableattn.rounding import round_to
-from stableattn.rules import passes_fa_rule
-from stableattn.tiling import tiles_from_sram
+from stableattn.auditing.check import CheckReport, check
+from stableattn.auditing.kernel_audit import AuditReport, audit
+from stableattn.contract.features import Features
+from stableattn.contract.golden import golden_attention, golden_attention_vjp
+from stableattn.contract.options import SCHEMES, Options
+from stableattn.contract.tiling import tiles_from_sram
+from stableattn.numerics.metrics import (
+  Deviation,
+  compare,
+  error_ratio,
+  rounding_floor,
+)
+from stableattn.numerics.precision import STAGES, Precision, preset_names
+from stableattn.numerics.rounding import round_to
+from stableattn.numerics.rules import passes_fa_rule
+from stableattn.ops.dispatch import IMPLEMENTATIONS, attention
+from stableattn.ops.flax_attention import make_attention_fn
+from stableattn.ops.paged import gather_pages, paged_attention
+from stableattn.ops.ring import ring_attention
 
 __all__ = [
   "IMPLEMENTATIONS",

@@ -14,14 +14,14 @@ import numpy as np
 def main(
   mode: str, process_id: int, num_processes: int, port: int, out: str
 ) -> None:
-  from stableattn import distributed
+  from stableattn.training import distributed
 
   if num_processes > 1:
     distributed.initialize(f"localhost:{port}", num_processes, process_id)
   import jax
 
-  from stableattn.model import AttentionSpec
-  from stableattn.options import Options
+  from stableattn.contract.options import Options
+  from stableattn.training.model import AttentionSpec
 
   if mode == "ring":
     results = ring_attention_and_gradients()
@@ -50,7 +50,7 @@ def ring_attention_and_gradients() -> dict:
   from jax.sharding import PartitionSpec as P
 
   import stableattn as sa
-  from stableattn.ring import context_mesh
+  from stableattn.ops.ring import context_mesh
 
   mesh = context_mesh(jax.device_count())
   rows = NamedSharding(mesh, P(None, "context"))
@@ -91,9 +91,9 @@ def ring_attention_and_gradients() -> dict:
 def train(attention, devices: int) -> dict:
   import jax
 
-  from stableattn import data
-  from stableattn.model import ModelSpec
-  from stableattn.training import OptimizerSpec, RunSpec, Trainer
+  from stableattn.training import data
+  from stableattn.training.model import ModelSpec
+  from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
   model = ModelSpec(width=32, depth=1, heads=2, max_len=16)
   run = RunSpec(attention=attention, precision="bf16", devices=devices)

@@ -222,7 +222,7 @@ def test_fused_backward_is_the_two_kernel_backward_bit_for_bit(
   kernel's order and rounding: the same bits, and each path really runs."""
   import jax
 
-  from stableattn import pallas_backward
+  from stableattn.kernels import pallas_backward
 
   rng = np.random.default_rng(3)
   q = jnp.asarray(rng.standard_normal((2, 80, 4, 32)), jnp.float32)

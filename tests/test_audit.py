@@ -13,7 +13,7 @@ import pytest
 
 import stableattn as sa
 from configs import audit as audit_config
-from stableattn.experiments import audit
+from stableattn.experiments import audit_grid as audit
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

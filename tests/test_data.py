@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from stableattn import data
+from stableattn.training import data
 
 
 def test_generated_corpus_is_deterministic_and_structured():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from stableattn import environment
+from stableattn.experiments import environment
 
 
 @pytest.fixture

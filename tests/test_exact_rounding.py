@@ -16,7 +16,7 @@ import pytest
 from helpers import random_qkv
 
 import stableattn as sa
-from stableattn.rounding import round_to
+from stableattn.numerics.rounding import round_to
 
 # Policies of 16 bits or more; FP8/FP4/INT8 policies have their own tests.
 PRESETS = [
@@ -300,7 +300,7 @@ TIE_CASES = [
 )
 def test_tie_fix_matches_emulator(preset, scheme, tie_beta):
   """Qiu & Yao's fix, kernel and Baseline, on inputs with exact ties."""
-  from stableattn.inputs import Shape, TiedMaximaSpec, make_inputs
+  from stableattn.auditing.inputs import Shape, TiedMaximaSpec, make_inputs
 
   shape = Shape(1, 48, 96, 2, 1, 32)
   spec = TiedMaximaSpec(ties=3, block_k=32, margin=1e-4)

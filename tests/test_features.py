@@ -10,7 +10,7 @@ import pytest
 from helpers import random_qkv
 
 import stableattn as sa
-from stableattn import masking
+from stableattn.contract import masking
 
 BATCH, Q_LEN, KV_LEN, HEADS, KV_HEADS, HEAD_DIM = 2, 40, 56, 4, 2, 16
 TILES = dict(block_q=16, block_k=16, bwd_block_k=32)

@@ -158,13 +158,13 @@ def test_tokamax_kernels_are_audited_with_features():
   """A peer library's kernels through the registry (the optional
   `[peers]` extra, which CI installs)."""
   pytest.importorskip("tokamax", reason="pip install -e '.[peers]'")
-  from stableattn import attention_fns
+  from stableattn.ops import registry
 
   for name in ("tokamax_xla", "tokamax_xla_chunked"):
-    fn = attention_fns.resolve(name)
+    fn = registry.resolve(name)
     report = sa.audit(fn, features="causal,window,softcap", **AUDIT)
     assert report.passed, (name, str(report))
   q = jnp.zeros((1, 16, 2, 16), jnp.float32)
   sink = jnp.zeros((2,), jnp.float32)
   with pytest.raises(ValueError, match="does not support the features"):
-    attention_fns.resolve("tokamax_xla")(q, q, q, sink=sink)
+    registry.resolve("tokamax_xla")(q, q, q, sink=sink)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import stableattn as sa
-from stableattn.model import AttentionSpec
+from stableattn.training.model import AttentionSpec
 
 VOCAB, WIDTH, HEADS, LENGTH = 32, 32, 2, 24
 

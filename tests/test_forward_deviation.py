@@ -10,10 +10,9 @@ import pytest
 from helpers import run_once
 
 from configs import forward_deviation as forward_config
-from stableattn import environment
-from stableattn.experiments import forward
+from stableattn.experiments import environment, forward
 from stableattn.experiments.forward import STUDIES
-from stableattn.metrics import Deviation
+from stableattn.numerics.metrics import Deviation
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -329,7 +329,7 @@ def test_tied_maxima_section_separates_the_bias_the_fix_removes(tmp_path):
 
 
 def test_feature_verdicts_are_computed_from_rows():
-  from stableattn.experiments.forward.features import feature_verdicts
+  from stableattn.experiments.forward.features_study import feature_verdicts
 
   def flash_row(setting, pairing, ratio):
     return {

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from stableattn.feature_recipes import FeatureRecipe
-from stableattn.inputs import Shape
+from stableattn.auditing.feature_recipes import FeatureRecipe
+from stableattn.auditing.inputs import Shape
 
 # A decode step: a few new queries over a longer, padded cache.
 BATCH, Q_LEN, KV_LEN, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 150, 4, 2, 32

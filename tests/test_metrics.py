@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stableattn as sa
-from stableattn.metrics import ulp, wasserstein_1d
+from stableattn.numerics.metrics import ulp, wasserstein_1d
 
 
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 500))
@@ -99,7 +99,7 @@ def test_rounding_floor_is_a_few_ulps():
 
 
 def test_gradient_error_shape_measures():
-  from stableattn.drift import cosine, top_singular_share
+  from stableattn.training.drift import cosine, top_singular_share
 
   u, v = np.arange(1.0, 5.0), np.arange(2.0, 5.0)
   assert top_singular_share(np.outer(u, v)) == pytest.approx(1.0)
@@ -112,7 +112,7 @@ def test_gradient_error_shape_measures():
 
 
 def test_one_zero_safe_ratio_for_every_report():
-  from stableattn.metrics import safe_ratio
+  from stableattn.numerics.metrics import safe_ratio
 
   assert safe_ratio(3.0, 2.0) == 1.5
   assert safe_ratio(0.0, 0.0) == 0.0

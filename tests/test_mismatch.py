@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stableattn import mismatch
-from stableattn.model import AttentionSpec, ModelSpec, Transformer
-from stableattn.options import Options
+from stableattn.contract.options import Options
+from stableattn.training import rollout
+from stableattn.training.model import AttentionSpec, ModelSpec, Transformer
 
 SPEC = ModelSpec(width=32, depth=2, heads=2, max_len=40)
 FP32 = AttentionSpec("reference", Options(precision="fp32"))
@@ -47,25 +47,25 @@ def test_control_pair_is_exactly_zero_and_known_causes_are_seen(model, prompts):
   """Scoring with the sampler's own path recomputes it: every metric 0.
   A BF16 head, or the flash kernel's one pass instead of its decode
   steps, moves the probabilities."""
-  sampler = mismatch.Path(FLASH, mode="decode")
-  tokens, log_sample = mismatch.generate(
+  sampler = rollout.Path(FLASH, mode="decode")
+  tokens, log_sample = rollout.generate(
     model, prompts, 8, sampler, key=jax.random.key(0)
   )
   assert tokens.shape == (3, PROMPT + 8) and log_sample.shape == (3, 8)
-  control = mismatch.token_metrics(
-    log_sample, mismatch.score(model, tokens, PROMPT, sampler)
+  control = rollout.token_metrics(
+    log_sample, rollout.score(model, tokens, PROMPT, sampler)
   )
   zero = {k: v for k, v in control.items() if k != "tokens"}
   assert zero == dict.fromkeys(zero, 0.0)
-  head = mismatch.token_metrics(
+  head = rollout.token_metrics(
     log_sample,
-    mismatch.score(
-      model, tokens, PROMPT, mismatch.Path(FLASH, "bf16", mode="decode")
+    rollout.score(
+      model, tokens, PROMPT, rollout.Path(FLASH, "bf16", mode="decode")
     ),
   )
   assert head["rollout_probs_diff_max"] > 1e-5 and head["kl_k3"] > 0
-  trainer = mismatch.token_metrics(
-    log_sample, mismatch.score(model, tokens, PROMPT, mismatch.Path(FLASH))
+  trainer = rollout.token_metrics(
+    log_sample, rollout.score(model, tokens, PROMPT, rollout.Path(FLASH))
   )
   assert 0 < trainer["rollout_probs_diff_max"] < head["rollout_probs_diff_max"]
 
@@ -73,23 +73,23 @@ def test_control_pair_is_exactly_zero_and_known_causes_are_seen(model, prompts):
 def test_greedy_generation_is_deterministic_and_divergence_is_found(
   model, prompts
 ):
-  path = mismatch.Path(FP32, mode="decode")
-  a, _ = mismatch.generate(model, prompts, 6, path, greedy=True)
-  b, _ = mismatch.generate(model, prompts, 6, path, greedy=True)
+  path = rollout.Path(FP32, mode="decode")
+  a, _ = rollout.generate(model, prompts, 6, path, greedy=True)
+  b, _ = rollout.generate(model, prompts, 6, path, greedy=True)
   np.testing.assert_array_equal(a, b)
-  np.testing.assert_array_equal(mismatch.first_divergence(a, b, PROMPT), 6)
+  np.testing.assert_array_equal(rollout.first_divergence(a, b, PROMPT), 6)
   c = np.asarray(a).copy()
   c[0, PROMPT + 2] += 1
   c[2, PROMPT] += 1
   np.testing.assert_array_equal(
-    mismatch.first_divergence(a, c, PROMPT), [2, 6, 0]
+    rollout.first_divergence(a, c, PROMPT), [2, 6, 0]
   )
 
 
 def test_token_metrics_from_known_probabilities():
   p_sample = np.array([0.5, 0.25, 0.1, 0.8])
   p_train = np.array([0.5, 0.75, 0.05, 0.8])
-  got = mismatch.token_metrics(np.log(p_sample), np.log(p_train))
+  got = rollout.token_metrics(np.log(p_sample), np.log(p_train))
   ratio = p_train / p_sample
   assert got["rollout_probs_diff_max"] == pytest.approx(0.5)
   assert got["rollout_probs_diff_mean"] == pytest.approx(0.55 / 4)
@@ -101,17 +101,17 @@ def test_token_metrics_from_known_probabilities():
 
 def test_bad_paths_and_lengths_say_what_is_valid(model, prompts):
   with pytest.raises(ValueError, match="head_format must be one of"):
-    mismatch.Path(head_format="fp16")
+    rollout.Path(head_format="fp16")
   with pytest.raises(ValueError, match="mode must be one of"):
-    mismatch.Path(mode="prefill")
+    rollout.Path(mode="prefill")
   with pytest.raises(ValueError, match="decode_batch must be None or"):
-    mismatch.Path(decode_batch=0)
+    rollout.Path(decode_batch=0)
   with pytest.raises(ValueError, match="weights must be one of"):
-    mismatch.Path(weights="fp8")
+    rollout.Path(weights="fp8")
   with pytest.raises(ValueError, match="exceed the model's max_len 40"):
-    mismatch.generate(model, prompts, 40, mismatch.Path(), greedy=True)
+    rollout.generate(model, prompts, 40, rollout.Path(), greedy=True)
   with pytest.raises(ValueError, match="needs a PRNG key"):
-    mismatch.generate(model, prompts, 2, mismatch.Path())
+    rollout.generate(model, prompts, 2, rollout.Path())
 
 
 def _experiment_config(**changes):

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 import stableattn as sa
-from stableattn.precision import STAGES, format_name
+from stableattn.numerics.precision import STAGES, format_name
 
 
 def test_every_preset_resolves_and_has_every_stage():
@@ -113,7 +113,7 @@ def test_bad_stage_changes_in_a_name_say_what_is_valid(name, message):
 
 
 def test_natural_policy_of_each_kernel():
-  from stableattn.precision import natural_policy
+  from stableattn.numerics.precision import natural_policy
 
   assert natural_policy("bf16", "flash") == "bf16-fa2"
   assert natural_policy("float16", "baseline") == "fp16-framework"

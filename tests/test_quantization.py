@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from stableattn import quantization as sa_quantization
 from stableattn.experiments.forward.fa3_fp8 import table3_claims
 from stableattn.experiments.forward.fp8_stages import stage_claims
 from stableattn.experiments.forward.fp8_underflow import underflow_claims
 from stableattn.experiments.forward.sage_fp8 import sage_claims
-from stableattn.quantization import hadamard_matrix, row_scales
+from stableattn.kernels import quantization as sa_quantization
+from stableattn.kernels.quantization import hadamard_matrix, row_scales
 
 
 def test_presets_and_ablations_read_back_and_print_every_choice():

@@ -5,8 +5,7 @@ import json
 import pytest
 
 from configs import stability as stability_config
-from stableattn import environment
-from stableattn.experiments import stability
+from stableattn.experiments import environment, stability
 from stableattn.experiments.reporting import mean_interval, resolution
 from stableattn.experiments.stability import analysis, report
 
@@ -210,10 +209,10 @@ def test_delta_probe_compares_the_run_with_fp32_attention():
   FP32 reference run, not for flash with every stage in BF16."""
   import numpy as np
 
-  from stableattn import data as data_lib
-  from stableattn.model import AttentionSpec, ModelSpec
-  from stableattn.options import Options
-  from stableattn.training import OptimizerSpec, RunSpec, Trainer
+  from stableattn.contract.options import Options
+  from stableattn.training import data as data_lib
+  from stableattn.training.model import AttentionSpec, ModelSpec
+  from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
   model = ModelSpec(width=32, depth=2, heads=2, max_len=32)
   batch = data_lib.generate_corpus(4 * 33, 0)[: 4 * 33].reshape(4, 33)

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from stableattn.inputs import Shape, TiedMaximaSpec, make_inputs, round_to
-from stableattn.metrics import signed_share
+from stableattn.auditing.inputs import (
+  Shape,
+  TiedMaximaSpec,
+  make_inputs,
+  round_to,
+)
+from stableattn.numerics.metrics import signed_share
 
 # Qiu & Yao's regime: FP32 softmax statistics, a BF16 output accumulator.
 THEIR_REGIME = "bf16-fa2+out_accum=bf16"

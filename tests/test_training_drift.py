@@ -13,8 +13,7 @@ from helpers import run_once
 
 import stableattn as sa
 from configs import training_drift as drift_config
-from stableattn import environment
-from stableattn.experiments import training_drift
+from stableattn.experiments import environment, training_drift
 from stableattn.experiments.reporting import mean_interval
 from stableattn.experiments.training_drift.analysis import (
   drift_ratios,
@@ -22,8 +21,8 @@ from stableattn.experiments.training_drift.analysis import (
   ratio_summary,
 )
 from stableattn.experiments.training_drift.pairs import BY_NAME
-from stableattn.model import AttentionSpec, ModelSpec
-from stableattn.training import OptimizerSpec, RunSpec, Trainer
+from stableattn.training.model import AttentionSpec, ModelSpec
+from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
 # Trains the smoke model end to end (minutes cold): CI's slow step.
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.experiments.config_values import spec
-from stableattn.model import ModelSpec
+from stableattn.training.model import ModelSpec
 
 CORPORA = ("generated", "python_stdlib")
 

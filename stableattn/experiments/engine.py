@@ -13,12 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.dispatch import attention, gpu_unsupported_reason
-from stableattn.feature_recipes import FeatureRecipe
-from stableattn.golden import golden_attention, golden_attention_vjp
-from stableattn.inputs import Shape, TiedMaximaSpec, make_inputs, round_to
-from stableattn.options import Options
-from stableattn.precision import Precision
+from stableattn.auditing.feature_recipes import FeatureRecipe
+from stableattn.auditing.inputs import (
+  Shape,
+  TiedMaximaSpec,
+  make_inputs,
+  round_to,
+)
+from stableattn.contract.golden import golden_attention, golden_attention_vjp
+from stableattn.contract.options import Options
+from stableattn.numerics.precision import Precision
+from stableattn.ops.dispatch import attention, gpu_unsupported_reason
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import sys
 
 import ml_collections
 
-from stableattn import environment
+from stableattn.experiments import environment
 
 CONFIG_NAME = "machine_twin_config.json"
 

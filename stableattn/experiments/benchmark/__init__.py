@@ -3,7 +3,7 @@
 Implementations run in one process, in alternation, after warm-up: ours
 ("pallas"), "reference", "xla" (`jax.nn.dot_product_attention`), and on a
 GPU also "cudnn" and jax's own Pallas kernel ("jax_mha"); names resolve
-through `stableattn.attention_fns`. Modules: `settings` (config), `timing`
+through `stableattn.ops.registry`. Modules: `settings` (config), `timing`
 (FLOPs, compilation, alternating runs), `memory` (peak memory in a fresh
 process), `tile_search` (GPU), `report`.
 """

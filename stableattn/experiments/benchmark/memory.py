@@ -75,7 +75,7 @@ def main() -> None:
   import jax
 
   from stableattn.experiments.benchmark.timing import attention_fn
-  from stableattn.precision import Precision
+  from stableattn.numerics.precision import Precision
 
   shape = (args.batch, args.seq_len, args.heads, args.head_dim)
   dtype = Precision.from_name(args.precision).dtype("inputs")

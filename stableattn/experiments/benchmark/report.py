@@ -7,11 +7,11 @@ import json
 
 import jax
 
-from stableattn import environment
+from stableattn.experiments import environment
 from stableattn.experiments.benchmark.settings import Settings
+from stableattn.experiments.plotting import Series, line_panels, line_plot
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
-from stableattn.plotting import Series, line_panels, line_plot
 
 
 def write_report(run_dir: RunDir, s: Settings, rows) -> dict:

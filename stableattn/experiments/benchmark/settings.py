@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 
-from stableattn.attention_fns import IMPLEMENTATIONS, NAMES, PEERS, needs_gpu
+from stableattn.contract.features import Features
 from stableattn.experiments.config_values import (
   as_tuple,
   booleans,
@@ -15,8 +15,8 @@ from stableattn.experiments.config_values import (
   from_block,
   spec,
 )
-from stableattn.features import Features
-from stableattn.precision import Precision, natural_policy
+from stableattn.numerics.precision import Precision, natural_policy
+from stableattn.ops.registry import IMPLEMENTATIONS, NAMES, PEERS, needs_gpu
 
 MODES = ("forward", "forward_backward")
 

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.attention_fns import resolve
-from stableattn.dispatch import attention
 from stableattn.experiments.benchmark.settings import MASK_SETTINGS, Settings
-from stableattn.precision import Precision
+from stableattn.numerics.precision import Precision
+from stableattn.ops.dispatch import attention
+from stableattn.ops.registry import resolve
 
 
 def flops(batch, heads, seq_len, head_dim, causal, mode) -> float:

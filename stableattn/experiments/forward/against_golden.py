@@ -21,9 +21,9 @@ from stableattn.experiments.forward.study import (
   require,
   verdict,
 )
+from stableattn.experiments.plotting import bar_plot, ratio_heatmaps
 from stableattn.experiments.reporting import num, one, select, table
-from stableattn.plotting import bar_plot, ratio_heatmaps
-from stableattn.precision import MANTISSA_BITS, natural_policy
+from stableattn.numerics.precision import MANTISSA_BITS, natural_policy
 
 # Fig. 4: "Flash deviates ~10x more than Baseline from golden at BF16". A
 # setting counts as reaching it at 8x or more (within 20% of the figure).

@@ -19,10 +19,10 @@ from stableattn.experiments.forward.study import (
   range_text,
   row,
 )
+from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.metrics import safe_ratio
-from stableattn.plotting import Series, line_plot
-from stableattn.precision import Precision
+from stableattn.numerics.metrics import safe_ratio
+from stableattn.numerics.precision import Precision
 
 GRADS = ("dq", "dk", "dv")
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stableattn.auditing.invariance import ulp_at
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
@@ -38,12 +39,11 @@ from stableattn.experiments.forward.study import (
   row,
   verdict,
 )
+from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, table
-from stableattn.invariance import ulp_at
-from stableattn.metrics import rounding_floor, safe_ratio
-from stableattn.plotting import Series, line_plot
-from stableattn.precision import Precision
-from stableattn.ring import CONTEXT_AXIS, context_mesh, ring_attention
+from stableattn.numerics.metrics import rounding_floor, safe_ratio
+from stableattn.numerics.precision import Precision
+from stableattn.ops.ring import CONTEXT_AXIS, context_mesh, ring_attention
 
 # layout -> (causal, balanced)
 LAYOUTS = {

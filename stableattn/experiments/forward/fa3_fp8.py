@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from stableattn.auditing.inputs import Shape
+from stableattn.contract.options import Options
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward.study import (
@@ -26,10 +28,8 @@ from stableattn.experiments.forward.study import (
   row,
   verdict,
 )
+from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, table
-from stableattn.inputs import Shape
-from stableattn.options import Options
-from stableattn.plotting import bar_plot
 
 # Table 3's rows: name -> (implementation, policy, FlashAttention-3's RMSE).
 # The published numbers are compared with, never measured here.

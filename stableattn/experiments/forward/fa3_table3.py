@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from stableattn.auditing.inputs import Shape
 from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
@@ -15,9 +16,8 @@ from stableattn.experiments.forward.study import (
   flash,
   range_text,
 )
+from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, one, table
-from stableattn.inputs import Shape
-from stableattn.plotting import bar_plot
 
 # FlashAttention-3 (Shah et al. 2024), Table 3, FP16 RMSE; compared, never
 # measured here.

@@ -14,9 +14,9 @@ from stableattn.experiments.forward.study import (
   same_policy,
   verdict,
 )
+from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.plotting import Series, line_plot
-from stableattn.precision import MANTISSA_BITS, natural_policy
+from stableattn.numerics.precision import MANTISSA_BITS, natural_policy
 
 
 def fig3(rows) -> dict:

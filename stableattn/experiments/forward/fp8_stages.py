@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from stableattn.auditing.inputs import DISTRIBUTIONS, Shape
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward import policy_rows
 from stableattn.experiments.forward.study import Section, Study
 from stableattn.experiments.reporting import num, table
-from stableattn.inputs import DISTRIBUTIONS, Shape
 
 ROWS = {
   "nothing (fp16-fa2)": ("pallas", "fp16-fa2"),

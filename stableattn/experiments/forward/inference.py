@@ -20,7 +20,10 @@ import math
 
 import numpy as np
 
-from stableattn.dispatch import attention
+from stableattn.auditing.inputs import Shape, make_inputs, round_to
+from stableattn.auditing.invariance import ulp_at
+from stableattn.contract.golden import golden_attention
+from stableattn.contract.options import Options
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.forward.study import (
   Claim,
@@ -33,14 +36,11 @@ from stableattn.experiments.forward.study import (
   row,
   verdict,
 )
+from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.golden import golden_attention
-from stableattn.inputs import Shape, make_inputs, round_to
-from stableattn.invariance import ulp_at
-from stableattn.options import Options
-from stableattn.paged import paged_attention
-from stableattn.plotting import Series, line_plot
-from stableattn.precision import Precision
+from stableattn.numerics.precision import Precision
+from stableattn.ops.dispatch import attention
+from stableattn.ops.paged import paged_attention
 
 PARTIALS = ("fp32", "input")
 # Batch-invariance schedules: one pass over the keys; a fixed split size

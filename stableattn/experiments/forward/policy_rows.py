@@ -4,15 +4,15 @@ between rows, the verdict over settings, the grouped-bar figure)."""
 
 from __future__ import annotations
 
+from stableattn.contract.options import Options
 from stableattn.experiments.engine import Case, Engine, Kernel
 from stableattn.experiments.forward.study import (
   deviation_values,
   row,
   verdict,
 )
+from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, one
-from stableattn.options import Options
-from stableattn.plotting import bar_plot
 
 
 def measure(engine: Engine, common, case: Case, rows: dict) -> list[dict]:

@@ -1,5 +1,7 @@
 """The forward studies, in report order: one line per study module, each
-module defining `STUDY` (a `study.Study`) and named after its config block.
+module defining `STUDY` (a `study.Study`) and named after its config block,
+with `_study` added where the library holds a module of that name
+(`features_study` is the study `features`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ STUDY_MODULES = (
   "fa3_fp8",
   "tied_maxima",
   "backward",
-  "features",
+  "features_study",
   "fp8_underflow",
   "sage_fp8",
   "fp8_stages",
@@ -27,7 +29,7 @@ STUDY_MODULES = (
 
 def _load(module: str):
   study = importlib.import_module(f"{__package__}.{module}").STUDY
-  if study.name != module:
+  if study.name != module.removesuffix("_study"):
     raise ValueError(
       f"study module {module!r} defines a study named {study.name!r}: the "
       "study, its module and its config block share one name."
@@ -35,7 +37,7 @@ def _load(module: str):
   return study
 
 
-STUDIES = {module: _load(module) for module in STUDY_MODULES}
+STUDIES = {study.name: study for study in map(_load, STUDY_MODULES)}
 # Every paper claim ("fig4") -> its `study.Claim`, from the study answering it.
 CLAIMS = {
   claim_id: claim

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from stableattn import environment
+from stableattn.experiments import environment
 from stableattn.experiments.forward.registry import CLAIMS, STUDIES
 from stableattn.experiments.forward.study import ReportContext
 from stableattn.experiments.reporting import section, select, table

@@ -19,10 +19,10 @@ from stableattn.experiments.forward.study import (
   trend_text,
   verdict,
 )
+from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.metrics import power_law
-from stableattn.plotting import Series, line_plot
-from stableattn.precision import Precision
+from stableattn.numerics.metrics import power_law
+from stableattn.numerics.precision import Precision
 
 # Input distributions whose V has zero mean: a longer average shrinks |O|.
 ZERO_MEAN_INPUTS = ("normal", "outliers", "scaled")

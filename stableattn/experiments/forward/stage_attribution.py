@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from stableattn.contract.options import Options
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward.study import (
@@ -16,10 +17,9 @@ from stableattn.experiments.forward.study import (
   against_golden,
   formats,
 )
+from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.options import Options
-from stableattn.plotting import bar_plot
-from stableattn.precision import Precision
+from stableattn.numerics.precision import Precision
 
 # Stages that the all-format presets round and the -fa2 presets keep in FP32.
 ATTRIBUTION_STAGES = ("scores", "softmax_stats", "out_accum")

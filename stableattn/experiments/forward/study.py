@@ -14,14 +14,14 @@ import dataclasses
 import pathlib
 from collections.abc import Callable
 
+from stableattn.auditing.inputs import DISTRIBUTIONS, Shape
+from stableattn.contract.options import SCHEMES, Options
 from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case, Engine, Kernel
 from stableattn.experiments.reporting import num, one
-from stableattn.inputs import DISTRIBUTIONS, Shape
-from stableattn.metrics import compare, safe_ratio
-from stableattn.options import SCHEMES, Options
-from stableattn.precision import Precision, format_name
-from stableattn.quant_options import WIDE_FORMATS
+from stableattn.numerics.metrics import compare, safe_ratio
+from stableattn.numerics.precision import Precision, format_name
+from stableattn.numerics.quant_options import WIDE_FORMATS
 
 
 def formats(raw, name: str) -> tuple[str, ...]:

@@ -13,6 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from stableattn.auditing.inputs import Shape, TiedMaximaSpec, untied_mass_ratio
+from stableattn.contract.options import Options
 from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward import tied_maxima_report
@@ -22,9 +24,7 @@ from stableattn.experiments.forward.study import (
   policies,
   row,
 )
-from stableattn.inputs import Shape, TiedMaximaSpec, untied_mass_ratio
-from stableattn.options import Options
-from stableattn.precision import Precision
+from stableattn.numerics.precision import Precision
 
 # V for Qiu & Yao's conditions: one sign in one binade, or zero-mean.
 TIED_VALUES = {"one_sign": (-1.5, 0.2), "zero_mean": (0.0, 1.0)}

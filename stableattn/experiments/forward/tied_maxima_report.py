@@ -5,9 +5,9 @@ measurement for length; `tied_maxima.py` is the study)."""
 from __future__ import annotations
 
 from stableattn.experiments.forward.study import Section
+from stableattn.experiments.plotting import signed_share_panels
 from stableattn.experiments.reporting import one, table
-from stableattn.plotting import signed_share_panels
-from stableattn.precision import Precision
+from stableattn.numerics.precision import Precision
 
 # Signed share (see `metrics.signed_share`) from which errors are called
 # biased away from zero, and below which (in magnitude) a fix removed it.

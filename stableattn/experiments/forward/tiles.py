@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from stableattn.contract.tiling import tiles_from_sram
 from stableattn.experiments.config_values import spec, tile_pairs
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
@@ -21,11 +22,10 @@ from stableattn.experiments.forward.study import (
   trend_text,
   verdict,
 )
+from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.metrics import power_law
-from stableattn.plotting import Series, line_plot
-from stableattn.precision import MANTISSA_BITS
-from stableattn.tiling import tiles_from_sram
+from stableattn.numerics.metrics import power_law
+from stableattn.numerics.precision import MANTISSA_BITS
 
 # Fig. 6b: "square tiles have no effect" holds if equal-area tiles of any
 # shape stay within this factor of each other.

@@ -26,14 +26,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from stableattn import data, environment, mismatch
+from stableattn.contract.options import Options
+from stableattn.experiments import environment
 from stableattn.experiments.config_values import field
 from stableattn.experiments.mismatch import policy_gradient, report
 from stableattn.experiments.mismatch.pairs import Pair, resolve
 from stableattn.experiments.rundir import RunDir
-from stableattn.model import AttentionSpec, ModelSpec
-from stableattn.options import Options
-from stableattn.training import OptimizerSpec, RunSpec, Trainer
+from stableattn.training import data, rollout
+from stableattn.training.model import AttentionSpec, ModelSpec
+from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
 MODEL_FILE = "checkpoints/mismatch_model.npz"
 
@@ -192,16 +193,16 @@ def prompts_of(s: Settings, held_out, seed: int) -> np.ndarray:
 
 def measure(model, s: Settings, pair: Pair, prompts, seed: int) -> dict:
   """One (pair, seed): every sequence's mismatch metrics."""
-  tokens, log_sample = mismatch.generate(
+  tokens, log_sample = rollout.generate(
     model,
     prompts,
     s.new_tokens,
     pair.sampler,
     key=jax.random.key(seed),
   )
-  log_train = mismatch.score(model, tokens, s.prompt_len, pair.trainer)
+  log_train = rollout.score(model, tokens, s.prompt_len, pair.trainer)
   per_sequence = [
-    mismatch.token_metrics(a, b, s.tis_threshold)
+    rollout.token_metrics(a, b, s.tis_threshold)
     for a, b in zip(np.asarray(log_sample), np.asarray(log_train))
   ]
   log_ratio = np.asarray(log_train, np.float64) - np.asarray(
@@ -210,7 +211,7 @@ def measure(model, s: Settings, pair: Pair, prompts, seed: int) -> dict:
   # Thinking Machines' measure: where greedy decoding with the two paths
   # first writes different bytes (new_tokens where it never does).
   greedy = [
-    mismatch.generate(
+    rollout.generate(
       model,
       prompts,
       s.new_tokens,
@@ -219,7 +220,7 @@ def measure(model, s: Settings, pair: Pair, prompts, seed: int) -> dict:
     )[0]
     for path in (pair.sampler, pair.trainer)
   ]
-  divergence = mismatch.first_divergence(*greedy, s.prompt_len)
+  divergence = rollout.first_divergence(*greedy, s.prompt_len)
   return {
     "pair": pair.name,
     "role": pair.role,

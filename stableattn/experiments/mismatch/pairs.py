@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.dispatch import attention
+from stableattn.contract.options import Options
 from stableattn.experiments.forward.inference import heuristic_splits
-from stableattn.mismatch import Path
-from stableattn.model import AttentionSpec
-from stableattn.options import Options
+from stableattn.ops.dispatch import attention
+from stableattn.training.model import AttentionSpec
+from stableattn.training.rollout import Path
 
 SUBJECT, CONTROL, REFERENCE = "subject", "control", "reference"
 

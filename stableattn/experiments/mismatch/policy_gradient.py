@@ -23,18 +23,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from stableattn import mismatch
+from stableattn.contract.options import Options
 from stableattn.experiments.mismatch.pairs import BF16, choose, decoding, flash
-from stableattn.model import AttentionSpec
-from stableattn.options import Options
+from stableattn.training import rollout
+from stableattn.training.model import AttentionSpec
 
-TRAINER = mismatch.Path(AttentionSpec("reference", Options(precision="fp32")))
+TRAINER = rollout.Path(AttentionSpec("reference", Options(precision="fp32")))
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
   name: str
-  sampler: mismatch.Path | None  # None: the trainer's own probabilities
+  sampler: rollout.Path | None  # None: the trainer's own probabilities
   tis: bool
 
 
@@ -109,7 +109,7 @@ def train_arm(model, arm: Arm, replicate: int, c) -> dict:
     )
     key = jax.random.fold_in(jax.random.key(replicate), t)
     sampler = arm.sampler or dataclasses.replace(TRAINER, mode="decode")
-    tokens, log_sample = mismatch.generate(
+    tokens, log_sample = rollout.generate(
       current, prompts, c.new_tokens, sampler, key=key
     )
     r = reward(tokens, c.prompt_len, c.target_byte)
@@ -127,7 +127,7 @@ def train_arm(model, arm: Arm, replicate: int, c) -> dict:
     )
     if arm.sampler is None:
       log_sample = log_train  # the samples' probabilities are the trainer's
-    metrics = mismatch.token_metrics(log_sample, log_train, c.tis_cap)
+    metrics = rollout.token_metrics(log_sample, log_train, c.tis_cap)
     rewards.append(float(r.mean()))
     kl_k3.append(metrics["kl_k3"])
     diff_max.append(metrics["rollout_probs_diff_max"])

@@ -7,9 +7,10 @@ import json
 
 import numpy as np
 
-from stableattn import environment
+from stableattn.experiments import environment
 from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
 from stableattn.experiments.mismatch.policy_gradient import collapse_step
+from stableattn.experiments.plotting import Series, interval_plot, line_plot
 from stableattn.experiments.reporting import (
   Interval,
   mean_interval,
@@ -18,7 +19,6 @@ from stableattn.experiments.reporting import (
   table,
 )
 from stableattn.experiments.rundir import RunDir
-from stableattn.plotting import Series, interval_plot, line_plot
 
 # Bins of |log(p_train / p_sample)| for the importance-ratio figure: exact
 # zeros, then two bins per decade from 1e-10 to 10, then beyond.

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from stableattn import environment
-from stableattn import features as features_lib
-from stableattn import options as options_lib
-from stableattn.attention_fns import resolve
+from stableattn.contract import features as features_lib
+from stableattn.contract import options as options_lib
+from stableattn.contract.features import Features
+from stableattn.contract.options import Options
+from stableattn.experiments import environment
 from stableattn.experiments.blocks import CORPORA, ModelBlock
 from stableattn.experiments.config_values import (
   as_tuple,
@@ -21,11 +22,10 @@ from stableattn.experiments.config_values import (
   ring_devices,
   spec,
 )
-from stableattn.features import Features
-from stableattn.model import AttentionSpec, ModelSpec
-from stableattn.options import Options
-from stableattn.precision import Precision, natural_policy
-from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
+from stableattn.numerics.precision import Precision, natural_policy
+from stableattn.ops.registry import resolve
+from stableattn.training.model import AttentionSpec, ModelSpec
+from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 # Attention variants: name -> (implementation, policy; "natural": the
 # kernel's natural policy at the training format).

@@ -11,10 +11,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from stableattn import data as data_lib
 from stableattn.experiments.stability.settings import Arm, Settings
-from stableattn.metrics import signed_share
-from stableattn.training import Trainer
+from stableattn.numerics.metrics import signed_share
+from stableattn.training import data as data_lib
+from stableattn.training.trainer import Trainer
 
 
 def load_tokens(s: Settings) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from stableattn.experiments.rundir import RunDir
-from stableattn.training import TrainState
+from stableattn.training.trainer import TrainState
 
 
 def checkpoint_manager(run_dir: RunDir) -> ocp.CheckpointManager:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from stableattn import data as data_lib
 from stableattn.experiments.training_drift.settings import Settings
+from stableattn.training import data as data_lib
 
 
 def load_data(s: Settings) -> tuple[np.ndarray, np.ndarray]:

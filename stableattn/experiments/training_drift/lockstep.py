@@ -11,8 +11,7 @@ import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
-from stableattn import data as data_lib
-from stableattn import environment
+from stableattn.experiments import environment
 from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift import checkpoints, probes
 from stableattn.experiments.training_drift.data import batch_at
@@ -20,7 +19,8 @@ from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
 from stableattn.experiments.training_drift.report import write_report
 from stableattn.experiments.training_drift.settings import Settings
 from stableattn.experiments.training_drift.snapshots import Snapshots
-from stableattn.training import RunSpec, Trainer
+from stableattn.training import data as data_lib
+from stableattn.training.trainer import RunSpec, Trainer
 
 
 def expected_log_steps(settings: Settings, up_to: int) -> list[int]:

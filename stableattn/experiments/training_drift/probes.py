@@ -12,8 +12,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from stableattn.drift import attention_grad_error_rows, param_drift
-from stableattn.model import FP32, SHADOW, AttentionSpec
+from stableattn.training.drift import attention_grad_error_rows, param_drift
+from stableattn.training.model import FP32, SHADOW, AttentionSpec
 
 
 def run_rows(name: str, tag: dict, loss, layer_stats, last_train) -> list:

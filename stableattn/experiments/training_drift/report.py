@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stableattn import environment
-from stableattn.dispatch import IMPLEMENTATIONS
-from stableattn.drift import top_singular_share
+from stableattn.experiments import environment
 from stableattn.experiments.reporting import (
   Interval,
   finding_lines,
@@ -32,7 +30,9 @@ from stableattn.experiments.training_drift.plots import (
   replicate_series,
   write_plots,
 )
-from stableattn.metrics import power_law
+from stableattn.numerics.metrics import power_law
+from stableattn.ops.dispatch import IMPLEMENTATIONS
+from stableattn.training.drift import top_singular_share
 
 DRIFT_METRICS = ("max_abs", "wasserstein", "rel_l2")
 GAP_METRICS = ("eval_loss_gap", "logit_max_abs", "logit_rel_l2")
@@ -43,8 +43,8 @@ def write_report(
 ) -> dict:
   """report.md, summary.csv and the plots; returns the headline numbers.
 
-  env: `stableattn.environment.describe()` of the run (with its corpus
-  digest); None: this process's, without one.
+  env: `stableattn.experiments.environment.describe()` of the run (with its
+  corpus digest); None: this process's, without one.
   """
   env = environment.describe() if env is None else env
   headline: dict = {

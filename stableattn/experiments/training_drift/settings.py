@@ -6,9 +6,8 @@ import dataclasses
 
 import jax
 
-from stableattn import environment
-from stableattn.attention_fns import IMPLEMENTATIONS, resolve
-from stableattn.dispatch import xla_unsupported_reason
+from stableattn.contract.options import SCHEMES, Options
+from stableattn.experiments import environment
 from stableattn.experiments.blocks import CORPORA, ModelBlock
 from stableattn.experiments.config_values import (
   as_tuple,
@@ -22,10 +21,15 @@ from stableattn.experiments.training_drift.pairs import (
   PAIRS,
 )
 from stableattn.experiments.training_drift.variants import VARIANTS, Variant
-from stableattn.model import SHADOW, AttentionSpec, ModelSpec
-from stableattn.options import SCHEMES, Options
-from stableattn.precision import Precision, natural_policy, preset_names
-from stableattn.training import COMPUTE_DTYPES, OptimizerSpec, RunSpec
+from stableattn.numerics.precision import (
+  Precision,
+  natural_policy,
+  preset_names,
+)
+from stableattn.ops.dispatch import xla_unsupported_reason
+from stableattn.ops.registry import IMPLEMENTATIONS, resolve
+from stableattn.training.model import SHADOW, AttentionSpec, ModelSpec
+from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 COMPARE_MODES = ("natural", "shared")
 MACHINE_PAIR = "other_machine"

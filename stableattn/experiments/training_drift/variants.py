@@ -18,7 +18,7 @@ class Variant:
   Attributes:
     attention: "baseline", "flash" or "candidate": the kernel named by
       `config.attention.baseline`, `.flash` or `.candidate` (any name of
-      `stableattn.attention_fns`) computes every layer's attention.
+      `stableattn.ops.registry`) computes every layer's attention.
     precision: the training format ("fp32", "bf16", "fp16"); None keeps
       `config.train.precision`.
     options: None, "flash" (`config.attention.flash_options`) or "fix"

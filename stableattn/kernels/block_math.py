@@ -1,0 +1,166 @@
+"""Per-block arithmetic shared by the forward and backward Pallas kernels.
+
+Every function takes 2-D tiles already loaded from refs and a
+`PolicyArithmetic`, which rounds each result to its stage (see
+`rounding.py`). Values come back in the carrier format. Names carry shapes:
+`BqxD` is a tile of `block_q` rows and `D` columns, `BqxBk` a tile of
+scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from stableattn.contract.masking import scores
+from stableattn.numerics.rounding import PolicyArithmetic
+
+# Contract the last dimension of both operands: A @ B^T.
+NT_DIMS = (((1,), (1,)), ((), ()))
+# Plain A @ B.
+NN_DIMS = (((1,), (0,)), ((), ()))
+# Contract the first dimension of both operands: A^T @ B.
+TN_DIMS = (((0,), (0,)), ((), ()))
+
+
+def scaled_dot(a, b, dims, ar: PolicyArithmetic, scale: float, stage: str):
+  """(A B) * scale: the product rounded to `matmul_accum`, then to `stage`."""
+  product = ar.dot(a, b, dims)
+  return ar.round(product * jnp.asarray(scale, product.dtype), stage)
+
+
+def block_scores(
+  q_BqxD, k_BkxD, *, ar: PolicyArithmetic, spec, mask, bias, scales=None
+):
+  """S = Q K^T * scale (softcapped if set) in `scores`, held in
+  `softmax_stats`, plus the bias (rounded to `scores`) if any.
+
+  Masked pairs are -inf.
+
+  Args:
+    spec: the `masking.MaskSpec`.
+    mask: boolean [block_q, block_k] or None when every pair attends.
+    bias: [block_q, block_k] or None.
+    scales: (q row scales [block_q], k row scales [block_k]) of operands
+      below 16 bits (see `quantization.py`), or None.
+
+  Returns:
+    (S, tanh of the softcap or None), both [block_q, block_k].
+  """
+  if scales is None:
+    product = ar.dot(q_BqxD, k_BkxD, NT_DIMS)
+  else:
+    q_scale, k_scale = scales
+    product = ar.dot(
+      q_BqxD * (1.0 / q_scale)[:, None],
+      k_BkxD * (1.0 / k_scale)[:, None],
+      NT_DIMS,
+    ) * (q_scale[:, None] * k_scale[None, :])
+  s, tanh = scores(product, spec, ar)
+  s = ar.round(s, "softmax_stats")
+  if bias is not None:
+    s = ar.round(s + ar.round(bias, "scores"), "softmax_stats")
+  if mask is not None:
+    s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
+  return s, tanh
+
+
+def no_key_safe(m):
+  """The maximum to subtract: 0 for a row with no key yet (m = -inf), so
+  exp(-inf - m) is 0, never exp(-inf + inf) = NaN."""
+  return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
+
+
+def stats_exp(x, ar: PolicyArithmetic):
+  """exp(x) rounded to `softmax_stats` (x already in that format)."""
+  return ar.round(jnp.exp(x), "softmax_stats")
+
+
+def row_sum(x_BqxBk, ar: PolicyArithmetic):
+  """Row sum within one block, accumulated like a dot product."""
+  return ar.round(ar.sum(x_BqxBk, "matmul_accum"), "softmax_stats")
+
+
+def tie_cap(ar: PolicyArithmetic) -> float:
+  """The largest shift of the maximum that keeps exp of the tie normal.
+
+  Half the natural-log range of the statistics format's normal numbers
+  (43.7 for FP32 and BF16, 4.9 for FP16): exp(r_m - m) of the row's largest
+  entries then stays a normal number, so the softmax sum cannot underflow
+  to zero (Qiu & Yao's beta = 7 does once the row maximum exceeds about
+  14.6 in FP32).
+  """
+  tiny = float(jnp.finfo(ar.policy.dtype("softmax_stats")).tiny)
+  return -0.5 * math.log(tiny)
+
+
+def tie_safe_max(s, r_m, ar: PolicyArithmetic, options):
+  """The maximum to subtract before exp, with Qiu & Yao's fix (Alg. 1).
+
+  Qiu & Yao (arXiv 2510.04212): where several scores of a row tie at its
+  maximum r_m, those probabilities are exactly 1 and PV rounds with a
+  bias. With r_s the number of entries equal to r_m: m = beta * r_m if
+  r_m > 0 and r_s > 1, m = 0 if r_m < 0 and r_s > 1, else m = r_m, so no
+  probability is exactly 1.
+
+  Fallback: a shift m - r_m beyond `tie_cap` would underflow the sum; it
+  is wrapped into [cap - 1, cap) instead (by its fractional part). A
+  constant shift would give every row the same tied probability and so the
+  same rounding of it, a bias of its own; the wrapped shift still varies
+  from row to row, and every probability stays below 1.
+
+  Args:
+    s: scores [..., n] in the statistics format; -inf where masked.
+    r_m: s.max(-1), shape [...].
+    options: the `Options` whose `tie_beta` is beta > 1, or None for the
+      standard safe softmax (m = r_m).
+  """
+  beta = options.tie_beta
+  if beta is None:
+    return r_m
+  stats = lambda x: ar.round(x, "softmax_stats")  # noqa: E731
+  one, zero = jnp.asarray(1.0, s.dtype), jnp.asarray(0.0, s.dtype)
+  tied = jnp.sum(jnp.where(s == r_m[..., None], one, zero), axis=-1) > 1
+  finite = jnp.isfinite(r_m)
+  r_safe = jnp.where(finite, r_m, zero)
+  shift = jnp.where(
+    tied & (r_safe > 0),
+    jnp.asarray(beta - 1.0, s.dtype) * r_safe,
+    jnp.where(tied & (r_safe < 0), -r_safe, zero),
+  )
+  cap = jnp.asarray(tie_cap(ar), s.dtype)
+  wrapped = cap - one + (shift - jnp.floor(shift))
+  shift = jnp.where(shift > cap, wrapped, shift)
+  # A row with no key here (r_m = -inf) keeps r_m.
+  return jnp.where(finite, stats(r_safe + shift), r_m)
+
+
+def probs_times_values(
+  p_BqxBk, v_BkxD, ar: PolicyArithmetic, v_scale=None, per_channel=False
+):
+  """P V with P rounded to `probs` first; result in `out_accum`.
+
+  With operands below 16 bits P enters as round(P * p_scale) and V as
+  round(V * (1 / s_v)) (s_v constant over a tile's rows, or one per
+  column if `per_channel`); the product is then multiplied by s_v * (1 /
+  p_scale). (Divisions are written as reciprocal products, which XLA
+  would make of them anyway.)
+  """
+  p_scale = ar.policy.p_scale
+  if v_scale is None and p_scale == 1.0:
+    pv = ar.dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS)
+    return ar.round(pv, "out_accum")
+  dtype = p_BqxBk.dtype
+  p_hat = ar.round_probs(p_BqxBk * jnp.asarray(p_scale, dtype))
+  if v_scale is None:
+    pv = ar.dot(p_hat, v_BkxD, NN_DIMS, probs=True)
+    descale = jnp.asarray(1.0 / p_scale, dtype)
+  elif per_channel:
+    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[None, :], NN_DIMS, probs=True)
+    descale = (v_scale * jnp.asarray(1.0 / p_scale, dtype))[None, :]
+  else:
+    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS, probs=True)
+    # One value over the tile (a max: Triton cannot slice a vector).
+    descale = jnp.max(v_scale) * jnp.asarray(1.0 / p_scale, dtype)
+  return ar.round(pv * descale, "out_accum")

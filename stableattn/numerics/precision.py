@@ -1,0 +1,455 @@
+"""Precision policy: one number format per place where attention rounds.
+
+A deviation between two attention implementations can only be attributed to
+a cause if every rounding step is named. `Precision` gives each stage its own
+format, so that a study can change one stage and watch the deviation move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.numerics.quant_options import (
+  DEFAULT_OPTIONS,
+  QUANT_OPTIONS,
+  WIDE_FORMATS,
+  check_quant_options,
+  option_text,
+  parse_option,
+)
+
+# Canonical short names and the dtypes they stand for.
+_FORMATS = {
+  "fp64": jnp.float64,
+  "fp32": jnp.float32,
+  "fp16": jnp.float16,
+  "bf16": jnp.bfloat16,
+  # Below 16 bits (see `LOW_FORMATS` in rounding.py for their ranges).
+  "fp8_e4m3": jnp.float8_e4m3fn,
+  "fp8_e5m2": jnp.float8_e5m2,
+  "fp4_e2m1": jnp.float4_e2m1fn,
+  "int8": jnp.int8,
+  # FP32's range with 13 fraction bits, held in FP32: the width Hopper's
+  # FP8 tensor cores accumulate in (SageAttention 2 calls it FP22).
+  "fp22": jnp.float32,
+}
+# The formats every stage can take and each has presets (and a study axis).
+_ALIASES = {
+  "float64": "fp64",
+  "f64": "fp64",
+  "double": "fp64",
+  "float32": "fp32",
+  "f32": "fp32",
+  "float": "fp32",
+  "float16": "fp16",
+  "f16": "fp16",
+  "half": "fp16",
+  "bfloat16": "bf16",
+  "e4m3": "fp8_e4m3",
+  "fp8": "fp8_e4m3",
+  "float8_e4m3fn": "fp8_e4m3",
+  "e5m2": "fp8_e5m2",
+  "float8_e5m2": "fp8_e5m2",
+  "e2m1": "fp4_e2m1",
+  "fp4": "fp4_e2m1",
+  "float4_e2m1fn": "fp4_e2m1",
+  "e8m13": "fp22",
+}
+# Mantissa bits (explicit fraction bits) of each format, for reports; int8
+# has 7 magnitude bits.
+MANTISSA_BITS = {
+  "fp64": 52,
+  "fp32": 23,
+  "fp16": 10,
+  "bf16": 7,
+  "fp8_e4m3": 3,
+  "fp8_e5m2": 2,
+  "fp4_e2m1": 1,
+  "int8": 7,
+  "fp22": 13,
+}
+# Where int8 is allowed: an integer format holds quantized matmul operands.
+INT8_STAGES = ("matmul_operands",)
+# Where fp22 is allowed: a tensor core's accumulator.
+FP22_STAGES = ("matmul_accum",)
+
+STAGES = (
+  "inputs",
+  "matmul_operands",
+  "matmul_accum",
+  "scores",
+  "softmax_stats",
+  "probs",
+  "out_accum",
+  "partials",
+  "output",
+  "delta",
+  "grad_accum",
+)
+STAGE_DESCRIPTIONS = {
+  "inputs": "Q, K, V as stored",
+  "matmul_operands": "what enters QK^T and PV (and the backward matmuls)",
+  "matmul_accum": "dot products inside one block (preferred_element_type)",
+  "scores": "S = QK^T / sqrt(d) as stored",
+  "softmax_stats": "running max m, running sum l, exp, rescale factors",
+  "probs": "probabilities P cast before PV",
+  "out_accum": "running output accumulator O, rescaled once per key block",
+  "partials": "split-KV: each split's normalized output before the merge",
+  "output": "final O",
+  "delta": "backward: delta = rowsum(dO * O)",
+  "grad_accum": "backward: running dQ, dK, dV sums across blocks",
+}
+
+DtypeLike = str | np.dtype | type
+
+
+def format_name(dtype: DtypeLike) -> str:
+  """Canonical short name ('fp64', 'fp32', 'fp16', 'bf16') of a dtype."""
+  if isinstance(dtype, str):
+    key = dtype.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in _FORMATS:
+      return key
+    raise ValueError(
+      f"Unknown number format {dtype!r}; valid formats are "
+      f"{sorted(_FORMATS)} (or {sorted(_ALIASES)})."
+    )
+  try:
+    np_dtype = jnp.dtype(dtype)
+  except TypeError as e:
+    raise ValueError(
+      f"Unknown number format {dtype!r}; valid formats are {sorted(_FORMATS)}."
+    ) from e
+  for name, candidate in _FORMATS.items():
+    if np_dtype == jnp.dtype(candidate):
+      return name
+  raise ValueError(
+    f"Unsupported dtype {np_dtype}; valid formats are {sorted(_FORMATS)}."
+  )
+
+
+def to_dtype(name: str) -> np.dtype:
+  """The numpy/JAX dtype for a format name."""
+  return jnp.dtype(_FORMATS[format_name(name)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+  """Number format of every rounding stage of attention.
+
+  Each field holds a format name: 'fp64', 'fp32', 'fp16', 'bf16', or below
+  16 bits 'fp8_e4m3' (e4m3fn: no infinity, casts saturate at +-448),
+  'fp8_e5m2', 'fp4_e2m1' (saturates at +-6) and 'int8' (matmul operands
+  only). See
+  `STAGE_DESCRIPTIONS` for what each stage rounds. `name` is a label for
+  reports; it is the preset name, or the preset name plus the changes made
+  with `with_stage`.
+  """
+
+  inputs: str
+  matmul_operands: str
+  matmul_accum: str
+  scores: str
+  softmax_stats: str
+  probs: str
+  out_accum: str
+  output: str
+  delta: str
+  grad_accum: str
+  # FlashAttention keeps split-KV partial outputs in FP32 whatever the
+  # input format; policies that name no format for them do the same.
+  partials: str = "fp32"
+  name: str = "custom"
+  # How operands below 16 bits are scaled before their cast (see
+  # `QUANT_OPTIONS`); none of these change a policy of 16 bits or more.
+  scaling: str = "none"
+  p_scale: float = 1.0
+  hadamard: bool = False
+  key_order: str = "forward"
+  smooth_k: bool = False
+
+  def __post_init__(self):
+    for stage in STAGES:
+      object.__setattr__(self, stage, format_name(getattr(self, stage)))
+      if getattr(self, stage) == "int8" and stage not in INT8_STAGES:
+        raise ValueError(
+          f"int8 can only be the format of {list(INT8_STAGES)} (quantized "
+          f"operands of a matmul, with scaling), not of {stage!r}; use "
+          "fp8_e4m3, fp8_e5m2 or fp4_e2m1 below 16 bits there."
+        )
+      if getattr(self, stage) == "fp22" and stage not in FP22_STAGES:
+        raise ValueError(
+          f"fp22 can only be the format of {list(FP22_STAGES)} (an FP8 "
+          f"tensor core's accumulator), not of {stage!r}."
+        )
+    check_quant_options(self)
+
+  @classmethod
+  def from_name(cls, name: str | Precision) -> Precision:
+    """The preset called `name` (a `Precision` is returned unchanged).
+
+    A name may add stage changes as `with_stage` labels them:
+    "bf16-fa2+out_accum=bf16" is `from_name("bf16-fa2").with_stage(
+    out_accum="bf16")`, so every policy's `name` reads back.
+
+    Raises:
+      ValueError: for an unknown name; the message lists the valid ones.
+    """
+    if isinstance(name, Precision):
+      return name
+    if not isinstance(name, str):
+      raise ValueError(
+        f"precision must be a preset name or a stableattn.Precision, got "
+        f"{type(name).__name__} {name!r}; valid presets: {preset_names()}."
+      )
+    preset, *changes = name.strip().lower().split("+")
+    if preset not in _PRESETS:
+      raise ValueError(
+        f"Unknown precision preset {preset!r} in {name!r}; valid presets: "
+        f"{preset_names()}, optionally followed by '+stage=format' changes "
+        "(e.g. 'bf16-fa2+out_accum=bf16')."
+      )
+    stages, options = {}, {}
+    for change in changes:
+      stage, sep, fmt = change.partition("=")
+      if not sep:
+        raise ValueError(
+          f"Bad stage change {change!r} in precision {name!r}: write "
+          "'stage=format', e.g. 'bf16-fa2+out_accum=bf16', or "
+          "'option=value', e.g. 'fp8-fa3+hadamard=off'."
+        )
+      stage, fmt = stage.strip(), fmt.strip()
+      if stage in QUANT_OPTIONS or stage == "block_quant":
+        options[stage] = parse_option(stage, fmt, name)
+      else:
+        stages[stage] = fmt
+    policy = _PRESETS[preset]
+    if stages:
+      policy = policy.with_stage(**stages)
+    if options:
+      policy = policy.with_options(**options)
+    return policy
+
+  def with_options(self, **options) -> Precision:
+    """A copy with quantization options changed (see `QUANT_OPTIONS`);
+    `block_quant=False` is `scaling="tensor"` (FlashAttention-3's
+    ablation)."""
+    if "block_quant" in options:
+      options["scaling"] = "block" if options.pop("block_quant") else "tensor"
+    unknown = sorted(set(options) - set(QUANT_OPTIONS))
+    if unknown:
+      raise ValueError(
+        f"Unknown precision option(s) {unknown}; valid: "
+        f"{list(QUANT_OPTIONS) + ['block_quant']}."
+      )
+    changed = [
+      f"{k}={option_text(v)}"
+      for k, v in options.items()
+      if getattr(self, k) != v
+    ]
+    label = self.name + "".join(f"+{c}" for c in changed)
+    return dataclasses.replace(self, name=label, **options)
+
+  def with_stage(self, **stages: DtypeLike) -> Precision:
+    """A copy with the given stages set to other formats.
+
+    Example: `Precision.from_name("bf16-fa2").with_stage(probs="fp32")`.
+    """
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+      raise ValueError(
+        f"Unknown precision stage(s) {unknown}; valid stages: {list(STAGES)}."
+      )
+    formats = {stage: format_name(fmt) for stage, fmt in stages.items()}
+    changed = [
+      f"{stage}={fmt}"
+      for stage, fmt in formats.items()
+      if getattr(self, stage) != fmt
+    ]
+    label = self.name + "".join(f"+{c}" for c in changed)
+    return dataclasses.replace(self, name=label, **formats)
+
+  def dtype(self, stage: str) -> np.dtype:
+    """The dtype of one stage."""
+    if stage not in STAGES:
+      raise ValueError(
+        f"Unknown precision stage {stage!r}; valid stages: {list(STAGES)}."
+      )
+    return to_dtype(getattr(self, stage))
+
+  def stages(self) -> dict[str, str]:
+    """Stage name to format name, in pipeline order."""
+    return {stage: getattr(self, stage) for stage in STAGES}
+
+  @property
+  def uses_fp64(self) -> bool:
+    return "fp64" in self.stages().values()
+
+  @property
+  def quantizes(self) -> bool:
+    """Whether matmul operands are below 16 bits (scaling applies)."""
+    return self.matmul_operands not in WIDE_FORMATS
+
+  def options(self) -> dict:
+    return {k: getattr(self, k) for k in QUANT_OPTIONS}
+
+  def __str__(self) -> str:
+    body = " ".join(f"{k}={v}" for k, v in self.stages().items())
+    if self.quantizes or self.options() != DEFAULT_OPTIONS:
+      body += " " + " ".join(
+        f"{k}={option_text(v)}" for k, v in self.options().items()
+      )
+    return f"{self.name} [{body}]"
+
+
+def _uniform(fmt: str, name: str, **overrides: str) -> Precision:
+  stages = {stage: fmt for stage in STAGES}
+  stages.update(overrides)
+  return Precision(name=name, **stages)
+
+
+def _build_presets() -> dict[str, Precision]:
+  return {**_wide_presets(), **_low_presets()}
+
+
+def _wide_presets() -> dict[str, Precision]:
+  presets = {
+    "fp64": _uniform("fp64", "fp64"),
+    "fp32": _uniform("fp32", "fp32"),
+  }
+  for fmt in ("fp16", "bf16"):
+    # Every stored value in the format; dot products accumulate in FP32
+    # as tensor cores (and CPU matmuls) do.
+    presets[fmt] = _uniform(fmt, fmt, matmul_accum="fp32")
+    # Real flash kernels (FlashAttention-2/3, jax's Pallas kernel): only
+    # the tensor-core operands and the stored output are low precision.
+    presets[f"{fmt}-fa2"] = _uniform(
+      "fp32",
+      f"{fmt}-fa2",
+      inputs=fmt,
+      matmul_operands=fmt,
+      probs=fmt,
+      output=fmt,
+    )
+    # Eager framework attention on half tensors: S, P and O are stored in
+    # the format, softmax is computed internally in FP32.
+    presets[f"{fmt}-framework"] = _uniform(
+      fmt,
+      f"{fmt}-framework",
+      matmul_accum="fp32",
+      softmax_stats="fp32",
+      delta="fp32",
+      grad_accum="fp32",
+    )
+  return presets
+
+
+def _low_presets() -> dict[str, Precision]:
+  presets = {}
+  # FlashAttention-3, Table 3 (FP8 e4m3): the baseline scales each of Q, K,
+  # V once per tensor, accumulates matmuls in FP32 and keeps the softmax
+  # intermediates in FP16; FlashAttention-3 scales per tile ("block
+  # quantization") and rotates Q and K ("incoherent processing"), with
+  # FP32 statistics. Ablations: "+block_quant=off", "+hadamard=off".
+  fp8 = dict(
+    inputs="fp16",
+    matmul_operands="fp8_e4m3",
+    matmul_accum="fp32",
+    probs="fp8_e4m3",
+    out_accum="fp32",
+    output="fp16",
+    delta="fp32",
+    grad_accum="fp32",
+  )
+  presets["fp8-baseline"] = Precision(
+    name="fp8-baseline",
+    scores="fp16",
+    softmax_stats="fp16",
+    scaling="tensor",
+    **fp8,
+  )
+  presets["fp8-fa3"] = Precision(
+    name="fp8-fa3",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="block",
+    hadamard=True,
+    **fp8,
+  )
+  # SageAttention 2's choices (Zhang et al., arXiv 2411.10958) in FP8: K
+  # smoothed, Q and K scaled per token, P scaled by a static 448 and V per
+  # channel, all e4m3. SageAttention 2 itself quantizes Q and K to INT4 or
+  # INT8 (here one operand format serves both matmuls), smooths Q as well,
+  # and accumulates P V in a 22-bit format (here FP32).
+  presets["fp8-sage"] = Precision(
+    name="fp8-sage",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="token",
+    smooth_k=True,
+    p_scale=448.0,
+    **fp8,
+  )
+  # An NVFP4 attention (SageAttention 3's format, arXiv 2505.11594): Q, K,
+  # P and V in e2m1 with one e4m3 scale per 16 values along each matmul's
+  # contraction and one FP32 scale per tensor (P's static); FP32 softmax.
+  presets["fp4-nvfp4"] = Precision(
+    name="fp4-nvfp4",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="nvfp4",
+    **{**fp8, "matmul_operands": "fp4_e2m1", "probs": "fp4_e2m1"},
+  )
+  return presets
+
+
+_PRESETS = _build_presets()
+
+
+KERNELS = ("flash", "baseline")
+
+
+def natural_policy(fmt: str, kernel: str) -> str:
+  """The preset a kernel runs at a format when nobody forces a policy.
+
+  FP32 and FP64: every stage in the format. Half formats: real flash
+  kernels keep statistics and accumulators in FP32 ("<fmt>-fa2"); eager
+  framework attention stores S and P in the format ("<fmt>-framework").
+  """
+  fmt = format_name(fmt)
+  if fmt not in WIDE_FORMATS:
+    raise ValueError(
+      f"No natural policy at {fmt}: below 16 bits a kernel is a set of "
+      "choices (scaling, rotation), named by presets such as fp8-fa3."
+    )
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {list(KERNELS)}, got {kernel!r}.")
+  if fmt in ("fp32", "fp64"):
+    return fmt
+  return f"{fmt}-fa2" if kernel == "flash" else f"{fmt}-framework"
+
+
+def preset_names() -> list[str]:
+  """Names accepted by `Precision.from_name`."""
+  return list(_PRESETS)
+
+
+def resolve(precision: str | Precision) -> Precision:
+  """A `Precision` from a preset name or a `Precision`."""
+  return Precision.from_name(precision)
+
+
+def require_x64_if_needed(policy: Precision) -> None:
+  """Raises if the policy has an FP64 stage but JAX computes in FP32."""
+  if policy.uses_fp64 and not jax.config.jax_enable_x64:
+    fp64_stages = [s for s, f in policy.stages().items() if f == "fp64"]
+    raise ValueError(
+      f"Precision {policy.name!r} computes stages {fp64_stages} in FP64, but "
+      "JAX 64-bit mode is off, so JAX would silently compute them in FP32. "
+      "Enable it first with jax.config.update('jax_enable_x64', True) (or "
+      "JAX_ENABLE_X64=1), or use a policy without FP64 stages."
+    )

@@ -1,0 +1,136 @@
+"""Options of a precision policy whose matmul operands are below 16 bits:
+scaling, P's scale, rotation, key order, K smoothing; their text in a
+policy name and their validation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+  from stableattn.numerics.precision import Precision
+
+# Formats of 16 bits or more; policies with operands in one take no
+# quantization option.
+WIDE_FORMATS = ("fp64", "fp32", "fp16", "bf16")
+
+# Quantization options of a policy with operands below 16 bits:
+QUANT_OPTIONS = {
+  # "none": operands are rounded as they are (values beyond the format
+  # saturate); "tensor": one scale per array (Q, K, V), amax / max finite;
+  # "block": one scale per kernel tile of block_q query or block_k key rows
+  # of one (batch, head). Scales are applied before the cast and removed
+  # after the matmul, in FP32 (FlashAttention-3's descaling).
+  # "token": one scale per row of Q and of K (each token) and one per
+  # channel of V (a V scale must be constant along the P V sum over keys
+  # to be removed after it; SageAttention's choice).
+  # Microscaling, one scale per group of consecutive values along each
+  # matmul's contraction (Q and K along the head dim, P and V along keys),
+  # applied inside the matmul as block-scaled tensor cores do: "mx" (OCP
+  # MX: groups of 32, power-of-two scales) and "nvfp4" (groups of 16,
+  # e4m3 scales times one FP32 scale per tensor; e2m1 values only).
+  "scaling": ("none", "tensor", "block", "token", "mx", "nvfp4"),
+  # P is multiplied by this before its cast to `probs` and divided out of
+  # P V after it (e.g. 448 or 256 for e4m3, whose subnormals end at 2^-9).
+  "p_scale": "a number > 0",
+  # Q and K rotated by one random orthogonal matrix (random signs times a
+  # normalized Hadamard matrix) along the head dimension before scaling:
+  # QK^T is unchanged in exact arithmetic, outliers are spread out
+  # (FlashAttention-3's incoherent processing; head dim a power of two).
+  "hadamard": (False, True),
+  # Order in which the forward kernel visits key blocks.
+  "key_order": ("forward", "reversed"),
+  # K minus its mean over tokens (per batch, head and channel) before the
+  # rotation and scaling: each score row moves by one constant, which
+  # softmax removes (SageAttention's smoothing of K; not with a softcap).
+  "smooth_k": (False, True),
+}
+# Values per shared scale of each microscaling.
+MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
+DEFAULT_OPTIONS = {
+  "scaling": "none",
+  "p_scale": 1.0,
+  "hadamard": False,
+  "key_order": "forward",
+  "smooth_k": False,
+}
+
+
+def option_text(value) -> str:
+  if isinstance(value, bool):
+    return "on" if value else "off"
+  return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def parse_option(option: str, text: str, name: str):
+  """An option's value from its text in a policy name."""
+  if option in ("hadamard", "block_quant", "smooth_k"):
+    if text in ("on", "true", "1"):
+      return True
+    if text in ("off", "false", "0"):
+      return False
+    raise ValueError(
+      f"Bad value {text!r} for {option} in precision {name!r}; valid: on, off."
+    )
+  if option == "p_scale":
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError(
+        f"Bad value {text!r} for p_scale in precision {name!r}; give a "
+        "number > 0, e.g. 448."
+      ) from None
+  return text
+
+
+def check_quant_options(policy: Precision) -> None:
+  """Raises ValueError for options that are unknown or meaningless."""
+  for option in ("scaling", "key_order"):
+    valid = QUANT_OPTIONS[option]
+    if getattr(policy, option) not in valid:
+      raise ValueError(
+        f"Unknown {option} {getattr(policy, option)!r}; valid: {list(valid)}."
+      )
+  for option in ("hadamard", "smooth_k"):
+    if not isinstance(getattr(policy, option), bool):
+      raise ValueError(
+        f"{option} must be True or False, got {getattr(policy, option)!r}."
+      )
+  p_scale = policy.p_scale
+  if (
+    isinstance(p_scale, bool)
+    or not isinstance(p_scale, (int, float))
+    or not np.isfinite(p_scale)
+    or p_scale <= 0
+  ):
+    raise ValueError(f"p_scale must be a finite number > 0, got {p_scale!r}.")
+  object.__setattr__(policy, "p_scale", float(p_scale))
+  low_probs = policy.probs not in WIDE_FORMATS
+  if policy.scaling == "nvfp4" and (
+    policy.matmul_operands != "fp4_e2m1"
+    or (low_probs and policy.probs != "fp4_e2m1")
+  ):
+    raise ValueError(
+      "scaling=nvfp4 scales e2m1 values (NVFP4): matmul_operands and a "
+      f"probs format below 16 bits must be fp4_e2m1, not "
+      f"{policy.matmul_operands} and {policy.probs}; or use scaling=mx."
+    )
+  if policy.scaling in MICRO_GROUPS and policy.matmul_operands == "int8":
+    raise ValueError(
+      f"scaling={policy.scaling} is built for float elements (fp8_e4m3, "
+      "fp8_e5m2, fp4_e2m1); int8 takes none, tensor, block or token."
+    )
+  if policy.matmul_operands in WIDE_FORMATS:
+    # These prepare quantized operands; on wide ones they would be ignored.
+    for option, value in (
+      ("scaling", policy.scaling),
+      ("hadamard", policy.hadamard),
+      ("smooth_k", policy.smooth_k),
+    ):
+      if value != DEFAULT_OPTIONS[option]:
+        raise ValueError(
+          f"{option}={option_text(value)} needs matmul operands below 16 "
+          f"bits (fp8_e4m3, fp8_e5m2, fp4_e2m1, int8); this policy's are "
+          f"{policy.matmul_operands}."
+        )

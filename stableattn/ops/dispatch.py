@@ -1,0 +1,316 @@
+"""`attention`: one entry point, one validation, every implementation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from stableattn.contract import features as features_lib
+from stableattn.contract import options as options_lib
+from stableattn.contract.features import Features
+from stableattn.contract.masking import MaskSpec
+from stableattn.contract.options import ARITHMETIC_OPTIONS, Options
+from stableattn.contract.shapes import check_shapes
+from stableattn.contract.tiling import (
+  check_block_size,
+  check_flag,
+  resolve_interpret,
+)
+from stableattn.kernels import quantization
+from stableattn.kernels.flash_attention import (
+  flash_attention,
+  flash_attention_with_lse,
+  padded_head_dim,
+  quantized_flash_attention,
+)
+from stableattn.kernels.pallas_forward import KernelConfig
+from stableattn.kernels.reference import reference_attention, xla_attention
+from stableattn.numerics.precision import Precision, require_x64_if_needed
+from stableattn.numerics.quant_options import MICRO_GROUPS
+from stableattn.numerics.rounding import PolicyArithmetic
+
+IMPLEMENTATIONS = ("pallas", "reference", "xla")
+
+
+def _check_choice(name: str, value, valid) -> None:
+  if value not in valid:
+    raise ValueError(f"Unknown {name} {value!r}; valid: {list(valid)}.")
+
+
+def validate_inputs(q, k, v) -> tuple:
+  """Shape and dtype checks shared by every implementation; the inputs as
+  JAX arrays."""
+  check_shapes(q, k, v)
+  return tuple(jnp.asarray(x) for x in (q, k, v))
+
+
+def xla_unsupported_reason(policy: Precision) -> str | None:
+  """Why implementation="xla" cannot run `policy` here, or None."""
+  if policy.inputs == "fp16" and jax.default_backend() == "cpu":
+    return (
+      f"implementation='xla' (jax.nn.dot_product_attention) cannot run "
+      f"FP16 inputs (precision {policy.name!r}) on the CPU: XLA:CPU has no "
+      "FP16 x FP16 -> FP32 dot ('F16_F16_F32' is not supported by "
+      "dot_general on CPU), so calling it directly fails the same way. On "
+      "the CPU use implementation='reference' (or 'pallas') with this "
+      "policy, or a policy with BF16/FP32 inputs; on a GPU 'xla' works."
+    )
+  return None
+
+
+def gpu_unsupported_reason(policy: Precision) -> str | None:
+  """Why the compiled GPU (Triton) kernel cannot run `policy`, or None.
+
+  Half-precision arithmetic compiles: each op runs in FP32 and its result
+  is rounded by a cast, which is a real rounding in a Triton kernel.
+  """
+  if policy.uses_fp64:
+    return (
+      f"Precision {policy.name!r} has FP64 stages, which the GPU (Triton) "
+      "kernel does not support; use interpret=True for FP64."
+    )
+  return None
+
+
+# Largest shared memory one Triton program may use on an H100/H200 (227 KiB).
+GPU_SHARED_MEMORY_BYTES = 232448
+
+
+def shared_memory_reason(policy: Precision, head_dim: int, tiles) -> str | None:
+  """Why these tiles cannot fit in a GPU's shared memory, or None.
+
+  The backward kernels hold about four tiles of the largest block size
+  (rows of Q, dO, K, V at the padded head dim) in matmul-operand format.
+  On an H100 this estimate matched Triton's request exactly where it
+  failed (FP32 operands, head dim 128, a 128-row tile: 262144 bytes) and
+  stayed below the limit for every configuration that compiled.
+  """
+  operand_bytes = policy.dtype("matmul_operands").itemsize
+  head_dim_padded = padded_head_dim(head_dim, interpret=False)
+  need = 4 * max(tiles) * head_dim_padded * operand_bytes
+  if need <= GPU_SHARED_MEMORY_BYTES:
+    return None
+  return (
+    f"Tiles {tuple(tiles)} at head dim {head_dim} with "
+    f"{policy.matmul_operands} matmul operands need about {need} bytes of "
+    f"GPU shared memory; a Triton program gets at most "
+    f"{GPU_SHARED_MEMORY_BYTES} on an H100/H200. Use tiles of at most "
+    f"{_largest_fitting_tile(head_dim_padded, operand_bytes)} (block_q, "
+    "block_k, bwd_block_q, bwd_block_k), or interpret=True."
+  )
+
+
+def _largest_fitting_tile(head_dim_padded: int, operand_bytes: int) -> int:
+  tile = 16
+  while 4 * 2 * tile * head_dim_padded * operand_bytes <= (
+    GPU_SHARED_MEMORY_BYTES
+  ):
+    tile *= 2
+  return tile
+
+
+def kernel_config(
+  options: Options, q_shape, kv_shape, mask: MaskSpec
+) -> KernelConfig:
+  """`options` resolved against the shapes: the kernel's static
+  configuration (tiles clamped to the lengths and checked for a GPU)."""
+  interpret = resolve_interpret(options.interpret)
+  for_gpu = not interpret
+  q_len, kv_len = q_shape[1], kv_shape[1]
+
+  def tile(name, value, length):
+    # Fixed tiles are not clamped to a short sequence: a decode step's one
+    # query then runs in the same tile, and the same arithmetic, as its
+    # row of the prefill pass.
+    if options.fixed_tiles:
+      length = None
+    return check_block_size(name, value, for_gpu=for_gpu, length=length)
+
+  block_q = tile("block_q", options.block_q, q_len)
+  block_k = tile("block_k", options.block_k, kv_len)
+  bwd_q, bwd_k = options.bwd_block_q, options.bwd_block_k
+  bwd_block_q = tile("bwd_block_q", block_q if bwd_q is None else bwd_q, q_len)
+  bwd_block_k = tile("bwd_block_k", block_k if bwd_k is None else bwd_k, kv_len)
+  policy = options.precision
+  group = MICRO_GROUPS.get(policy.scaling)
+  if group and block_k % group and kv_len > block_k:
+    raise ValueError(
+      f"scaling={policy.scaling} groups P by {group} keys, so block_k "
+      f"must be a multiple of {group} (got {block_k}): a group may not "
+      "straddle two key tiles."
+    )
+  if options.split_size is not None and options.split_size % block_k:
+    raise ValueError(
+      f"split_size={options.split_size} must be a multiple of block_k="
+      f"{block_k}: a split is a run of whole key blocks."
+    )
+  if for_gpu:
+    reason = gpu_unsupported_reason(policy) or shared_memory_reason(
+      policy, q_shape[3], (block_q, block_k, bwd_block_q, bwd_block_k)
+    )
+    if reason:
+      raise ValueError(reason)
+  resolved = dataclasses.replace(
+    options,
+    block_q=block_q,
+    block_k=block_k,
+    bwd_block_q=bwd_block_q,
+    bwd_block_k=bwd_block_k,
+    interpret=interpret,
+  )
+  return KernelConfig(resolved, mask, q_len, kv_len, q_shape[3])
+
+
+def split_keywords(options, features, keywords: dict):
+  """`options` and `features` with the loose keywords (fields of either)
+  applied: the one place where keyword sugar becomes the two values."""
+  option_names = set(options_lib.field_names())
+  feature_names = set(features_lib.names())
+  unknown = sorted(set(keywords) - option_names - feature_names)
+  if unknown:
+    raise ValueError(
+      f"Unknown attention arguments {unknown}; valid options: "
+      f"{sorted(option_names)}; valid features: {sorted(feature_names)}."
+    )
+  option_kw = {k: v for k, v in keywords.items() if k in option_names}
+  if options is None:
+    options = Options(**option_kw)
+  elif not isinstance(options, Options):
+    raise ValueError(
+      f"options must be a stableattn.Options, got {type(options).__name__}."
+    )
+  elif option_kw:
+    options = options.replace(**option_kw)
+  feature_kw = {k: v for k, v in keywords.items() if k in feature_names}
+  return options, Features.of(features, **feature_kw)
+
+
+def attention(
+  q,
+  k,
+  v,
+  *,
+  implementation: str = "pallas",
+  options: Options | None = None,
+  features: Features | None = None,
+  return_lse: bool = False,
+  **keywords,
+):
+  """Scaled dot-product attention under a precision policy.
+
+  Args:
+    q: [batch, q_len, heads, head_dim].
+    k, v: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    implementation: "pallas" (our flash kernel), "reference" (materialized
+      baseline in jnp) or "xla" (`jax.nn.dot_product_attention`).
+    options: how to compute (`stableattn.Options`: precision, tiles,
+      scheme, Qiu & Yao's tie fix, compiler parameters, interpret);
+      default Options().
+    features: what to compute (`stableattn.Features`: causal, window,
+      lengths, segments, bias, mask, scale, softcap, sink); default none.
+    return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
+      only; not differentiable; +inf for a row no key attends).
+    **keywords: any field of `Options` or `Features` by name (sugar:
+      `precision="bf16-fa2", causal=True`), applied over the two values.
+
+  A row that no key attends gives output 0 and zero gradient. See
+  `stableattn.contract.masking` for the exact semantics of every feature.
+
+  Returns:
+    [batch, q_len, heads, head_dim] in the policy's `output` format (and
+    the log-sum-exp if `return_lse`).
+
+  Raises:
+    ValueError: for malformed inputs or unknown names; the message says what
+      was received and what is valid.
+  """
+  _check_choice("implementation", implementation, IMPLEMENTATIONS)
+  options, features = split_keywords(options, features, keywords)
+  if implementation != "pallas":
+    # Tiles are validated for every implementation, so a sweep with a bad
+    # tile fails the same way whichever runs first; only the kernel is
+    # bound by GPU constraints.
+    options = dataclasses.replace(options, interpret=True)
+  require_x64_if_needed(options.precision)
+  q, k, v = validate_inputs(q, k, v)
+  spec, ops = features.split(q.shape, k.shape)
+  cfg = kernel_config(options, q.shape, k.shape, spec)
+  _check_implementation_options(implementation, cfg, return_lse)
+  return _compute(
+    q, k, v, ops, implementation=implementation, cfg=cfg, return_lse=return_lse
+  )
+
+
+def _check_implementation_options(
+  implementation: str, cfg: KernelConfig, return_lse: bool
+) -> None:
+  """Raises for options the chosen implementation does not have."""
+  if implementation == "xla":
+    _check_xla(cfg)
+  if cfg.policy.smooth_k and cfg.mask.softcap is not None:
+    raise ValueError(
+      "smooth_k=on subtracts K's mean, which moves each score row by a "
+      "constant: softmax removes it, a softcap's tanh does not. Use "
+      "smooth_k=off with softcap."
+    )
+  check_flag("return_lse", return_lse)
+  if return_lse and implementation != "pallas":
+    raise ValueError("return_lse=True is only available for 'pallas'.")
+
+
+def _check_xla(cfg: KernelConfig) -> None:
+  if xla_unsupported_reason(cfg.policy):
+    raise ValueError(xla_unsupported_reason(cfg.policy))
+  if cfg.policy.quantizes:
+    raise ValueError(
+      f"implementation='xla' cannot run precision {cfg.policy.name!r}: "
+      "jax.nn.dot_product_attention has no FP8/FP4/INT8 operands with "
+      "scaling; use 'pallas' or 'reference'."
+    )
+  missing = [n for n in ARITHMETIC_OPTIONS if getattr(cfg.options, n)]
+  missing += [
+    name
+    for name, used in (
+      ("softcap", cfg.mask.softcap is not None),
+      ("sink", cfg.mask.sink),
+    )
+    if used
+  ]
+  if missing:
+    raise ValueError(
+      f"{', '.join(missing)} not supported by implementation='xla' "
+      "(jax.nn.dot_product_attention has no such option); use 'pallas' "
+      "or 'reference'."
+    )
+
+
+@functools.partial(
+  jax.jit, static_argnames=("implementation", "cfg", "return_lse")
+)
+def _compute(
+  q, k, v, ops, *, implementation: str, cfg: KernelConfig, return_lse: bool
+):
+  """One compiled program per (shapes, implementation, configuration)."""
+  # Explicit rounding: a bare cast to a half type may be skipped by XLA when
+  # the next op widens it again (see `rounding.py`).
+  ar = PolicyArithmetic(cfg.policy)
+  q, k, v = (ar.round_inputs(x) for x in (q, k, v))
+  scales = None
+  if cfg.policy.quantizes:
+    q, k, v, scales = quantization.prepare(
+      q, k, v, cfg.policy, cfg.block_q, cfg.block_k
+    )
+  if implementation == "pallas":
+    if return_lse:
+      return flash_attention_with_lse(q, k, v, ops, cfg, scales)
+    if scales is not None:
+      return quantized_flash_attention(q, k, v, ops, scales, cfg)
+    return flash_attention(q, k, v, ops, cfg)
+  if implementation == "reference":
+    return reference_attention(
+      q, k, v, ops, options=cfg.options, spec=cfg.mask, scales=scales
+    )
+  return xla_attention(q, k, v, ops, policy=cfg.policy, spec=cfg.mask)

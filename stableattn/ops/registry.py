@@ -1,0 +1,213 @@
+"""Every attention by name, behind one calling contract: the one registry.
+
+The model's layers, the audit, the benchmark and the experiments resolve
+attention here, so a name is defined once:
+
+* our implementations of `stableattn.attention` (`IMPLEMENTATIONS`:
+  "pallas", "reference", "xla"), each under an `Options`;
+* the kernels users compare against (`PEERS`): "cudnn"
+  (`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only),
+  "jax_mha" (jax's Pallas Triton `mha` with its own tile sizes; interpret
+  mode off the GPU), and tokamax's implementations ("tokamax_xla",
+  "tokamax_xla_chunked", "tokamax_triton", "tokamax_mosaic"; the optional
+  `[peers]` extra);
+* any importable function, named "package.module:function".
+
+The contract: `fn(q, k, v, **features) -> out`, with q of shape [batch,
+q_len, heads, head_dim], k and v [batch, kv_len, kv_heads, head_dim]
+(kv_heads dividing heads) and out shaped like q; `features` are the set
+fields of a `stableattn.Features` under jax's names (`causal`,
+`local_window_size`, `segment_ids`, `softcap`, ...), and only those are
+passed, so a kernel takes the features it supports. A kernel with another
+layout is wrapped to this one by its caller, e.g.
+`lambda q, k, v, **f: my_bhtd(q.swapaxes(1, 2), ...).swapaxes(1, 2)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+
+import jax
+from absl import flags
+from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
+
+from stableattn.contract.options import Options
+from stableattn.ops.dispatch import IMPLEMENTATIONS, attention, split_keywords
+
+TOKAMAX = {
+  "tokamax_xla": "xla",
+  "tokamax_xla_chunked": "xla_chunked",
+  "tokamax_triton": "triton",
+  "tokamax_mosaic": "mosaic",
+}
+PEERS = ("cudnn", "jax_mha", *TOKAMAX)
+NAMES = IMPLEMENTATIONS + PEERS
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def needs_gpu(name: str) -> bool:
+  """True for kernels that run on an NVIDIA GPU only (cuDNN, tokamax's
+  Pallas kernels); jax's Pallas `mha` runs anywhere, in interpret mode
+  off the GPU."""
+  return name in ("cudnn", "tokamax_triton", "tokamax_mosaic")
+
+
+def check_name(name: str) -> None:
+  """Raises a ValueError naming the valid choices for an unknown name."""
+  if name in NAMES or (isinstance(name, str) and ":" in name):
+    return
+  raise ValueError(
+    f"Unknown attention {name!r}; valid: {list(NAMES)} or an import path "
+    "'package.module:function'."
+  )
+
+
+def resolve(
+  name: str, options: Options | None = None, **option_keywords
+) -> AttentionFn:
+  """fn(q, k, v, **features) for one attention name.
+
+  Args:
+    name: one of `NAMES` or "package.module:function".
+    options: how our implementations compute (`stableattn.Options`); the
+      peers and imported functions compute their own way and ignore it.
+    **option_keywords: fields of `Options`, applied over `options`.
+
+  Raises:
+    ValueError: for an unknown name, an import path that does not resolve,
+      or an imported object that is not callable as the contract says.
+  """
+  check_name(name)
+  options, _ = split_keywords(options, None, option_keywords)
+  if name in IMPLEMENTATIONS:
+    return functools.partial(attention, implementation=name, options=options)
+  if name == "cudnn":
+    return functools.partial(_jax_nn, implementation="cudnn")
+  if name == "jax_mha":
+    return _jax_mha
+  if name in TOKAMAX:
+    return functools.partial(_tokamax, implementation=TOKAMAX[name])
+  return import_attention(name)
+
+
+def unaccepted_features(fn, features: dict) -> list[str]:
+  """The names in `features` that fn's signature cannot take."""
+  try:
+    parameters = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):  # no signature to read: trust the caller
+    return []
+  if any(p.kind is p.VAR_KEYWORD for p in parameters):
+    return []
+  taken = {
+    p.name
+    for p in parameters
+    if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+  }
+  return [name for name in features if name not in taken]
+
+
+def _refuse(kernel: str, features: dict, supported) -> None:
+  extra = sorted(set(features) - set(supported))
+  if extra:
+    raise ValueError(
+      f"{kernel} does not support the features {extra}; it takes "
+      f"{sorted(supported)}."
+    )
+
+
+_JAX_NN_FEATURES = (
+  "causal",
+  "local_window_size",
+  "query_seq_lengths",
+  "key_value_seq_lengths",
+  "bias",
+  "mask",
+  "scale",
+)
+
+
+def _jax_nn(q, k, v, *, implementation: str, **features):
+  """`jax.nn.dot_product_attention` with the contract's feature names."""
+  _refuse(
+    f"jax.nn.dot_product_attention ({implementation})",
+    features,
+    _JAX_NN_FEATURES,
+  )
+  is_causal = features.pop("causal", False)
+  return jax.nn.dot_product_attention(
+    q, k, v, is_causal=is_causal, implementation=implementation, **features
+  )
+
+
+def _jax_mha(q, k, v, *, causal: bool = False, segment_ids=None):
+  return jax_gpu_attention.mha(
+    q,
+    k,
+    v,
+    segment_ids=segment_ids,
+    sm_scale=q.shape[-1] ** -0.5,
+    causal=causal,
+    interpret=jax.default_backend() != "gpu",
+  )
+
+
+def _tokamax(q, k, v, *, implementation: str, **features):
+  """tokamax's `dot_product_attention` (an optional peer: `pip install
+  'stableattn[peers]'`), with the contract's feature names."""
+  try:
+    import tokamax
+  except ImportError as e:
+    raise ValueError(
+      "tokamax is not installed: pip install 'stableattn[peers]' (or pip "
+      f"install tokamax) to audit its kernels ({e})."
+    ) from e
+  _refuse(
+    f"tokamax ({implementation})", features, (*_JAX_NN_FEATURES, "softcap")
+  )
+  # tokamax reads its absl flags on first use and parses sys.argv when no
+  # one has, which fails under any other program's arguments (pytest's,
+  # a notebook's); outside an absl app its flags keep their defaults.
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  is_causal = features.pop("causal", False)
+  if "softcap" in features:
+    features["logits_soft_cap"] = features.pop("softcap")
+  return tokamax.dot_product_attention(
+    q, k, v, is_causal=is_causal, implementation=implementation, **features
+  )
+
+
+def import_attention(path: str) -> AttentionFn:
+  """The function at "package.module:function", checked against the
+  contract's signature."""
+  module_name, _, attribute = path.partition(":")
+  if not module_name or not attribute:
+    raise ValueError(
+      f"Attention import path {path!r} must look like "
+      "'package.module:function'."
+    )
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f"Cannot import module {module_name!r} ({e}).") from e
+  fn = module
+  for part in attribute.split("."):
+    fn = getattr(fn, part, None)
+    if fn is None:
+      raise ValueError(f"Module {module_name!r} has no {attribute!r}.")
+  if not callable(fn):
+    raise ValueError(f"{path!r} is a {type(fn).__name__}, not a function.")
+  try:
+    inspect.signature(fn).bind(None, None, None)
+  except TypeError as e:
+    raise ValueError(
+      f"{path!r} does not take (q, k, v, **features): {e}. Wrap it to the "
+      "contract in stableattn/ops/registry.py."
+    ) from e
+  except ValueError:  # no signature to read (a builtin): trust the caller
+    pass
+  return fn

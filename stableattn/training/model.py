@@ -1,0 +1,368 @@
+"""A small decoder-only transformer (flax.nnx), attention chosen by name.
+
+Pre-norm blocks (RMSNorm computed in FP32), learned absolute positions, a
+GELU MLP, and tied input/output embeddings. Attention is one of:
+  * any name of `stableattn.ops.registry`: "reference" (materialized
+    baseline attention), "pallas" (our flash kernel), "xla"
+    (`jax.nn.dot_product_attention`), a peer ("cudnn", "jax_mha", ...), or
+    a user's kernel as "package.module:function",
+  * "shadow": computes both flash and baseline on the same inputs, passes one
+    of them downstream (`shadow_downstream`) and, when statistics are
+    collected, reports their per-layer deviation (Golden et al. ran both
+    attentions inside the model the same way).
+With `collect_stats=True` every layer also reports its largest attention
+logit, the mean entropy of its attention rows and the share of rows whose
+largest logit is tied (Qiu & Yao's biased rounding starts there).
+
+Stability options (Wortsman et al., arXiv 2309.14322): `ModelSpec.qk_norm`
+normalizes each head's queries and keys (RMSNorm over the head dim, with
+a learned scale) before attention, which bounds the logits;
+a softcap among `AttentionSpec.features` caps them (softcap * tanh(s /
+softcap), Gemma 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from stableattn.contract.features import Features
+from stableattn.contract.options import Options
+from stableattn.ops import registry
+from stableattn.ops.ring import CONTEXT_AXIS, context_mesh, ring_attention
+
+SHADOW = "shadow"
+FP32 = Options(precision="fp32")
+# The language-model head's formats: FP32 operands, or BF16 operands (FP32
+# accumulation) with the logits stored in BF16, as a BF16 inference engine
+# computes them.
+HEAD_FORMATS = ("fp32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """How every layer computes attention: a registry name and its options.
+
+  Attributes:
+    kind: a name of `stableattn.ops.registry` ("reference", "pallas",
+      "xla", a peer, "package.module:function"), or "shadow": the flash
+      kernel under `options` and the baseline under `shadow_baseline`,
+      both computed, `shadow_downstream` passed on.
+    options: how `kind` computes (`stableattn.Options`); peers ignore it.
+    features: what every layer computes (causal; a softcap, a window).
+    shadow_baseline: the Options of "shadow"'s baseline (the reference).
+    context_parallel: our flash kernel ("pallas") runs as ring attention
+      with the sequence sharded over this many devices (a mesh axis
+      "context" of the first devices; `context_mesh`); 1: one device.
+  """
+
+  kind: str = "reference"
+  options: Options = Options(precision="fp32")
+  features: Features = Features(causal=True)
+  shadow_baseline: Options = Options(precision="fp32")
+  shadow_downstream: str = "reference"  # which output "shadow" passes on
+  context_parallel: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+      raise ValueError(
+        f"context_parallel must be an int >= 1 (devices the sequence is "
+        f"sharded over), got {self.context_parallel!r}."
+      )
+    if self.context_parallel > 1 and self.kind != "pallas":
+      raise ValueError(
+        f"context_parallel={self.context_parallel} shards our flash kernel "
+        f"over a ring; it needs kind 'pallas', got {self.kind!r}."
+      )
+    if self.kind != SHADOW:
+      try:
+        registry.check_name(self.kind)
+      except ValueError as e:
+        raise ValueError(
+          f"{e} Or {SHADOW!r} (flash beside baseline)."
+        ) from None
+    if self.shadow_downstream not in ("reference", "pallas"):
+      raise ValueError(
+        f"shadow_downstream must be 'reference' or 'pallas', got "
+        f"{self.shadow_downstream!r}."
+      )
+
+  def call(self, q, k, v, kind: str | None = None, options=None):
+    """Attention of `kind` (default: this spec's) on q, k, v."""
+    kind = kind or self.kind
+    if kind == "pallas" and self.context_parallel > 1:
+      return ring_attention(
+        q,
+        k,
+        v,
+        mesh=context_mesh(self.context_parallel),
+        axis=CONTEXT_AXIS,
+        options=options or self.options,
+        features=self.features,
+      )
+    fn = registry.resolve(kind, options or self.options)
+    return fn(q, k, v, **self.features.kwargs())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  vocab_size: int = 256
+  width: int = 128
+  depth: int = 4
+  heads: int = 4
+  max_len: int = 128
+  mlp_ratio: int = 4
+  qk_norm: bool = False  # RMSNorm of each head's q and k (Wortsman et al.)
+
+
+def attention_statistics(q_BxTxHxD, k_BxTxHxD):
+  """Largest logit, mean row entropy and the share of rows (with two keys
+  or more) whose largest logit is tied, of causal attention; logits in
+  FP32 from q and k as given (a flash kernel's FP32 scores)."""
+  q = jax.lax.stop_gradient(q_BxTxHxD).astype(jnp.float32)
+  k = jax.lax.stop_gradient(k_BxTxHxD).astype(jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+  length = s.shape[-1]
+  causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+  s = jnp.where(causal, s, -jnp.inf)
+  log_p = jax.nn.log_softmax(s, axis=-1)
+  entropy = -jnp.sum(jnp.where(causal, jnp.exp(log_p) * log_p, 0.0), -1)
+  at_max = jnp.sum(s == jnp.max(s, axis=-1, keepdims=True), axis=-1)
+  tied = jnp.mean((at_max[..., 1:] > 1).astype(jnp.float32))
+  return {
+    "max_logit": jnp.max(s),
+    "entropy": jnp.mean(entropy),
+    "tied_max_share": tied,
+  }
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, width: int):
+    self.scale = nnx.Param(jnp.ones((width,), jnp.float32))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, -1, keepdims=True) + 1e-6)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class SelfAttention(nnx.Module):
+  def __init__(
+    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+  ):
+    self.heads = spec.heads
+    self.head_dim = spec.width // spec.heads
+    self.attention_spec = attention_spec
+
+    def linear():
+      return nnx.Linear(spec.width, spec.width, use_bias=False, rngs=rngs)
+
+    self.query, self.key, self.value, self.out = (linear() for _ in range(4))
+    if spec.qk_norm:
+      self.query_norm = RMSNorm(self.head_dim)
+      self.key_norm = RMSNorm(self.head_dim)
+    self.qk_norm = spec.qk_norm
+
+  def project(self, x_BxTxW):
+    """Queries, keys and values [B, T, H, D] of x."""
+    batch, length, _ = x_BxTxW.shape
+    shape = (batch, length, self.heads, self.head_dim)
+    q = self.query(x_BxTxW).reshape(shape)
+    k = self.key(x_BxTxW).reshape(shape)
+    v = self.value(x_BxTxW).reshape(shape)
+    if self.qk_norm:
+      q, k = self.query_norm(q), self.key_norm(k)
+    return q, k, v
+
+  def extend(self, x_BxNxW, keys, values, lengths, spec: AttentionSpec):
+    """Attention of N new tokens over a KV cache: their keys and values
+    are written at positions lengths .. lengths + N - 1 of the cache
+    buffers [B, max_len, H, D], and each new token attends to its prefix
+    (bottom-right causal, the cache's valid length per example), as an
+    inference engine's prefill (N > 1) or decode step (N = 1) does.
+
+    Returns the output [B, N, W] and the updated buffers."""
+    q, k, v = self.project(x_BxNxW)
+
+    def write(buffer, new):
+      def one(b, n, start):
+        zero = jnp.zeros((), start.dtype)  # one index dtype, 64-bit or not
+        return jax.lax.dynamic_update_slice(b, n, (start, zero, zero))
+
+      return jax.vmap(one)(buffer, new.astype(buffer.dtype), lengths)
+
+    keys, values = write(keys, k), write(values, v)
+    features = spec.features.replace(
+      causal=True,
+      causal_alignment="bottom_right",
+      key_value_seq_lengths=lengths + x_BxNxW.shape[1],
+    )
+    fn = registry.resolve(spec.kind, spec.options)
+    out = fn(
+      q, keys.astype(q.dtype), values.astype(q.dtype), **features.kwargs()
+    )
+    out = out.astype(x_BxNxW.dtype).reshape(x_BxNxW.shape)
+    return self.out(out), keys, values
+
+  def __call__(self, x_BxTxW, collect_stats: bool = False, probe_tap=None):
+    """Output and statistics. `probe_tap` ([B, T, H, D], zeros) is added to
+    the attention output, so its gradient is dO; with it the statistics
+    hold this attention's output and FP32 attention's on the same q, k, v
+    (arrays, for `Trainer.deltas`)."""
+    batch, length, width = x_BxTxW.shape
+    q, k, v = self.project(x_BxTxW)
+    spec = self.attention_spec
+    stats = {}
+    if spec.kind == SHADOW:
+      flash = spec.call(q, k, v, "pallas")
+      base = spec.call(q, k, v, "reference", spec.shadow_baseline)
+      out = flash if spec.shadow_downstream == "pallas" else base
+      if collect_stats:
+        diff = jnp.abs(flash.astype(jnp.float32) - base.astype(jnp.float32))
+        stats["shadow_max_abs"] = jnp.max(diff)
+        stats["shadow_rel_l2"] = jnp.linalg.norm(diff) / jnp.linalg.norm(
+          base.astype(jnp.float32)
+        )
+    else:
+      out = spec.call(q, k, v)
+    if collect_stats:
+      stats.update(attention_statistics(q, k))
+    if probe_tap is not None:
+      stats["out"] = out
+      stats["out_fp32"] = spec.call(q, k, v, "reference", FP32)
+      out = out + probe_tap.astype(out.dtype)
+    out = out.astype(x_BxTxW.dtype).reshape(batch, length, width)
+    return self.out(out), stats
+
+
+class Block(nnx.Module):
+  def __init__(
+    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+  ):
+    self.attention_norm = RMSNorm(spec.width)
+    self.attention = SelfAttention(spec, attention_spec, rngs=rngs)
+    self.mlp_norm = RMSNorm(spec.width)
+    hidden = spec.mlp_ratio * spec.width
+    self.mlp_in = nnx.Linear(spec.width, hidden, rngs=rngs)
+    self.mlp_out = nnx.Linear(hidden, spec.width, rngs=rngs)
+
+  def __call__(self, x, collect_stats: bool = False, probe_tap=None):
+    attended, stats = self.attention(
+      self.attention_norm(x), collect_stats, probe_tap
+    )
+    x = x + attended
+    return self.mlp(x), stats
+
+  def mlp(self, x):
+    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+
+  def extend(self, x, keys, values, lengths, spec: AttentionSpec):
+    attended, keys, values = self.attention.extend(
+      self.attention_norm(x), keys, values, lengths, spec
+    )
+    return self.mlp(x + attended), keys, values
+
+
+class DecodeCache(NamedTuple):
+  """Every layer's key and value buffers [B, max_len, H, D] and how many
+  tokens each example holds ([B] int32)."""
+
+  keys: tuple
+  values: tuple
+  lengths: jax.Array
+
+
+class Transformer(nnx.Module):
+  def __init__(
+    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+  ):
+    self.spec = spec
+    self.embed = nnx.Embed(spec.vocab_size, spec.width, rngs=rngs)
+    self.positions = nnx.Param(
+      0.02 * jax.random.normal(rngs.params(), (spec.max_len, spec.width))
+    )
+    self.blocks = nnx.List(
+      [Block(spec, attention_spec, rngs=rngs) for _ in range(spec.depth)]
+    )
+    self.final_norm = RMSNorm(spec.width)
+
+  def __call__(
+    self,
+    tokens_BxT,
+    collect_stats: bool = False,
+    probe_taps=None,
+    head_format: str = "fp32",
+  ):
+    """Logits [B, T, vocab] (FP32) and per-layer statistics; `probe_taps`:
+    one per layer, see `SelfAttention`; `head_format`: see `head`."""
+    length = tokens_BxT.shape[1]
+    if length > self.spec.max_len:
+      raise ValueError(
+        f"sequence length {length} exceeds the model's max_len "
+        f"{self.spec.max_len}."
+      )
+    x = self.embed(tokens_BxT)
+    x = x + self.positions[:length].astype(x.dtype)
+    layer_stats = []
+    taps = probe_taps or [None] * len(self.blocks)
+    for block, tap in zip(self.blocks, taps):
+      x, stats = block(x, collect_stats, tap)
+      layer_stats.append(stats)
+    return self.head(x, head_format), layer_stats
+
+  def head(self, x, head_format: str = "fp32"):
+    """Logits (FP32) of hidden states x: the tied embedding's matmul with
+    FP32 operands, or in BF16 (BF16 operands, FP32 accumulation, logits
+    stored in BF16), one of `HEAD_FORMATS`."""
+    if head_format not in HEAD_FORMATS:
+      raise ValueError(
+        f"head_format must be one of {list(HEAD_FORMATS)}, got {head_format!r}."
+      )
+    hidden = self.final_norm(x)
+    if head_format == "fp32":
+      return self.embed.attend(hidden).astype(jnp.float32)
+    table = self.embed.embedding[...].astype(jnp.bfloat16)
+    logits = jnp.einsum(
+      "...w,vw->...v",
+      hidden.astype(jnp.bfloat16),
+      table,
+      preferred_element_type=jnp.float32,
+    )
+    return logits.astype(jnp.bfloat16).astype(jnp.float32)
+
+  def empty_cache(self, batch: int, dtype=jnp.float32) -> DecodeCache:
+    """A KV cache of `max_len` tokens per example, holding none yet."""
+    attention = self.blocks[0].attention
+    shape = (batch, self.spec.max_len, attention.heads, attention.head_dim)
+    buffers = tuple(jnp.zeros(shape, dtype) for _ in self.blocks)
+    return DecodeCache(
+      buffers,
+      tuple(jnp.zeros(shape, dtype) for _ in self.blocks),
+      jnp.zeros((batch,), jnp.int32),
+    )
+
+  def extend(
+    self,
+    tokens_BxN,
+    cache: DecodeCache,
+    attention: AttentionSpec,
+    head_format: str = "fp32",
+  ):
+    """Logits [B, N, vocab] of N new tokens appended to the cache, with
+    `attention` over it (prefill for N > 1, a decode step for N = 1), and
+    the cache holding them. Positions continue each example's length."""
+    count = tokens_BxN.shape[1]
+    positions = cache.lengths[:, None] + jnp.arange(count)[None]
+    x = self.embed(tokens_BxN)
+    x = x + self.positions[...][positions].astype(x.dtype)
+    keys, values = [], []
+    for block, k, v in zip(self.blocks, cache.keys, cache.values):
+      x, k, v = block.extend(x, k, v, cache.lengths, attention)
+      keys.append(k)
+      values.append(v)
+    cache = DecodeCache(tuple(keys), tuple(values), cache.lengths + count)
+    return self.head(x, head_format), cache

@@ -1,0 +1,87 @@
+"""The library's layers: no module imports from a layer above its own.
+
+numerics < contract < kernels < ops < {auditing, training} < experiments.
+auditing and training are siblings: neither imports the other. Every
+import counts, at module level, inside functions and under TYPE_CHECKING.
+"""
+
+import ast
+import pathlib
+import sys
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "stableattn"
+RANK = {
+  "numerics": 0,
+  "contract": 1,
+  "kernels": 2,
+  "ops": 3,
+  "auditing": 4,
+  "training": 4,
+  "experiments": 5,
+}
+
+
+def _layer_of(module: str) -> str | None:
+  """'stableattn.kernels.reference' -> 'kernels'; None for the top level."""
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else None
+
+
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      found += [(node.lineno, alias.name) for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      found.append((node.lineno, node.module or ""))
+  return [(line, m) for line, m in found if m.split(".")[0] == "stableattn"]
+
+
+def upward_imports(path: pathlib.Path) -> list[str]:
+  """Each import in `path` that reaches a layer it may not, as a line."""
+  own = path.relative_to(PACKAGE).parts[0]
+  tree = ast.parse(path.read_text())
+  bad = []
+  for line, module in _imported_modules(tree):
+    target = _layer_of(module)
+    if target is None:
+      bad.append(f"{path.name}:{line} imports the top-level package")
+    elif target != own and RANK[target] >= RANK[own]:
+      bad.append(f"{path.name}:{line} ({own}) imports {module} ({target})")
+  return bad
+
+
+def library_modules():
+  return sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE)
+
+
+def test_every_module_is_in_a_known_layer():
+  layers = {p.relative_to(PACKAGE).parts[0] for p in library_modules()}
+  assert layers == set(RANK), layers ^ set(RANK)
+  loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+  assert not loose, f"modules outside every layer: {loose}"
+
+
+@pytest.mark.parametrize("layer", sorted(RANK))
+def test_no_module_imports_from_a_higher_layer(layer):
+  bad = []
+  for path in library_modules():
+    if path.relative_to(PACKAGE).parts[0] == layer:
+      bad += upward_imports(path)
+  assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
+  fake = tmp_path / "stableattn"
+  (fake / "kernels").mkdir(parents=True)
+  module = fake / "kernels" / "bad.py"
+  module.write_text(
+    "def f():\n  from stableattn.ops.dispatch import attention\n"
+    "  from stableattn.numerics import rounding\n"
+  )
+  monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+  assert upward_imports(module) == [
+    "bad.py:2 (kernels) imports stableattn.ops.dispatch (ops)"
+  ]

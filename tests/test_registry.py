@@ -1,0 +1,59 @@
+"""One calling contract for every attention name."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_qkv
+
+import stableattn as sa
+from stableattn.ops import registry
+
+
+def contract_attention(q, k, v, *, causal=False):
+  """A user's kernel on the contract: plain FP32 attention."""
+  return sa.attention(
+    q, k, v, implementation="reference", precision="fp32", causal=causal
+  )
+
+
+def not_a_kernel(q, k):
+  return q
+
+
+@pytest.mark.parametrize("name", registry.IMPLEMENTATIONS)
+def test_our_names_follow_the_contract(name):
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in random_qkv(0, q_len=32))
+  fn = registry.resolve(name, precision="fp32", block_q=16, block_k=16)
+  out = np.asarray(fn(q, k, v, causal=True), np.float64)
+  golden = sa.golden_attention(*(np.asarray(x) for x in (q, k, v)), True)
+  assert out.shape == q.shape
+  assert np.abs(out - golden).max() < 1e-5
+
+
+def test_import_path_resolves_to_the_function():
+  fn = registry.resolve("test_registry:contract_attention")
+  assert fn is contract_attention
+
+
+@pytest.mark.parametrize(
+  "name, message",
+  [
+    ("flashy", "Unknown attention 'flashy'; valid: \\['pallas'"),
+    ("no_such_module_xyz:fn", "Cannot import module 'no_such_module_xyz'"),
+    ("test_registry:missing", "has no 'missing'"),
+    (
+      "test_registry:not_a_kernel",
+      "does not take \\(q, k, v, \\*\\*features",
+    ),
+    (":fn", "must look like 'package.module:function'"),
+  ],
+)
+def test_bad_names_give_one_clear_error(name, message):
+  with pytest.raises(ValueError, match=message):
+    registry.resolve(name)
+
+
+def test_only_cudnn_needs_a_gpu():
+  assert registry.needs_gpu("cudnn")
+  assert not registry.needs_gpu("jax_mha")  # interpret mode on a CPU
+  assert not any(map(registry.needs_gpu, registry.IMPLEMENTATIONS))
