@@ -50,7 +50,7 @@ def ring_attention_and_gradients() -> dict:
   from jax.sharding import PartitionSpec as P
 
   import stableattn as sa
-  from stableattn.ops.ring import context_mesh
+  from stableattn.ops.ring_plan import context_mesh
 
   mesh = context_mesh(jax.device_count())
   rows = NamedSharding(mesh, P(None, "context"))

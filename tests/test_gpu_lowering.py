@@ -14,7 +14,7 @@ import pytest
 from helpers import random_qkv, value_and_grads
 
 import stableattn as sa
-from stableattn.ops.ring import context_mesh
+from stableattn.ops.ring_plan import context_mesh
 
 GPU_PRESETS = [
   p

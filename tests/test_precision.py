@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import pytest
 
 import stableattn as sa
-from stableattn.numerics.precision import STAGES, format_name
+from stableattn.numerics.formats import format_name
+from stableattn.numerics.precision import STAGES
 
 
 def test_every_preset_resolves_and_has_every_stage():

@@ -10,7 +10,7 @@ from helpers import golden_value_and_grads, random_qkv
 import stableattn as sa
 from configs import forward_deviation as forward_config
 from stableattn.experiments import forward
-from stableattn.ops.ring import context_mesh
+from stableattn.ops.ring_plan import context_mesh
 
 SEQ = 256  # 8 devices, balanced: 16 chunks of 16 rows
 TILES = dict(block_q=16, block_k=16)

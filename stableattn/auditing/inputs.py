@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from stableattn.numerics.precision import to_dtype
+from stableattn.numerics.formats import to_dtype
 
 DISTRIBUTIONS = (
   "normal",

@@ -27,7 +27,8 @@ import numpy as np
 
 from stableattn.auditing.inputs import Shape, make_inputs, round_to
 from stableattn.contract.golden import golden_attention
-from stableattn.numerics.precision import Precision, to_dtype
+from stableattn.numerics.formats import to_dtype
+from stableattn.numerics.precision import Precision
 from stableattn.ops.dispatch import attention
 from stableattn.ops.paged import paged_attention
 from stableattn.ops.registry import unaccepted_features

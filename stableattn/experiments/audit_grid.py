@@ -35,7 +35,8 @@ from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.rundir import RunDir
-from stableattn.numerics.precision import Precision, format_name, natural_policy
+from stableattn.numerics.formats import format_name
+from stableattn.numerics.precision import Precision, natural_policy
 from stableattn.numerics.rules import RULES
 from stableattn.ops.registry import IMPLEMENTATIONS, needs_gpu, resolve
 

@@ -23,8 +23,9 @@ from stableattn.contract.masking import (
   block_ranges,
 )
 from stableattn.contract.tiling import MIN_GPU_BLOCK, next_power_of_two
+from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.pallas_backward import flash_backward
-from stableattn.kernels.pallas_forward import KernelConfig, flash_forward
+from stableattn.kernels.pallas_forward import flash_forward
 from stableattn.kernels.quantization import (
   QuantScales,
   straight_through,

@@ -43,8 +43,8 @@ from stableattn.kernels.block_math import (
   scaled_dot,
   stats_exp,
 )
+from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
-from stableattn.kernels.pallas_forward import KernelConfig
 from stableattn.numerics.rounding import PolicyArithmetic
 
 

@@ -16,19 +16,14 @@ Two rescaling schemes:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from stableattn.contract.masking import MaskOperands, MaskSpec
-from stableattn.contract.options import Options
-from stableattn.contract.tiling import round_up
+from stableattn.contract.masking import MaskOperands
 from stableattn.kernels.block_math import (
   block_scores,
   no_key_safe,
@@ -37,103 +32,9 @@ from stableattn.kernels.block_math import (
   stats_exp,
   tie_safe_max,
 )
+from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
-from stableattn.numerics.precision import Precision
-from stableattn.numerics.rounding import PolicyArithmetic
-
-_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(Options))
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Everything static about one flash-attention call (hashable): the
-  caller's `Options` resolved against the shapes (tiles clamped to the
-  lengths, backward tiles filled in, `interpret` decided), the features'
-  static spec and the true sizes."""
-
-  options: Options
-  mask: MaskSpec  # features: causal, window, segments, softcap, scale, ...
-  q_len: int  # true lengths, before padding
-  kv_len: int
-  head_dim: int  # true head dim
-  page_size: int | None = None  # keys per page of a paged KV cache
-
-  def __getattr__(self, name):
-    # The options' fields read as the configuration's own (cfg.block_q).
-    if name in _OPTION_FIELDS:
-      return getattr(self.options, name)
-    raise AttributeError(name)
-
-  @property
-  def policy(self) -> Precision:
-    return self.options.precision
-
-  def with_policy(self, policy: Precision) -> KernelConfig:
-    return dataclasses.replace(
-      self, options=dataclasses.replace(self.options, precision=policy)
-    )
-
-  @property
-  def padded_lengths(self) -> tuple[int, int]:
-    """Sequence lengths rounded up to a multiple of every tile in use."""
-    q_multiple = math.lcm(self.block_q, self.bwd_block_q or self.block_q)
-    k_multiple = math.lcm(self.block_k, self.bwd_block_k or self.block_k)
-    return round_up(self.q_len, q_multiple), round_up(self.kv_len, k_multiple)
-
-  @property
-  def kv_len_padded(self) -> int:
-    return self.padded_lengths[1]
-
-  @property
-  def blocks_per_split(self) -> int | None:
-    """Key blocks per split-KV split, or None for one pass over all keys.
-
-    `split_size` fixes the keys per split, so a key's split depends on its
-    position only (the batch-invariant schedule of SGLang and FlashInfer);
-    `num_splits` fixes the count, so the boundaries move with the cache
-    length (FlashAttention's `num_splits`: ceil(blocks / splits) each).
-    """
-    if self.split_size is not None:
-      return self.split_size // self.block_k
-    if self.num_splits is not None:
-      key_blocks = self.kv_len_padded // self.block_k
-      return -(-key_blocks // self.num_splits)
-    return None
-
-  @property
-  def kv_splits(self) -> int:
-    """How many splits the keys are divided into (1 without split-KV)."""
-    per_split = self.blocks_per_split
-    if per_split is None:
-      return 1
-    return -(-(self.kv_len_padded // self.block_k) // per_split)
-
-  @property
-  def causal(self) -> bool:
-    return self.mask.causal
-
-  @property
-  def scale(self) -> float:
-    return self.mask.scale
-
-  @property
-  def arithmetic(self) -> PolicyArithmetic:
-    """The policy's arithmetic; a compiled kernel's casts are roundings."""
-    return PolicyArithmetic(self.policy, casts_round=not self.interpret)
-
-  def compiler_params(self, block_area: int):
-    """Triton compiler parameters; passing them selects the Triton lowering.
-
-    Defaults from a search on an H100 (jax 0.11.2, bf16, head dims 64 and
-    128, length 8192; README, Performance): 4 warps up to 64x128 tiles and
-    8 above, one pipeline stage. 8 warps on 64-row tiles ran 1.8x slower,
-    and a second stage cost up to 25% (2026-11-23).
-    """
-    num_warps = self.num_warps
-    if num_warps is None:
-      num_warps = 4 if block_area <= 64 * 128 else 8
-    num_stages = 1 if self.num_stages is None else self.num_stages
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+from stableattn.kernels.split_merge import merge_splits
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
@@ -145,13 +46,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   Every line below is one operation of the documented algorithm; its
   result is rounded to the stage named beside it (see `rounding.py`).
   """
+  page_table_ref = None
   if cfg.page_size is not None:
     page_table_ref, *refs = refs
   *feature_refs, o_ref, lse_ref = refs
   tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
-  kv_len_padded = cfg.kv_len_padded
   head_dim_padded = q_ref.shape[-1]
 
   def stats(x):
@@ -164,26 +65,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   q_BqxD = q_ref[...]
   forward_order = cfg.policy.key_order == "forward"
 
-  first, end = tiles.block_range(kv_len_padded // block_k)
-  split = None
-  if cfg.blocks_per_split is not None:
-    split = pl.program_id(3)
-    first = jnp.maximum(first, split * cfg.blocks_per_split)
-    end = jnp.minimum(end, (split + 1) * cfg.blocks_per_split)
-    end = jnp.maximum(end, first)
+  first, end, split = _key_blocks(cfg, tiles)
 
   def body(step, carry):
     acc_BqxD, m_Bq, l_Bq = carry
     # Key blocks in order, or last to first (policy option key_order).
     k_index = step if forward_order else first + end - 1 - step
     k_start = pl.multiple_of(k_index * block_k, block_k)
-    read_start = k_start
-    if cfg.page_size is not None:
-      # A key block lies inside one page: its physical place in the pool.
-      page = page_table_ref[k_start // cfg.page_size]
-      read_start = pl.multiple_of(
-        page * cfg.page_size + k_start % cfg.page_size, block_k
-      )
+    read_start = _pool_start(cfg, page_table_ref, k_start)
     k_BkxD = k_ref[pl.ds(read_start, block_k), :]
     v_BkxD = v_ref[pl.ds(read_start, block_k), :]
     mask = tiles.mask(q_start, k_start, block_q, block_k)
@@ -227,6 +116,29 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   init = _initial_state(tiles, ar, block_q, head_dim_padded, split)
   carry = lax.fori_loop(first, end, body, init)
   _store(carry, cfg, ar, o_ref, lse_ref, partial=split is not None)
+
+
+def _key_blocks(cfg: KernelConfig, tiles):
+  """The key blocks [first, end) this program visits (with split-KV, those
+  of its split) and its split index, or None without split-KV."""
+  first, end = tiles.block_range(cfg.kv_len_padded // cfg.block_k)
+  if cfg.blocks_per_split is None:
+    return first, end, None
+  split = pl.program_id(3)
+  first = jnp.maximum(first, split * cfg.blocks_per_split)
+  end = jnp.minimum(end, (split + 1) * cfg.blocks_per_split)
+  return first, jnp.maximum(end, first), split
+
+
+def _pool_start(cfg: KernelConfig, page_table_ref, k_start):
+  """Where key block `k_start` is read: itself, or in a paged cache its
+  physical place in the pool (a key block lies inside one page)."""
+  if cfg.page_size is None:
+    return k_start
+  page = page_table_ref[k_start // cfg.page_size]
+  return pl.multiple_of(
+    page * cfg.page_size + k_start % cfg.page_size, cfg.block_k
+  )
 
 
 def _fa1_update(ar, s_BqxBk, stats_Bq, acc_BqxD, times_values):
@@ -344,7 +256,6 @@ def flash_forward(
   kv_len_padded, kv_heads = cfg.kv_len_padded, k.shape[2]
   pool_len = k.shape[1]
   group = heads // kv_heads
-  policy = cfg.policy
   splits = cfg.kv_splits
   split_kv = cfg.blocks_per_split is not None
   grid = (q_len_padded // cfg.block_q, batch, heads, splits)
@@ -383,33 +294,7 @@ def flash_forward(
       (None, page_table.shape[1]), lambda i, b, h, s: (b, 0)
     )
     specs, arrays = [table_spec, *specs], [page_table, *arrays]
-  if split_kv:
-    o_spec = pl.BlockSpec(
-      (None, None, cfg.block_q, None, head_dim_padded),
-      lambda i, b, h, s: (b, s, i, h, 0),
-    )
-    lse_spec = pl.BlockSpec(
-      (None, None, None, cfg.block_q), lambda i, b, h, s: (b, s, h, i)
-    )
-    out_shape = (
-      jax.ShapeDtypeStruct(
-        (batch, splits, *q.shape[1:]), policy.dtype("partials")
-      ),
-      jax.ShapeDtypeStruct(
-        (batch, splits, heads, q_len_padded), policy.dtype("softmax_stats")
-      ),
-    )
-  else:
-    o_spec = q_spec
-    lse_spec = pl.BlockSpec(
-      (None, None, cfg.block_q), lambda i, b, h, s: (b, h, i)
-    )
-    out_shape = (
-      jax.ShapeDtypeStruct(q.shape, policy.dtype("output")),
-      jax.ShapeDtypeStruct(
-        (batch, heads, q_len_padded), policy.dtype("softmax_stats")
-      ),
-    )
+  o_spec, lse_spec, out_shape = _output_specs(cfg, q, q_spec, splits)
   out, lse = pl.pallas_call(
     functools.partial(_forward_kernel, cfg=cfg, names=names),
     grid=grid,
@@ -425,59 +310,32 @@ def flash_forward(
   return out, lse
 
 
-def merge_splits(partial_out, partial_lse, cfg: KernelConfig, final=True):
-  """Split-KV's combine step (FlashAttention's `combine_attn_seqk_parallel`):
-  lse = max_s lse_s + log(sum_s exp(lse_s - max)), then
-  O = sum_s exp(lse_s - lse) O_s, summed over the splits in order.
-
-  Arithmetic in the carrier: exponentials, logs and the lse in
-  `softmax_stats`, each weighted partial and the running sum in
-  `out_accum`; the result is stored in `output`. An empty split (lse -inf)
-  adds exactly 0; a row no split attends gives output 0 and lse +inf.
-
-  Args:
-    partial_out: [batch, splits, q_len, heads, head_dim] in `partials`.
-    partial_lse: [batch, splits, heads, q_len] in `softmax_stats`.
-    final: store the result in `output` with lse +inf for an empty row;
-      False keeps it a partial (in `partials`, lse -inf) to merge again,
-      as an online merge does.
-  """
-  ar = PolicyArithmetic(cfg.policy)
-
-  def stats(x):
-    return ar.round(x, "softmax_stats")
-
-  def accum(x):
-    return ar.round(x, "out_accum")
-
-  lse_BxSxHxT = partial_lse.astype(ar.carrier)
-  splits = lse_BxSxHxT.shape[1]
-  top_BxHxT = jnp.max(lse_BxSxHxT, axis=1)
-  empty_BxHxT = top_BxHxT == -jnp.inf
-  top_BxHxT = jnp.where(empty_BxHxT, jnp.zeros_like(top_BxHxT), top_BxHxT)
-  total_BxHxT = jnp.zeros_like(top_BxHxT)
-  for s in range(splits):
-    total_BxHxT = stats(
-      total_BxHxT + stats(jnp.exp(stats(lse_BxSxHxT[:, s] - top_BxHxT)))
+def _output_specs(cfg: KernelConfig, q, q_spec, splits: int):
+  """BlockSpecs and shapes of (out, lse): one of each per query block, or
+  with split-KV one per (split, query block), the outputs in `partials`."""
+  batch, q_len_padded, heads, head_dim_padded = q.shape
+  policy = cfg.policy
+  stats_dtype = policy.dtype("softmax_stats")
+  if cfg.blocks_per_split is None:
+    lse_spec = pl.BlockSpec(
+      (None, None, cfg.block_q), lambda i, b, h, s: (b, h, i)
     )
-  total_safe = jnp.where(empty_BxHxT, jnp.ones_like(total_BxHxT), total_BxHxT)
-  lse_BxHxT = stats(top_BxHxT + stats(jnp.log(total_safe)))
-  out_BxTxHxD = jnp.zeros(
-    (partial_out.shape[0], *partial_out.shape[2:]), ar.carrier
-  )
-  for s in range(splits):
-    weight_BxHxT = stats(jnp.exp(stats(lse_BxSxHxT[:, s] - lse_BxHxT)))
-    weight_BxTxH = jnp.swapaxes(accum(weight_BxHxT), 1, 2)
-    part = partial_out[:, s].astype(ar.carrier)
-    out_BxTxHxD = accum(out_BxTxHxD + accum(weight_BxTxH[..., None] * part))
-  if not final:
-    lse_BxHxT = jnp.where(empty_BxHxT, -jnp.inf, lse_BxHxT)
-    return (
-      ar.stored(out_BxTxHxD, "partials"),
-      ar.stored(lse_BxHxT, "softmax_stats"),
+    out_shape = (
+      jax.ShapeDtypeStruct(q.shape, policy.dtype("output")),
+      jax.ShapeDtypeStruct((batch, heads, q_len_padded), stats_dtype),
     )
-  lse_BxHxT = jnp.where(empty_BxHxT, jnp.inf, lse_BxHxT)
-  return (
-    ar.stored(out_BxTxHxD, "output"),
-    ar.stored(lse_BxHxT, "softmax_stats"),
+    return q_spec, lse_spec, out_shape
+  o_spec = pl.BlockSpec(
+    (None, None, cfg.block_q, None, head_dim_padded),
+    lambda i, b, h, s: (b, s, i, h, 0),
   )
+  lse_spec = pl.BlockSpec(
+    (None, None, None, cfg.block_q), lambda i, b, h, s: (b, s, h, i)
+  )
+  out_shape = (
+    jax.ShapeDtypeStruct(
+      (batch, splits, *q.shape[1:]), policy.dtype("partials")
+    ),
+    jax.ShapeDtypeStruct((batch, splits, heads, q_len_padded), stats_dtype),
+  )
+  return o_spec, lse_spec, out_shape

@@ -12,7 +12,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from stableattn.numerics.precision import format_name, to_dtype
+from stableattn.numerics.formats import format_name, to_dtype
 from stableattn.numerics.rounding import LOW_FORMATS
 
 

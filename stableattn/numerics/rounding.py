@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.numerics.precision import Precision, format_name, to_dtype
+from stableattn.numerics.formats import format_name, to_dtype
+from stableattn.numerics.precision import Precision
 from stableattn.numerics.quant_options import MICRO_GROUPS
 
 # (exponent bits, explicit mantissa bits) of each format.

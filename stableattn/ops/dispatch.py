@@ -26,7 +26,7 @@ from stableattn.kernels.flash_attention import (
   padded_head_dim,
   quantized_flash_attention,
 )
-from stableattn.kernels.pallas_forward import KernelConfig
+from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS

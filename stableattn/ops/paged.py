@@ -29,7 +29,8 @@ from stableattn.kernels.flash_attention import (
   padded_head_dim,
   tile_ranges,
 )
-from stableattn.kernels.pallas_forward import KernelConfig, flash_forward
+from stableattn.kernels.kernel_config import KernelConfig
+from stableattn.kernels.pallas_forward import flash_forward
 from stableattn.numerics.precision import require_x64_if_needed
 from stableattn.numerics.rounding import PolicyArithmetic
 from stableattn.ops import dispatch

@@ -33,7 +33,8 @@ from flax import nnx
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
 from stableattn.ops import registry
-from stableattn.ops.ring import CONTEXT_AXIS, context_mesh, ring_attention
+from stableattn.ops.ring import ring_attention
+from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
 
 SHADOW = "shadow"
 FP32 = Options(precision="fp32")

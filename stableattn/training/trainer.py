@@ -28,8 +28,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from stableattn.numerics.precision import to_dtype
-from stableattn.ops.ring import context_mesh
+from stableattn.numerics.formats import to_dtype
+from stableattn.ops.ring_plan import context_mesh
 from stableattn.training.model import AttentionSpec, ModelSpec, Transformer
 
 COMPUTE_DTYPES = {name: to_dtype(name) for name in ("fp32", "bf16", "fp16")}

@@ -23,7 +23,8 @@ from stableattn.experiments.forward.study import (
 )
 from stableattn.experiments.plotting import bar_plot, ratio_heatmaps
 from stableattn.experiments.reporting import num, one, select, table
-from stableattn.numerics.precision import MANTISSA_BITS, natural_policy
+from stableattn.numerics.formats import MANTISSA_BITS
+from stableattn.numerics.precision import natural_policy
 
 # Fig. 4: "Flash deviates ~10x more than Baseline from golden at BF16". A
 # setting counts as reaching it at 8x or more (within 20% of the figure).

@@ -43,7 +43,8 @@ from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, table
 from stableattn.numerics.metrics import rounding_floor, safe_ratio
 from stableattn.numerics.precision import Precision
-from stableattn.ops.ring import CONTEXT_AXIS, context_mesh, ring_attention
+from stableattn.ops.ring import ring_attention
+from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
 
 # layout -> (causal, balanced)
 LAYOUTS = {

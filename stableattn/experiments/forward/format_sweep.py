@@ -16,7 +16,8 @@ from stableattn.experiments.forward.study import (
 )
 from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
-from stableattn.numerics.precision import MANTISSA_BITS, natural_policy
+from stableattn.numerics.formats import MANTISSA_BITS
+from stableattn.numerics.precision import natural_policy
 
 
 def fig3(rows) -> dict:

@@ -19,8 +19,9 @@ from stableattn.contract.options import SCHEMES, Options
 from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case, Engine, Kernel
 from stableattn.experiments.reporting import num, one
+from stableattn.numerics.formats import format_name
 from stableattn.numerics.metrics import compare, safe_ratio
-from stableattn.numerics.precision import Precision, format_name
+from stableattn.numerics.precision import Precision
 from stableattn.numerics.quant_options import WIDE_FORMATS
 
 

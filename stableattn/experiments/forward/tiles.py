@@ -24,8 +24,8 @@ from stableattn.experiments.forward.study import (
 )
 from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
+from stableattn.numerics.formats import MANTISSA_BITS
 from stableattn.numerics.metrics import power_law
-from stableattn.numerics.precision import MANTISSA_BITS
 
 # Fig. 6b: "square tiles have no effect" holds if equal-area tiles of any
 # shape stay within this factor of each other.
