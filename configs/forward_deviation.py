@@ -49,6 +49,7 @@ rows.
 
 import ml_collections
 
+from stableattn.experiments.config_values import with_variant
 from stableattn.experiments.forward import STUDIES
 
 # Studies a default run leaves out (attention features, below 16 bits,
@@ -69,16 +70,7 @@ OPT_IN = (
 SMOKE_SKIPS = ("fp8_underflow", "sage_fp8", "fp8_stages", "context_parallel")
 
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  # Comma-separated subset of the studies. The default leaves out the
-  # studies of attention features and FP8 (about 30 seconds more; the
-  # paper and smoke variants run every study) to stay under two minutes.
-  default = [s for s in STUDIES if s not in OPT_IN]
-  every = list(STUDIES)
-  if arg == "smoke":
-    every = [s for s in STUDIES if s not in SMOKE_SKIPS]
-  c.studies = ",".join(every if arg in ("paper", "smoke") else default)
+def _common(c: ml_collections.ConfigDict) -> None:
   # Read by every study: shape, tiles, seeds, formats, inputs, schemes.
   c.common = ml_collections.ConfigDict()
   # Every point is repeated over this many input seeds.
@@ -98,6 +90,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.common.schemes = "fa2,fa1"
   # Multiplier of the `scaled` input distribution.
   c.common.scale = 8.0
+
+
+def _paper_studies(c: ml_collections.ConfigDict) -> None:
+  """The blocks of the studies that measure the paper's figures and
+  FlashAttention-3's Table 3."""
   # Flash vs Baseline at the same format (paper Fig. 3) (no settings of its own)
   c.format_sweep = ml_collections.ConfigDict()
   # Flash and Baseline vs the FP64 golden value (paper Fig. 4)
@@ -149,6 +146,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.backward = ml_collections.ConfigDict()
   c.backward.precisions = "fp32,bf16-fa2,bf16"
   c.backward.seq_lens = (256,)
+
+
+def _further_studies(c: ml_collections.ConfigDict) -> None:
+  """The blocks of the studies beyond the paper: features, below 16 bits,
+  inference and context parallelism."""
   # Attention features: how each changes Flash's deviation
   c.features = ml_collections.ConfigDict()
   c.features.settings = (
@@ -203,107 +205,125 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.context_parallel.seq_len = 512
   c.context_parallel.seeds = 2
 
-  if arg not in (None, "", "default", "paper", "smoke"):
-    raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, paper, smoke."
-    )
-  if arg == "paper":
-    c.against_golden.seq_lens = (512, 1024, 2048, 4096, 8192)
-    c.seq_len.lengths = (128, 256, 512, 1024, 2048, 4096, 8192)
-    c.tiles.sizes = ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256))
-    c.tiles.seq_len = 2048
-    c.stage_attribution.formats = "bf16,fp16"
-    c.fa3_table3.shape = (2, 1024, 8, 128)
-    c.fa3_fp8.seq_lens = (512, 1024, 2048, 4096)
-    c.fa3_fp8.head_dims = (64, 128, 256)
-    c.fa3_fp8.outlier_stds = (10.0, 100.0)
-    c.fa3_fp8.seeds = 3
-    c.tied_maxima.counts = "1,2,3,4,8"
-    c.tied_maxima.margins = "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9"
-    c.tied_maxima.kv_len = 512
-    c.backward.precisions = "fp32,fp16-fa2,bf16-fa2,bf16"
-    c.backward.seq_lens = (128, 512, 1024)
-    c.features.settings = (
-      "plain,causal,kv_cache,window_64,window_256,softcap_30,softcap_50,"
-      "segments_4,sink,alibi"
-    )
-    c.features.seeds = 2
-    c.fp8_underflow.seq_len = 2048
-    c.fp8_underflow.seeds = 3
-    c.sage_fp8.seq_len = 2048
-    c.sage_fp8.seeds = 3
-    c.fp8_stages.seq_len = 2048
-    c.fp8_stages.seeds = 3
-    c.inference.cache_len = 2048
-    c.inference.split_sizes = (64, 256, 1024)
-    c.inference.chunk_sizes = (64, 256, 512)
-    c.inference.page_sizes = (64, 256)
-    c.inference.seeds = 3
-  if arg == "smoke":
-    c.common.seeds = 2
-    c.common.heads = 1
-    c.common.kv_heads = 1
-    c.common.head_dim = 16
-    c.common.seq_len = 64
-    c.common.block_q = 16
-    c.common.block_k = 16
-    c.common.formats = "fp64,fp32,bf16"
-    c.common.distributions = "normal"
-    c.common.schemes = "fa2"
-    c.against_golden.seq_lens = (32, 64)
-    c.seq_len.lengths = (32, 64)
-    c.seq_len.precisions = "bf16"
-    c.tiles.seq_len = 64
-    c.tiles.sizes = ((16, 16), (32, 32))
-    c.tiles.swap = (16, 32)
-    c.tiles.equal_area = ((16, 32), (32, 16))
-    c.tiles.sram_elements = (1024,)
-    c.stage_attribution.formats = "bf16"
-    c.fa3_table3.shape = (1, 64, 1, 32)
-    c.fa3_fp8.seq_lens = (64,)
-    c.fa3_fp8.heads = 1
-    c.fa3_fp8.head_dims = (32,)
-    c.fa3_fp8.outlier_stds = (10.0,)
-    c.fa3_fp8.seeds = 1
-    c.tied_maxima.precisions = "bf16-fa2+out_accum=bf16"
-    c.tied_maxima.betas = "2"
-    c.tied_maxima.counts = "2"
-    c.tied_maxima.margins = "1e-4"
-    c.tied_maxima.q_len = 32
-    c.tied_maxima.kv_len = 32
-    c.backward.precisions = "bf16-fa2"
-    c.backward.seq_lens = (48,)
-    c.features.settings = "plain,causal,kv_cache,softcap_30"
-    c.features.pairings = "natural"
-    c.features.seeds = 1
-    c.fp8_underflow.seq_len = 64
-    c.fp8_underflow.head_dim = 32
-    c.fp8_underflow.distributions = "normal"
-    c.fp8_underflow.causal = "false"
-    c.fp8_underflow.p_scales = (1, 256)
-    c.fp8_underflow.seeds = 1
-    c.sage_fp8.seq_len = 64
-    c.sage_fp8.head_dims = (32,)
-    c.sage_fp8.distributions = "key_bias"
-    c.sage_fp8.seeds = 1
-    c.fp8_stages.seq_len = 64
-    c.fp8_stages.head_dims = (32,)
-    c.fp8_stages.distributions = "normal"
-    c.fp8_stages.seeds = 1
-    c.inference.policies = "bf16-fa2"
-    c.inference.cache_len = 64
-    c.inference.batch = 4
-    c.inference.split_counts = (1, 4)
-    c.inference.split_sizes = (32,)
-    c.inference.batch_sizes = (64,)
-    c.inference.chunk_sizes = (32,)
-    c.inference.page_sizes = (16,)
-    c.inference.positions = 3
-    c.inference.seeds = 1
-    c.context_parallel.policies = "bf16-fa2"
-    c.context_parallel.layouts = "causal_balanced"
-    c.context_parallel.device_counts = (2,)
-    c.context_parallel.vary_at = 0
-    c.context_parallel.seq_len = 64
-    c.context_parallel.seeds = 1
+
+def _default() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Comma-separated subset of the studies. The default leaves out the
+  # opt-in studies (`OPT_IN`) to stay under two minutes; the paper variant
+  # runs every study, the smoke variant all but `SMOKE_SKIPS`.
+  c.studies = ",".join(s for s in STUDIES if s not in OPT_IN)
+  _common(c)
+  _paper_studies(c)
+  _further_studies(c)
   return c
+
+
+PAPER = {
+  "studies": ",".join(STUDIES),
+  "against_golden.seq_lens": (512, 1024, 2048, 4096, 8192),
+  "seq_len.lengths": (128, 256, 512, 1024, 2048, 4096, 8192),
+  "tiles.sizes": ((16, 16), (32, 32), (64, 64), (128, 128), (256, 256)),
+  "tiles.seq_len": 2048,
+  "stage_attribution.formats": "bf16,fp16",
+  "fa3_table3.shape": (2, 1024, 8, 128),
+  "fa3_fp8.seq_lens": (512, 1024, 2048, 4096),
+  "fa3_fp8.head_dims": (64, 128, 256),
+  "fa3_fp8.outlier_stds": (10.0, 100.0),
+  "fa3_fp8.seeds": 3,
+  "tied_maxima.counts": "1,2,3,4,8",
+  "tied_maxima.margins": "1e-1,1e-2,1e-3,1e-4,1e-5,1e-6,1e-7,1e-8,1e-9",
+  "tied_maxima.kv_len": 512,
+  "backward.precisions": "fp32,fp16-fa2,bf16-fa2,bf16",
+  "backward.seq_lens": (128, 512, 1024),
+  "features.settings": (
+    "plain,causal,kv_cache,window_64,window_256,softcap_30,softcap_50,"
+    "segments_4,sink,alibi"
+  ),
+  "features.seeds": 2,
+  "fp8_underflow.seq_len": 2048,
+  "fp8_underflow.seeds": 3,
+  "sage_fp8.seq_len": 2048,
+  "sage_fp8.seeds": 3,
+  "fp8_stages.seq_len": 2048,
+  "fp8_stages.seeds": 3,
+  "inference.cache_len": 2048,
+  "inference.split_sizes": (64, 256, 1024),
+  "inference.chunk_sizes": (64, 256, 512),
+  "inference.page_sizes": (64, 256),
+  "inference.seeds": 3,
+}
+SMOKE = {
+  "studies": ",".join(s for s in STUDIES if s not in SMOKE_SKIPS),
+  "common.seeds": 2,
+  "common.heads": 1,
+  "common.kv_heads": 1,
+  "common.head_dim": 16,
+  "common.seq_len": 64,
+  "common.block_q": 16,
+  "common.block_k": 16,
+  "common.formats": "fp64,fp32,bf16",
+  "common.distributions": "normal",
+  "common.schemes": "fa2",
+  "against_golden.seq_lens": (32, 64),
+  "seq_len.lengths": (32, 64),
+  "seq_len.precisions": "bf16",
+  "tiles.seq_len": 64,
+  "tiles.sizes": ((16, 16), (32, 32)),
+  "tiles.swap": (16, 32),
+  "tiles.equal_area": ((16, 32), (32, 16)),
+  "tiles.sram_elements": (1024,),
+  "stage_attribution.formats": "bf16",
+  "fa3_table3.shape": (1, 64, 1, 32),
+  "fa3_fp8.seq_lens": (64,),
+  "fa3_fp8.heads": 1,
+  "fa3_fp8.head_dims": (32,),
+  "fa3_fp8.outlier_stds": (10.0,),
+  "fa3_fp8.seeds": 1,
+  "tied_maxima.precisions": "bf16-fa2+out_accum=bf16",
+  "tied_maxima.betas": "2",
+  "tied_maxima.counts": "2",
+  "tied_maxima.margins": "1e-4",
+  "tied_maxima.q_len": 32,
+  "tied_maxima.kv_len": 32,
+  "backward.precisions": "bf16-fa2",
+  "backward.seq_lens": (48,),
+  "features.settings": "plain,causal,kv_cache,softcap_30",
+  "features.pairings": "natural",
+  "features.seeds": 1,
+  "fp8_underflow.seq_len": 64,
+  "fp8_underflow.head_dim": 32,
+  "fp8_underflow.distributions": "normal",
+  "fp8_underflow.causal": "false",
+  "fp8_underflow.p_scales": (1, 256),
+  "fp8_underflow.seeds": 1,
+  "sage_fp8.seq_len": 64,
+  "sage_fp8.head_dims": (32,),
+  "sage_fp8.distributions": "key_bias",
+  "sage_fp8.seeds": 1,
+  "fp8_stages.seq_len": 64,
+  "fp8_stages.head_dims": (32,),
+  "fp8_stages.distributions": "normal",
+  "fp8_stages.seeds": 1,
+  "inference.policies": "bf16-fa2",
+  "inference.cache_len": 64,
+  "inference.batch": 4,
+  "inference.split_counts": (1, 4),
+  "inference.split_sizes": (32,),
+  "inference.batch_sizes": (64,),
+  "inference.chunk_sizes": (32,),
+  "inference.page_sizes": (16,),
+  "inference.positions": 3,
+  "inference.seeds": 1,
+  "context_parallel.policies": "bf16-fa2",
+  "context_parallel.layouts": "causal_balanced",
+  "context_parallel.device_counts": (2,),
+  "context_parallel.vary_at": 0,
+  "context_parallel.seq_len": 64,
+  "context_parallel.seeds": 1,
+}
+
+VARIANTS = {"default": {}, "paper": PAPER, "smoke": SMOKE}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)

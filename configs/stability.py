@@ -13,8 +13,10 @@ mitigation), `gpu` (a larger model and context, for one GPU).
 
 import ml_collections
 
+from stableattn.experiments.config_values import with_variant
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+
+def _default() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Attention variants: baseline (reference, natural policy), flash (our
   # kernel, natural policy), flash_bf16 (every stage in BF16).
@@ -73,36 +75,48 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.corpus = "python_stdlib"
   c.data.seed = 0
   c.data.corpus_tokens = 1 << 18
-
-  if arg == "smoke":
-    c.variants = "baseline,flash"
-    c.train.reference_precision = ""
-    c.model.width, c.model.depth, c.model.seq_len = 32, 1, 32
-    c.attention.block_q = c.attention.block_k = 16
-    c.train.learning_rates = "1e-2,1"
-    c.train.replicates = 1
-    c.train.steps = 6
-    c.train.warmup_steps = 2
-    c.train.batch_size = 4
-    c.train.log_every = 3
-    c.data.corpus = "generated"
-  elif arg == "paper":
-    c.mitigations = "none,qk_norm,z_loss,softcap,tie_beta"
-    c.train.learning_rates = "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1,1,3"
-    c.train.replicates = 5
-    c.train.steps = 300
-    c.train.warmup_steps = 30
-  elif arg == "gpu":
-    c.model.width, c.model.depth, c.model.heads = 256, 4, 4
-    c.model.seq_len = 256
-    c.attention.block_q = c.attention.block_k = 64
-    c.train.replicates = 5
-    c.train.steps = 1000
-    c.train.warmup_steps = 100
-    c.train.batch_size = 32
-    c.train.log_every = 100
-  elif arg not in (None, "", "default"):
-    raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, smoke, paper, gpu."
-    )
   return c
+
+
+SMOKE = {
+  "variants": "baseline,flash",
+  "train.reference_precision": "",
+  "model.width": 32,
+  "model.depth": 1,
+  "model.seq_len": 32,
+  "attention.block_q": 16,
+  "attention.block_k": 16,
+  "train.learning_rates": "1e-2,1",
+  "train.replicates": 1,
+  "train.steps": 6,
+  "train.warmup_steps": 2,
+  "train.batch_size": 4,
+  "train.log_every": 3,
+  "data.corpus": "generated",
+}
+PAPER = {
+  "mitigations": "none,qk_norm,z_loss,softcap,tie_beta",
+  "train.learning_rates": "3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1,1,3",
+  "train.replicates": 5,
+  "train.steps": 300,
+  "train.warmup_steps": 30,
+}
+GPU = {
+  "model.width": 256,
+  "model.depth": 4,
+  "model.heads": 4,
+  "model.seq_len": 256,
+  "attention.block_q": 64,
+  "attention.block_k": 64,
+  "train.replicates": 5,
+  "train.steps": 1000,
+  "train.warmup_steps": 100,
+  "train.batch_size": 32,
+  "train.log_every": 100,
+}
+
+VARIANTS = {"default": {}, "smoke": SMOKE, "paper": PAPER, "gpu": GPU}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)

@@ -34,8 +34,10 @@ to the next.
 
 import ml_collections
 
+from stableattn.experiments.config_values import with_variant
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+
+def _default() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 256  # bytes
@@ -110,50 +112,56 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "all": every pair in stableattn/experiments/training_drift/pairs.py
   # (one_vs_n_devices only with several devices); or a comma list of names.
   c.pairs = "all"
-
-  if arg == "gpu":
-    # GPT-2-small-like (Qiu & Yao's shape): 12 layers, width 768, context
-    # 1024, bytes of the standard library; sized for the whole pair set in
-    # about 20 minutes on one H100 (estimated; not yet run on a GPU).
-    c.model.width = 768
-    c.model.depth = 12
-    c.model.heads = 12
-    c.model.seq_len = 1024
-    c.attention.block_q = 128
-    c.attention.block_k = 64
-    c.train.batch_size = 16
-    c.train.total_steps = 400
-    c.train.warmup_steps = 40
-    c.train.learning_rate = 6e-4
-    c.train.log_every = 50
-    c.train.checkpoint_every = 250
-  elif arg == "paper":
-    c.model.seq_len = 128
-    c.train.replicates = 5
-    c.train.total_steps = 1000
-    c.train.log_every = 50
-    c.train.checkpoint_every = 250
-  elif arg == "smoke":
-    c.data.corpus = "generated"  # tiny and fast
-    c.model.width = 32
-    c.model.depth = 2
-    c.model.heads = 2
-    c.model.seq_len = 32
-    c.attention.block_q = 16
-    c.attention.block_k = 16
-    c.train.batch_size = 8
-    c.train.replicates = 2
-    c.train.total_steps = 12
-    c.train.warmup_steps = 2
-    c.train.log_every = 4
-    c.train.checkpoint_every = 6
-    c.data.corpus_tokens = 1 << 15
-    # One device for data, two for the context-parallel run: the same
-    # pairs on any machine.
-    c.train.devices = 1
-    c.attention.context_parallel = 2
-  elif arg not in (None, "", "default"):
-    raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, gpu, paper, smoke."
-    )
   return c
+
+
+# GPT-2-small-like (Qiu & Yao's shape): 12 layers, width 768, context 1024,
+# bytes of the standard library; sized for the whole pair set in about 20
+# minutes on one H100 (estimated; not yet run on a GPU).
+GPU = {
+  "model.width": 768,
+  "model.depth": 12,
+  "model.heads": 12,
+  "model.seq_len": 1024,
+  "attention.block_q": 128,
+  "attention.block_k": 64,
+  "train.batch_size": 16,
+  "train.total_steps": 400,
+  "train.warmup_steps": 40,
+  "train.learning_rate": 6e-4,
+  "train.log_every": 50,
+  "train.checkpoint_every": 250,
+}
+PAPER = {
+  "model.seq_len": 128,
+  "train.replicates": 5,
+  "train.total_steps": 1000,
+  "train.log_every": 50,
+  "train.checkpoint_every": 250,
+}
+SMOKE = {
+  "data.corpus": "generated",  # tiny and fast
+  "model.width": 32,
+  "model.depth": 2,
+  "model.heads": 2,
+  "model.seq_len": 32,
+  "attention.block_q": 16,
+  "attention.block_k": 16,
+  "train.batch_size": 8,
+  "train.replicates": 2,
+  "train.total_steps": 12,
+  "train.warmup_steps": 2,
+  "train.log_every": 4,
+  "train.checkpoint_every": 6,
+  "data.corpus_tokens": 1 << 15,
+  # One device for data, two for the context-parallel run: the same
+  # pairs on any machine.
+  "train.devices": 1,
+  "attention.context_parallel": 2,
+}
+
+VARIANTS = {"default": {}, "gpu": GPU, "paper": PAPER, "smoke": SMOKE}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)

@@ -85,3 +85,53 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
   assert upward_imports(module) == [
     "bad.py:2 (kernels) imports stableattn.ops.dispatch (ops)"
   ]
+
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80  # docstrings excluded
+
+
+def _function_lengths(tree: ast.AST):
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      first = node.body[0]
+      docstring = (
+        first.end_lineno - first.lineno + 1
+        if isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+        else 0
+      )
+      yield node, node.end_lineno - node.lineno + 1 - docstring
+
+
+def oversized(path: pathlib.Path) -> list[str]:
+  """The module if it is over MAX_MODULE_LINES, and each function over
+  MAX_FUNCTION_LINES, as lines."""
+  source = path.read_text()
+  found = []
+  lines = len(source.splitlines())
+  if lines > MAX_MODULE_LINES:
+    found.append(f"{path.name}: {lines} lines")
+  for node, length in _function_lengths(ast.parse(source)):
+    if length > MAX_FUNCTION_LINES:
+      found.append(f"{path.name}:{node.lineno} {node.name}: {length} lines")
+  return found
+
+
+def test_modules_and_functions_stay_readable():
+  root = PACKAGE.parent
+  paths = [
+    *PACKAGE.rglob("*.py"),
+    *(root / "configs").glob("*.py"),
+    *(root / "launch").glob("*.py"),
+  ]
+  found = [line for path in sorted(paths) for line in oversized(path)]
+  assert not found, "\n".join(found)
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+  body = "\n".join(f"  x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+  module = tmp_path / "long.py"
+  module.write_text(f'def f():\n  """Doc."""\n{body}\n')
+  assert oversized(module) == [f"long.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]

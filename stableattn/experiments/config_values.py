@@ -186,3 +186,24 @@ def from_block(cls, config, block: str):
     return cls(**values)
   except ValueError as e:
     raise ValueError(f"config.{block}: {e}") from None
+
+
+def with_variant(config, arg: str | None, variants: dict[str, dict]):
+  """`config` with the overrides of the variant `arg` ("" or None: the
+  default) set; each override names a field by its dotted path, which
+  must exist in the default, so a variant changes values, never the
+  config's layout."""
+  name = arg or "default"
+  if name not in variants:
+    raise ValueError(
+      f"Unknown config variant {arg!r}; valid: {', '.join(variants)}."
+    )
+  for dotted, value in variants[name].items():
+    *blocks, key = dotted.split(".")
+    target = config
+    for block in blocks:
+      target = target[block]
+    if key not in target:
+      raise KeyError(f"variant {name!r} sets {dotted!r}, not a config field")
+    target[key] = value
+  return config

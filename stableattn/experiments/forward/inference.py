@@ -15,48 +15,26 @@ split axes run with the partial outputs in FP32 and in the input format
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 
-import numpy as np
-
-from stableattn.auditing.inputs import Shape, make_inputs, round_to
-from stableattn.auditing.invariance import ulp_at
-from stableattn.contract.golden import golden_attention
-from stableattn.contract.options import Options
 from stableattn.experiments.config_values import spec
+from stableattn.experiments.forward import inference_rows
 from stableattn.experiments.forward.study import (
   Claim,
   Section,
   Study,
   claim_findings,
-  deviation_values,
   policies,
   require,
-  row,
   verdict,
 )
 from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.reporting import num, select, table
 from stableattn.numerics.precision import Precision
-from stableattn.ops.dispatch import attention
-from stableattn.ops.paged import paged_attention
 
 PARTIALS = ("fp32", "input")
-# Batch-invariance schedules: one pass over the keys; a fixed split size
-# (the first of `split_sizes`); a split count from the batch size.
-SCHEDULES = ("unsplit", "split_size", "num_splits_by_batch")
-# A launch heuristic's split count (FlashAttention's idea, simplified):
-# enough splits that batch x heads x splits fills 128 multiprocessors.
-MULTIPROCESSORS = 128
-MAX_HEURISTIC_SPLITS = 16
 # "Harmless": the split output's error against FP64 stays within this
 # factor of the unsplit kernel's.
 HARMLESS_FACTOR = 1.25
-
-
-def heuristic_splits(batch: int, heads: int) -> int:
-  return max(1, min(MAX_HEURISTIC_SPLITS, MULTIPROCESSORS // (batch * heads)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,254 +50,6 @@ class Config:
   page_sizes: tuple[int, ...] = spec(minimum=1)  # multiples of block_k
   positions: int = spec(minimum=1)  # decode positions compared with prefill
   seeds: int = spec(minimum=1)
-
-
-class _Workload:
-  """One policy's inputs and the unsplit decode step it is measured by."""
-
-  def __init__(self, s, c, policy: Precision, seed: int):
-    self.policy, self.c, self.s = policy, c, s
-    # The decode step's sequences, and others to batch them with.
-    largest = c.batch + max(c.batch_sizes)
-    self.shape = Shape(
-      largest, c.cache_len, c.cache_len, s.heads, s.kv_heads, s.head_dim
-    )
-    self.q, self.k, self.v = (
-      round_to(x, policy.inputs)
-      for x in make_inputs(s.distributions[0], seed, self.shape)
-    )
-    rng = np.random.default_rng([seed, 31])
-    self.lengths = rng.integers(
-      c.cache_len // 2, c.cache_len + 1, size=largest
-    ).astype(np.int32)
-    self.rng = rng
-    self.options = Options(policy, block_q=s.block_q, block_k=s.block_k)
-
-  def decode_inputs(self, examples):
-    """The new query of `examples` at the end of their caches, and the
-    features that place it there."""
-    features = dict(
-      causal=True,
-      causal_alignment="bottom_right",
-      key_value_seq_lengths=self.lengths[examples],
-    )
-    return self.q[examples, -1:], features
-
-  def decode(self, examples, **options):
-    q, features = self.decode_inputs(examples)
-    out = attention(
-      q,
-      self.k[examples],
-      self.v[examples],
-      options=self.options.replace(**options),
-      **features,
-    )
-    return np.asarray(out).astype(np.float64), (q, features)
-
-  @functools.cached_property
-  def full_pass(self):
-    """Sequence 0's causal pass over its whole cache, and its golden
-    value: what chunked prefill and decoded positions are held to."""
-    q, k, v = self.q[:1], self.k[:1], self.v[:1]
-    out = attention(q, k, v, options=self.options, causal=True)
-    return (
-      np.asarray(out).astype(np.float64),
-      golden_attention(q, k, v, causal=True),
-    )
-
-  def golden(self, examples):
-    q, features = self.decode_inputs(examples)
-    return golden_attention(q, self.k[examples], self.v[examples], **features)
-
-
-# What each axis compares: the other way against the reference way.
-COMPARISONS = {
-  "num_splits": "split_vs_one_pass",
-  "split_size": "split_vs_one_pass",
-  "batch": "batched_vs_alone",
-  "chunk": "chunked_vs_one_pass",
-  "position": "decoded_vs_prefill",
-  "page_size": "paged_vs_contiguous",
-}
-
-
-def _compare(name, value, reference, other, golden, fmt, **labels) -> dict:
-  """A row: `other` against `reference` (the deviation and in ulps of
-  `fmt` at the largest FP64 value), and both against FP64."""
-  ulp = ulp_at(np.max(np.abs(golden)), fmt)
-  diff = float(np.max(np.abs(reference - other)))
-  error = float(np.max(np.abs(other - golden)))
-  reference_error = float(np.max(np.abs(reference - golden)))
-  return row(
-    {
-      "comparison": COMPARISONS[name],
-      "axis": name,
-      "value": value,
-      **labels,
-    },
-    {
-      **deviation_values(reference, other),
-      "bitwise": float(np.array_equal(reference, other)),
-      "diff_ulps": diff / ulp,
-      "error_max_abs": error,
-      "error_ulps": error / ulp,
-      "reference_error_ulps": reference_error / ulp,
-      "error_ratio": error / reference_error if reference_error else 1.0,
-    },
-  )
-
-
-def _split_rows(w: _Workload, c, fmt) -> list[dict]:
-  examples = np.arange(c.batch)
-  whole, _ = w.decode(examples)
-  golden = w.golden(examples)
-  rows = []
-  for count in c.split_counts:
-    split, _ = w.decode(examples, num_splits=count)
-    rows.append(_compare("num_splits", count, whole, split, golden, fmt))
-  for size in c.split_sizes:
-    split, _ = w.decode(examples, split_size=size)
-    rows.append(_compare("split_size", size, whole, split, golden, fmt))
-  return rows
-
-
-def _batch_rows(w: _Workload, c, s, fmt) -> list[dict]:
-  """The decode step's sequences, each alone (batch 1), against the same
-  sequences at random places among N."""
-  rows = []
-  mine = np.arange(c.batch)
-  golden = w.golden(mine)
-  for schedule in SCHEDULES:
-
-    def options(batch, schedule=schedule):
-      if schedule == "split_size":
-        return {"split_size": c.split_sizes[0]}
-      if schedule == "num_splits_by_batch":
-        return {"num_splits": heuristic_splits(batch, s.heads)}
-      return {}
-
-    alone = np.concatenate([w.decode([i], **options(1))[0] for i in mine])
-    for size in c.batch_sizes:
-      if size < c.batch:
-        raise ValueError(
-          f"inference.batch_sizes: {size} cannot hold the decode step's "
-          f"{c.batch} sequences."
-        )
-      others = w.rng.choice(
-        np.arange(c.batch, len(w.q)), size - c.batch, replace=False
-      )
-      order = w.rng.permutation(np.concatenate([mine, others]))
-      batched, _ = w.decode(order, **options(size))
-      places = [int(np.flatnonzero(order == i)[0]) for i in mine]
-      rows.append(
-        _compare(
-          "batch",
-          size,
-          alone,
-          batched[places],
-          golden,
-          fmt,
-          schedule=schedule,
-        )
-      )
-  return rows
-
-
-def _prefill(w: _Workload, queries, ends, **features):
-  """Queries [1, n] of sequence 0 over its first `ends` keys (the cache
-  buffer's length marks the rest invalid)."""
-  out = attention(
-    queries,
-    w.k[:1],
-    w.v[:1],
-    options=w.options,
-    causal=True,
-    key_value_seq_lengths=np.array([ends], np.int32),
-    **features,
-  )
-  return np.asarray(out).astype(np.float64)
-
-
-def _chunk_rows(w: _Workload, c, fmt) -> list[dict]:
-  """Chunked prefill over a cache buffer of the full length: chunk j's
-  queries see keys up to its end (bottom-right causal, the cache's length
-  marking the rest invalid), against one causal pass."""
-  length = c.cache_len
-  whole, golden = w.full_pass
-  rows = []
-  for chunk in c.chunk_sizes:
-    if length % chunk:
-      raise ValueError(
-        f"inference.chunk_sizes: {chunk} does not divide cache_len {length}."
-      )
-    parts = [
-      _prefill(
-        w,
-        w.q[:1, start : start + chunk],
-        start + chunk,
-        causal_alignment="bottom_right",
-      )
-      for start in range(0, length, chunk)
-    ]
-    chunked = np.concatenate(parts, axis=1)
-    rows.append(_compare("chunk", chunk, whole, chunked, golden, fmt))
-  return rows
-
-
-def _position_rows(w: _Workload, c, fmt) -> list[dict]:
-  """Position t decoded alone (keys 0..t valid in the cache buffer) vs its
-  row of the full causal pass, at evenly spaced positions."""
-  length = c.cache_len
-  whole, golden = w.full_pass
-  positions = np.unique(np.linspace(0, length - 1, c.positions).astype(int))
-  decoded = np.concatenate(
-    [
-      _prefill(w, w.q[:1, t : t + 1], t + 1, causal_alignment="bottom_right")
-      for t in positions
-    ],
-    axis=1,
-  )
-  return [
-    _compare(
-      "position",
-      int(t),
-      whole[:, t : t + 1],
-      decoded[:, i : i + 1],
-      golden[:, t : t + 1],
-      fmt,
-    )
-    for i, t in enumerate(positions)
-  ]
-
-
-def _page_rows(w: _Workload, c, fmt) -> list[dict]:
-  examples = np.arange(c.batch)
-  whole, (q, features) = w.decode(examples)
-  golden = w.golden(examples)
-  rows = []
-  for page in c.page_sizes:
-    per_sequence = math.ceil(c.cache_len / page)
-    pad = per_sequence * page - c.cache_len
-    widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-    pages = c.batch * per_sequence
-    slots = w.rng.permutation(pages).reshape(c.batch, per_sequence)
-    pools = []
-    for x in (w.k[examples], w.v[examples]):
-      padded = np.pad(x, widths).reshape(pages, page, *x.shape[2:])
-      pool = np.empty_like(padded)
-      pool[slots.ravel()] = padded
-      pools.append(pool)
-    out = paged_attention(
-      q, *pools, slots.astype(np.int32), options=w.options, **features
-    )
-    paged = np.asarray(out).astype(np.float64)
-    rows.append(_compare("page_size", page, whole, paged, golden, fmt))
-  return rows
-
-
-def _partials_policy(policy: Precision, partials: str) -> Precision:
-  fmt = policy.inputs if partials == "input" else partials
-  return policy.with_stage(partials=fmt)
 
 
 def fixed_split_invariant(rows) -> dict:
@@ -465,19 +195,21 @@ class Inference(Study):
     ]
 
   def measure(self, engine, s, c, p, seed):
-    policy = _partials_policy(Precision.from_name(p["policy"]), p["partials"])
-    w = _Workload(s, c, policy, seed)
+    policy = inference_rows.partials_policy(
+      Precision.from_name(p["policy"]), p["partials"]
+    )
+    w = inference_rows.Workload(s, c, policy, seed)
     fmt = policy.output
-    rows = _split_rows(w, c, fmt)
+    rows = inference_rows.split_rows(w, c, fmt)
     if p["partials"] == c.partials[0]:
       # Only the split axes depend on the partials' format.
-      rows += _batch_rows(w, c, s, fmt)
-      rows += _chunk_rows(w, c, fmt)
-      rows += _position_rows(w, c, fmt)
+      rows += inference_rows.batch_rows(w, c, s, fmt)
+      rows += inference_rows.chunk_rows(w, c, fmt)
+      rows += inference_rows.position_rows(w, c, fmt)
       if not policy.quantizes:
         # Operands below 16 bits are scaled per key block of a
         # contiguous cache; the paged kernel refuses them.
-        rows += _page_rows(w, c, fmt)
+        rows += inference_rows.page_rows(w, c, fmt)
     return rows
 
   def ran(self, s, c):

@@ -296,35 +296,9 @@ def _rl_section(run_dir: RunDir, rl_rows, found: dict) -> list[str]:
   ]
 
 
-def write(run_dir: RunDir, s, rows, training_log: dict, rl_rows=()) -> dict:
-  if not rows:
-    raise ValueError(
-      "the mismatch run measured nothing: no verdict from 0 rows."
-    )
-  stats = pair_intervals(rows)
-  found = verdicts(rows)
-  rl_found = rl_verdicts(rl_rows) if rl_rows else {}
-  env = environment.describe()
-  headline = {
-    "verdicts": found,
-    "policy_gradient": rl_found,
-    "pairs": {
-      p: {m: i.as_dict() for m, i in metrics.items()}
-      for p, metrics in stats.items()
-    },
-    "training": training_log,
-    "environment": env,
-  }
-  run_dir.write_text("headline.json", json.dumps(headline, indent=2) + "\n")
-  run_dir.write_csv(
-    "summary.csv",
-    [
-      {"pair": p, "role": PAIRS[p].role, "metric": m, **i.as_dict()}
-      for p, metrics in stats.items()
-      for m, i in metrics.items()
-    ],
-  )
-  labels = list(stats)
+def _figures(run_dir: RunDir, rows, stats, labels):
+  """The mismatch per pair with intervals, and the distribution of
+  |log importance ratio| per token; their paths."""
   mismatch_png = interval_plot(
     run_dir.path / "mismatch.png",
     labels,
@@ -353,6 +327,45 @@ def write(run_dir: RunDir, s, rows, training_log: dict, rl_rows=()) -> dict:
     xlabel="|log importance ratio| (the rightmost point: above 10)",
     ylabel="share of tokens",
   )
+  return mismatch_png, ratio_png
+
+
+def _write_data(run_dir: RunDir, found, rl_found, stats, training_log, env):
+  """headline.json (verdicts, intervals per pair, the training log, the
+  environment) and summary.csv (one line per pair and metric)."""
+  headline = {
+    "verdicts": found,
+    "policy_gradient": rl_found,
+    "pairs": {
+      p: {m: i.as_dict() for m, i in metrics.items()}
+      for p, metrics in stats.items()
+    },
+    "training": training_log,
+    "environment": env,
+  }
+  run_dir.write_text("headline.json", json.dumps(headline, indent=2) + "\n")
+  run_dir.write_csv(
+    "summary.csv",
+    [
+      {"pair": p, "role": PAIRS[p].role, "metric": m, **i.as_dict()}
+      for p, metrics in stats.items()
+      for m, i in metrics.items()
+    ],
+  )
+
+
+def write(run_dir: RunDir, s, rows, training_log: dict, rl_rows=()) -> dict:
+  if not rows:
+    raise ValueError(
+      "the mismatch run measured nothing: no verdict from 0 rows."
+    )
+  stats = pair_intervals(rows)
+  found = verdicts(rows)
+  rl_found = rl_verdicts(rl_rows) if rl_rows else {}
+  env = environment.describe()
+  _write_data(run_dir, found, rl_found, stats, training_log, env)
+  labels = list(stats)
+  mismatch_png, ratio_png = _figures(run_dir, rows, stats, labels)
   pair_rows = [
     [
       p,
