@@ -17,11 +17,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
   "XLA_FLAGS", ""
 ):
   jax.config.update("jax_num_cpu_devices", 8)
-# Compile once per configuration across test processes and reruns.
+# Compile once per configuration across test processes and reruns. The
+# environment carries the cache to the launchers, notebook kernels and
+# workers the tests start as subprocesses, which would otherwise compile
+# every program again from nothing.
 _CACHE = os.environ.get(
   "STABLEATTN_JAX_CACHE",
   str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"),
 )
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -60,3 +60,30 @@ def run_once(tmp_path_factory, name: str, run):
       workdir.mkdir(exist_ok=True)
       done.write_text(json.dumps(run(workdir), default=str))
   return workdir, json.loads(done.read_text())
+
+
+def sampled(cases, keep: int, *, seed: int = 0, ids=None, unpack=False):
+  """`cases` as pytest params, all but a fixed-seed sample of `keep` of
+  them marked slow: the fast tier (`-m "not slow"`) runs the sample, the
+  full tier (`-m slow`) the rest, so CI runs every case (as jax's
+  `sample_product` does between its test tiers).
+
+  With `unpack`, each case is a tuple that fills several argnames; `ids`
+  names a case (a function of it).
+  """
+  import random
+
+  import pytest
+
+  cases = list(cases)
+  chosen = set(
+    random.Random(seed).sample(range(len(cases)), min(keep, len(cases)))
+  )
+  params = []
+  for i, case in enumerate(cases):
+    values = case if unpack else (case,)
+    marks = () if i in chosen else (pytest.mark.slow,)
+    params.append(
+      pytest.param(*values, marks=marks, id=None if ids is None else ids(case))
+    )
+  return params

@@ -5,7 +5,12 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import golden_value_and_grads, random_qkv, value_and_grads
+from helpers import (
+  golden_value_and_grads,
+  random_qkv,
+  sampled,
+  value_and_grads,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,7 +36,7 @@ def _case_id(case):
   )
 
 
-@pytest.mark.parametrize("case", GRID, ids=_case_id)
+@pytest.mark.parametrize("case", sampled(GRID, 4, ids=_case_id))
 def test_pallas_fp64_matches_golden(case):
   (block_q, block_k), scheme, causal, (length, head_dim) = case
   q, k, v = random_qkv(length, q_len=length, head_dim=head_dim)
@@ -53,7 +58,7 @@ def test_pallas_fp64_matches_golden(case):
     assert sa.compare(gg, g).max_abs <= 1e-10, f"d{name}"
 
 
-@pytest.mark.parametrize("case", GRID[::3], ids=_case_id)
+@pytest.mark.parametrize("case", sampled(GRID[::3], 2, ids=_case_id))
 def test_pallas_fp32_matches_golden(case):
   (block_q, block_k), scheme, causal, (length, head_dim) = case
   q, k, v = random_qkv(length + 1, q_len=length, head_dim=head_dim)
@@ -132,7 +137,7 @@ def test_lse_is_saved_in_statistics_format():
 _FORMAT_OF = {"bf16-fa2": "bf16", "fp16-fa2": "fp16"}
 
 
-@pytest.mark.parametrize("precision", ["bf16-fa2", "fp16-fa2"])
+@pytest.mark.parametrize("precision", sampled(["bf16-fa2", "fp16-fa2"], 1))
 @given(
   seed=st.integers(0, 10_000),
   q_len=st.integers(1, 80),

@@ -314,3 +314,41 @@ def test_invariance_and_kernel_option_settings_are_checked_before_running():
   fn = audit.kernel_fn(s, sa.Precision.from_name("bf16-framework"))
   assert fn.keywords["options"].split_size == 64
   assert fn.keywords["options"].precision.name == "bf16-fa2"
+
+
+def test_list_arguments_take_one_form_everywhere():
+  """A comma string, a list and a tuple name the same distributions, gates
+  and tensors; a string is never taken apart into letters."""
+  from stableattn.contract.arguments import names
+
+  assert names("normal, uniform", "d") == ("normal", "uniform")
+  assert names(["normal", "uniform"], "d") == names(("normal", "uniform"), "d")
+  assert names("normal", "d") == ("normal",)
+  assert names(None, "d") == names("", "d") == ()
+  with pytest.raises(ValueError, match="distributions must be names"):
+    names(3, "distributions")
+  with pytest.raises(ValueError, match="must be strings"):
+    names(["normal", 2], "distributions")
+
+  def kernel(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v)
+
+  shape = [(1, 32, 1, 16)]
+  by_string = sa.audit(
+    kernel,
+    shapes=shape,
+    distributions="normal,uniform",
+    gate="flashattention",
+    tensors="out",
+    repeats=1,
+  )
+  by_list = sa.audit(
+    kernel,
+    shapes=shape,
+    distributions=["normal", "uniform"],
+    gate=["flashattention"],
+    tensors=("out",),
+    repeats=1,
+  )
+  assert by_string.rows == by_list.rows and by_string.passed
+  assert {r["distribution"] for r in by_string.rows} == {"normal", "uniform"}

@@ -10,6 +10,7 @@ from stableattn.experiments import benchmark
 from stableattn.experiments.benchmark import report
 
 
+@pytest.mark.slow  # the smoke benchmark end to end
 def test_smoke_writes_timings_ratios_and_memory(tmp_path):
   config = benchmark_config.get_config("smoke")
   config.modes = "forward"

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import policy_emulator as emu
 import pytest
-from helpers import random_qkv
+from helpers import random_qkv, sampled
 
 import stableattn as sa
 from stableattn.numerics.rounding import round_to
@@ -112,7 +112,7 @@ def _case_id(case):
   )
 
 
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", sampled(FORWARD_CASES, 6, ids=_case_id))
 def test_pallas_forward_matches_emulator(case):
   preset, scheme, shape = case
   q, k, v = _inputs(FORWARD_CASES.index(case), shape)
@@ -140,7 +140,7 @@ def test_pallas_forward_matches_emulator(case):
   _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", sampled(PRESETS, 3))
 def test_reference_matches_emulator(preset):
   shape = SHAPES[PRESETS.index(preset) % len(SHAPES)]
   q, k, v = _inputs(7, shape)
@@ -164,8 +164,12 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize(
   "preset, partials, schedule",
-  SPLIT_CASES,
-  ids=[f"{p}-{f}-{next(iter(s))}" for p, f, s in SPLIT_CASES],
+  sampled(
+    SPLIT_CASES,
+    2,
+    ids=lambda c: f"{c[0]}-{c[1]}-{next(iter(c[2]))}",
+    unpack=True,
+  ),
 )
 def test_split_kv_matches_emulator(preset, partials, schedule):
   """Each split's partial output is rounded to `partials`, the merge's
@@ -217,7 +221,7 @@ BACKWARD_CASES = [
 ] + [("bf16", "fa1", SHAPES[2])]
 
 
-@pytest.mark.parametrize("case", BACKWARD_CASES, ids=_case_id)
+@pytest.mark.parametrize("case", sampled(BACKWARD_CASES, 2, ids=_case_id))
 def test_pallas_backward_matches_emulator(case):
   preset, scheme, shape = case
   q, k, v = _inputs(11, shape)
@@ -296,7 +300,8 @@ TIE_CASES = [
 
 
 @pytest.mark.parametrize(
-  "preset, scheme, tie_beta", TIE_CASES, ids=lambda v: str(v)
+  "preset, scheme, tie_beta",
+  sampled(TIE_CASES, 2, ids=lambda c: "-".join(map(str, c)), unpack=True),
 )
 def test_tie_fix_matches_emulator(preset, scheme, tie_beta):
   """Qiu & Yao's fix, kernel and Baseline, on inputs with exact ties."""
@@ -382,7 +387,7 @@ def _feature_inputs(seed):
   return [on_grid(x) for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("name", FEATURE_NAMES)
+@pytest.mark.parametrize("name", sampled(FEATURE_NAMES, 3))
 def test_features_forward_match_emulator(name):
   """Kernel (fa2 or fa1) and Baseline, each under a different preset."""
   i = FEATURE_NAMES.index(name)
@@ -429,7 +434,7 @@ def test_features_forward_match_emulator(name):
   _check(want, np.asarray(base.astype(jnp.float64)), preset, f"{name} base")
 
 
-@pytest.mark.parametrize("name", FEATURE_NAMES)
+@pytest.mark.parametrize("name", sampled(FEATURE_NAMES, 3, seed=1))
 def test_features_backward_match_emulator(name):
   """dq, dk, dv (and the bias and sink gradients) of the kernel."""
   i = FEATURE_NAMES.index(name)
@@ -507,7 +512,7 @@ QUANT_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("name", QUANT_POLICIES)
+@pytest.mark.parametrize("name", sampled(QUANT_POLICIES, 4))
 def test_quantized_policies_match_emulator(name):
   policy = sa.Precision.from_name(name)
   q, k, v = _inputs(QUANT_POLICIES.index(name), SHAPES[0])
@@ -589,7 +594,7 @@ QUANT_BACKWARD = [
 ]
 
 
-@pytest.mark.parametrize("name", QUANT_BACKWARD)
+@pytest.mark.parametrize("name", sampled(QUANT_BACKWARD, 2))
 def test_quantized_backward_matches_emulator(name):
   policy = sa.Precision.from_name(name)
   shape = SHAPES[2]

@@ -35,6 +35,7 @@ def _selected(config):
   return {name: STUDIES[name] for name in config.studies.split(",")}
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_writes_every_file(smoke_run):
   workdir, result, config = smoke_run
   for name in ("config.json", "metrics.jsonl", "summary.csv", "report.md"):
@@ -51,6 +52,7 @@ def test_writes_every_file(smoke_run):
   assert stored["common"]["seeds"] == 2
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_rows_keep_labels_and_values_apart(smoke_run):
   workdir, _, config = smoke_run
   rows = _rows(workdir)
@@ -76,6 +78,7 @@ def test_rows_keep_labels_and_values_apart(smoke_run):
     assert int(r["n_seeds"]) == seeds
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_tied_study_shows_the_bias_and_its_removal_first(smoke_run):
   workdir, result, config = smoke_run
   regime = config.tied_maxima.precisions
@@ -89,6 +92,7 @@ def test_tied_study_shows_the_bias_and_its_removal_first(smoke_run):
   assert abs(float(fixed.split("|")[3])) <= 0.1
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_headline_claims_follow_from_the_measured_rows(smoke_run):
   workdir, result, _ = smoke_run
   headline = json.loads((workdir / "headline.json").read_text())
@@ -149,6 +153,7 @@ def _rounded(x):
   return x
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_every_verdict_follows_from_the_rows_in_metrics_jsonl(smoke_run):
   workdir, _, _ = smoke_run
   headline = json.loads((workdir / "headline.json").read_text())
@@ -183,6 +188,7 @@ def test_every_verdict_follows_from_the_rows_in_metrics_jsonl(smoke_run):
       )
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_invariants(smoke_run):
   workdir, _, _ = smoke_run
   rows = [
@@ -203,6 +209,7 @@ def test_invariants(smoke_run):
   assert all(r["values"]["n_nan"] == 0 for r in _rows(workdir))
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_inference_study_keeps_rows_bitwise_where_the_kernel_promises(
   smoke_run,
 ):
@@ -238,6 +245,7 @@ def test_inference_study_keeps_rows_bitwise_where_the_kernel_promises(
   assert errors["input"] >= errors["fp32"]
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_rerun_skips_finished_points_and_repairs_a_cut_line(
   smoke_run, tmp_path
 ):
@@ -259,6 +267,7 @@ def test_rerun_skips_finished_points_and_repairs_a_cut_line(
   assert forward.run(config, copy)["points_measured"] == 0
 
 
+@pytest.mark.slow  # the smoke experiment end to end
 def test_launcher_accepts_command_line_overrides(tmp_path):
   cmd = [
     sys.executable,

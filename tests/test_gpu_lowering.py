@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_qkv, value_and_grads
+from helpers import random_qkv, sampled, value_and_grads
 
 import stableattn as sa
 from stableattn.ops.ring_plan import context_mesh
@@ -50,7 +50,9 @@ def _loss_and_grads(precision, tiles, causal, interpret):
   return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-@pytest.mark.parametrize("precision, tiles, head_dim", CONFIGS)
+@pytest.mark.parametrize(
+  "precision, tiles, head_dim", sampled(CONFIGS, 5, unpack=True)
+)
 def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
   dtype = sa.Precision.from_name(precision).dtype("inputs")
   q = jax.ShapeDtypeStruct((2, 200, 4, head_dim), dtype)
@@ -273,7 +275,9 @@ FEATURE_LOWERINGS = {
 }
 
 
-@pytest.mark.parametrize("name", [*FEATURE_LOWERINGS, "bias", "sink"])
+@pytest.mark.parametrize(
+  "name", sampled([*FEATURE_LOWERINGS, "bias", "sink"], 3)
+)
 def test_every_feature_lowers_for_cuda(name):
   """Forward, delta, dK/dV and dQ kernels lower to Triton with each
   feature; the bias and sink with their gradients."""
@@ -311,7 +315,7 @@ LOW_POLICIES = [
 ]
 
 
-@pytest.mark.parametrize("precision", LOW_POLICIES)
+@pytest.mark.parametrize("precision", sampled(LOW_POLICIES, 2))
 def test_low_precision_forward_and_backward_lower_for_cuda(precision):
   """Policies below 16 bits (scales per tile, token or channel, rotation,
   smoothing, microscaling, saturating casts) lower to Triton, forward and

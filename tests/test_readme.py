@@ -15,11 +15,11 @@ README = (REPO / "README.md").read_text()
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
-def _blocks(marker: str) -> list[str]:
+def _blocks(marker: str, pages=PAGES) -> list[str]:
   pattern = rf"<!-- test: {marker} -->\n```\w+\n(.*?)```"
   return [
     block
-    for page in PAGES
+    for page in pages
     for block in re.findall(pattern, page.read_text(), flags=re.DOTALL)
   ]
 
@@ -59,39 +59,57 @@ def test_quickstart_has_the_two_commands():
   assert "python -m pytest -n 2 -m slow" in ci
 
 
-@pytest.mark.parametrize("index", range(len(_blocks("python"))))
-def test_python_blocks_run(index):
-  code = _blocks("python")[index]
+def _python_blocks():
+  """The README's blocks run in the fast tier, the docs pages' in the slow
+  one (each is a process that imports JAX and compiles its own shapes)."""
+  params = []
+  for page in PAGES:
+    marks = () if page.name == "README.md" else (pytest.mark.slow,)
+    for i, code in enumerate(_blocks("python", [page])):
+      params.append(pytest.param(code, marks=marks, id=f"{page.stem}-{i}"))
+  return params
+
+
+@pytest.mark.parametrize("code", _python_blocks())
+def test_python_blocks_run(code):
   subprocess.run(
     [sys.executable, "-c", code], check=True, cwd=REPO, timeout=300
   )
 
 
-@pytest.mark.slow  # three experiment launchers end to end
-def test_shell_commands_run(tmp_path):
-  commands = [
+def _shell_commands() -> list[str]:
+  return [
     line
     for block in _blocks("shell")
     for line in block.splitlines()
     if line.strip()
   ]
-  assert len(commands) >= 3
+
+
+def test_the_docs_show_the_launchers_in_shell_blocks():
+  assert len(_shell_commands()) >= 3
+
+
+@pytest.mark.slow  # experiment launchers end to end, one test each
+@pytest.mark.parametrize(
+  "command",
+  _shell_commands(),
+  ids=lambda c: re.search(r"launch/(\w+)\.py", c).group(1),
+)
+def test_shell_commands_run(command):
   env = dict(os.environ)
   env["PATH"] = f"{pathlib.Path(sys.executable).parent}:{env['PATH']}"
+  workdir = REPO / re.search(r"--workdir=(\S+)", command).group(1)
   try:
-    for command in commands:
-      subprocess.run(
-        command,
-        shell=True,
-        check=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
-        capture_output=True,
-      )
-      workdir = re.search(r"--workdir=(\S+)", command).group(1)
-      assert (REPO / workdir / "report.md").exists(), command
+    subprocess.run(
+      command,
+      shell=True,
+      check=True,
+      cwd=REPO,
+      env=env,
+      timeout=600,
+      capture_output=True,
+    )
+    assert (workdir / "report.md").exists(), command
   finally:
-    for command in commands:
-      workdir = re.search(r"--workdir=(\S+)", command).group(1)
-      shutil.rmtree(REPO / workdir, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)

@@ -37,6 +37,7 @@ def _rows(workdir):
   return RunDir(workdir).read_metrics()
 
 
+@pytest.mark.slow  # trains or measures end to end
 def test_forward_rerun_with_another_config_is_refused_naming_the_fields(
   tmp_path,
 ):
@@ -102,6 +103,7 @@ def _tiny_drift(pairs="identical_rerun", **train):
   return config
 
 
+@pytest.mark.slow  # trains or measures end to end
 def test_drift_with_only_the_control_pair_writes_its_report(tmp_path):
   result = training_drift.run(_tiny_drift(), tmp_path)
   assert result["identical_rerun_max_abs"] == 0.0
@@ -111,6 +113,7 @@ def test_drift_with_only_the_control_pair_writes_its_report(tmp_path):
   )
 
 
+@pytest.mark.slow  # trains or measures end to end
 def test_lost_drift_metrics_are_measured_again_not_lost(tmp_path):
   training_drift.run(_tiny_drift(), tmp_path)
   logged = sorted({r["step"] for r in _rows(tmp_path) if r["kind"] == "drift"})
@@ -120,6 +123,7 @@ def test_lost_drift_metrics_are_measured_again_not_lost(tmp_path):
   assert again == logged == [0, 2, 4]
 
 
+@pytest.mark.slow  # trains or measures end to end
 def test_drift_rerun_with_another_schedule_or_width_is_refused(tmp_path):
   config = _tiny_drift(stop_at_step=2)
   training_drift.run(config, tmp_path)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import golden_value_and_grads, random_qkv
+from helpers import golden_value_and_grads, random_qkv, sampled
 
 import stableattn as sa
 from configs import forward_deviation as forward_config
@@ -55,7 +55,8 @@ RULE_CASES = [
 
 
 @pytest.mark.parametrize(
-  "devices, precision, causal, balanced, merge, reverse", RULE_CASES
+  "devices, precision, causal, balanced, merge, reverse",
+  sampled(RULE_CASES, 2, unpack=True),
 )
 def test_ring_passes_the_flashattention_rule_against_fp64(
   devices, precision, causal, balanced, merge, reverse
@@ -105,7 +106,11 @@ def _ulps_of_largest(x, reference):
 
 @pytest.mark.parametrize(
   "devices, causal, balanced",
-  [(2, True, True), (4, True, False), (8, True, True), (8, False, False)],
+  sampled(
+    [(2, True, True), (4, True, False), (8, True, True), (8, False, False)],
+    2,
+    unpack=True,
+  ),
 )
 def test_fp32_ring_agrees_with_one_device_within_a_few_ulps(
   devices, causal, balanced
@@ -151,7 +156,8 @@ def _feature_cases(batch, length):
 
 
 @pytest.mark.parametrize(
-  "case", ["window", "two_sided_window", "segments", "lengths", "softcap"]
+  "case",
+  sampled(["window", "two_sided_window", "segments", "lengths", "softcap"], 2),
 )
 def test_features_match_the_one_device_kernel(case):
   q, k, v, d_out = (x.astype(np.float32) for x in _inputs(seed=9, batch=2))

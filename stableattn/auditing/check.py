@@ -95,7 +95,8 @@ def check(
     shapes: (batch, seq_len, heads, head_dim) or (batch, q_len, kv_len,
       heads, kv_heads, head_dim) tuples; a few defaults if None.
     causal, features: as for `stableattn.auditing.kernel_audit`.
-    distributions: input distributions from `stableattn.auditing.inputs`.
+    distributions: input distributions from `stableattn.auditing.inputs`
+      ("normal,uniform", a list or one name).
     seeds: inputs per shape and distribution.
     factor: allowed error ratio (FlashAttention uses 2; 3 for gradients).
 
@@ -112,7 +113,7 @@ def check(
     fn,
     precision=policy,
     shapes=DEFAULT_SHAPES if shapes is None else shapes,
-    distributions=tuple(distributions),
+    distributions=distributions,
     seeds=seeds,
     features=features,
     causal=causal,

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from stableattn.auditing.inputs import Shape, make_inputs, round_to
+from stableattn.contract import arguments
 from stableattn.contract.golden import golden_attention
 from stableattn.numerics.formats import to_dtype
 from stableattn.numerics.precision import Precision
@@ -46,11 +47,7 @@ DESCRIPTIONS = {
 
 def parse(value) -> tuple[str, ...]:
   """`value` ("batch,decode", a sequence, "all", "" or None) as names."""
-  if value is None:
-    return ()
-  if isinstance(value, str):
-    value = [v.strip() for v in value.split(",") if v.strip()]
-  names = tuple(value)
+  names = arguments.names(value, "invariances")
   if names == ("all",):
     return INVARIANCES
   unknown = [n for n in names if n not in INVARIANCES]

@@ -29,6 +29,7 @@ from stableattn.auditing.inputs import (
   round_to,
   shape_from_spec,
 )
+from stableattn.contract.arguments import names
 from stableattn.contract.features import Features
 from stableattn.contract.golden import golden_attention, golden_attention_vjp
 from stableattn.contract.options import Options
@@ -342,6 +343,8 @@ def audit(
     precision: the input format and the same-policy baseline.
     shapes: (batch, seq_len, heads, head_dim) or six-field shapes.
     distributions, seeds: inputs per shape (`stableattn.auditing.inputs`).
+    distributions, gate, tensors, invariances: names as 'a,b', a list or
+      tuple, or one name (`stableattn.contract.arguments.names`).
     features: what fn is called (and judged) with: None, names of
       `stableattn.contract.features.RECIPE_NAMES` ("causal,window,segments"),
       built for each shape, or a `stableattn.Features` that fits every
@@ -369,13 +372,16 @@ def audit(
   if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
     raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
   rules = RULES if rules is None else rules
+  gate = names(gate, "gate")
+  tensors = names(tensors, "tensors")
+  distributions = names(distributions, "distributions")
   check_gate(gate, rules)
   probes = invariance.parse(invariances)
   if tuple(tensors) not in (TENSORS, ("out",)):
     raise ValueError(f"tensors must be {TENSORS} or ('out',), got {tensors}.")
   recipe = as_recipe(features, causal)
   rows = []
-  all_cases = cases(shapes, tuple(distributions), seeds, recipe)
+  all_cases = cases(shapes, distributions, seeds, recipe)
   for case in all_cases:
     rows += measure_case(fn, policy, case, repeats, tuple(tensors), rules)
   invariance_rows = ()

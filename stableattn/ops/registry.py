@@ -25,6 +25,7 @@ layout is wrapped to this one by its caller, e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -32,7 +33,6 @@ from collections.abc import Callable
 
 import jax
 from absl import flags
-from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
 
 from stableattn.contract.options import Options
 from stableattn.ops.dispatch import IMPLEMENTATIONS, attention, split_keywords
@@ -43,17 +43,24 @@ TOKAMAX = {
   "tokamax_triton": "triton",
   "tokamax_mosaic": "mosaic",
 }
-PEERS = ("cudnn", "jax_mha", *TOKAMAX)
-NAMES = IMPLEMENTATIONS + PEERS
 
 AttentionFn = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One name of the registry: how to build its fn from our `Options`
+  (which the peers ignore), and whether it runs on an NVIDIA GPU only."""
+
+  build: Callable[[Options], AttentionFn]
+  gpu_only: bool = False
 
 
 def needs_gpu(name: str) -> bool:
   """True for kernels that run on an NVIDIA GPU only (cuDNN, tokamax's
   Pallas kernels); jax's Pallas `mha` runs anywhere, in interpret mode
   off the GPU."""
-  return name in ("cudnn", "tokamax_triton", "tokamax_mosaic")
+  return name in REGISTRY and REGISTRY[name].gpu_only
 
 
 def check_name(name: str) -> None:
@@ -83,14 +90,8 @@ def resolve(
   """
   check_name(name)
   options, _ = split_keywords(options, None, option_keywords)
-  if name in IMPLEMENTATIONS:
-    return functools.partial(attention, implementation=name, options=options)
-  if name == "cudnn":
-    return functools.partial(_jax_nn, implementation="cudnn")
-  if name == "jax_mha":
-    return _jax_mha
-  if name in TOKAMAX:
-    return functools.partial(_tokamax, implementation=TOKAMAX[name])
+  if name in REGISTRY:
+    return REGISTRY[name].build(options)
   return import_attention(name)
 
 
@@ -144,6 +145,10 @@ def _jax_nn(q, k, v, *, implementation: str, **features):
 
 
 def _jax_mha(q, k, v, *, causal: bool = False, segment_ids=None):
+  # Imported on use: jax marks its Pallas GPU kernels as deprecated, and
+  # importing the registry should not warn for a kernel nobody asked for.
+  from jax.experimental.pallas.ops.gpu import attention as jax_gpu_attention
+
   return jax_gpu_attention.mha(
     q,
     k,
@@ -211,3 +216,32 @@ def import_attention(path: str) -> AttentionFn:
   except ValueError:  # no signature to read (a builtin): trust the caller
     pass
   return fn
+
+
+def _ours(name: str) -> Entry:
+  return Entry(
+    lambda options: functools.partial(
+      attention, implementation=name, options=options
+    )
+  )
+
+
+def _tokamax_entry(implementation: str) -> Entry:
+  return Entry(
+    lambda _: functools.partial(_tokamax, implementation=implementation),
+    gpu_only=implementation in ("triton", "mosaic"),
+  )
+
+
+# The one table of names: ours first, then the peers users compare with.
+REGISTRY: dict[str, Entry] = {
+  **{name: _ours(name) for name in IMPLEMENTATIONS},
+  "cudnn": Entry(
+    lambda _: functools.partial(_jax_nn, implementation="cudnn"),
+    gpu_only=True,
+  ),
+  "jax_mha": Entry(lambda _: _jax_mha),
+  **{name: _tokamax_entry(impl) for name, impl in TOKAMAX.items()},
+}
+NAMES = tuple(REGISTRY)
+PEERS = tuple(name for name in REGISTRY if name not in IMPLEMENTATIONS)

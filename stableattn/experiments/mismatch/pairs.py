@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.contract.options import Options
-from stableattn.experiments.forward.inference import heuristic_splits
+from stableattn.experiments.forward.inference_rows import heuristic_splits
 from stableattn.ops.dispatch import attention
 from stableattn.training.model import AttentionSpec
 from stableattn.training.rollout import Path
