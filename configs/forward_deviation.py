@@ -8,7 +8,7 @@ Run:
       --config.studies=seq_len --config.seq_len.lengths=256,1024
 
 Layout: `common` (shape, tiles, seeds, formats, inputs, schemes) is read by
-every study; each study reads its own block, named after it, into the
+every study; each study reads its own section, named after it, into the
 dataclass its module declares (`study.Common`, each study's `Config`: the
 fields' types and valid values). Every value, default and per variant,
 lives here.
@@ -93,7 +93,7 @@ def _common(c: ml_collections.ConfigDict) -> None:
 
 
 def _paper_studies(c: ml_collections.ConfigDict) -> None:
-  """The blocks of the studies that measure the paper's figures and
+  """The sections of the studies that measure the paper's figures and
   FlashAttention-3's Table 3."""
   # Flash vs Baseline at the same format (paper Fig. 3) (no settings of its own)
   c.format_sweep = ml_collections.ConfigDict()
@@ -149,7 +149,7 @@ def _paper_studies(c: ml_collections.ConfigDict) -> None:
 
 
 def _further_studies(c: ml_collections.ConfigDict) -> None:
-  """The blocks of the studies beyond the paper: features, below 16 bits,
+  """The sections of the studies beyond the paper: features, below 16 bits,
   inference and context parallelism."""
   # Attention features: how each changes Flash's deviation
   c.features = ml_collections.ConfigDict()
@@ -157,7 +157,7 @@ def _further_studies(c: ml_collections.ConfigDict) -> None:
     "plain,causal,kv_cache,window_64,softcap_30,segments_4,sink,alibi"
   )
   c.features.pairings = "natural,all_stage"
-  # Seeds of this study (fewer than the common block's: eight settings).
+  # Seeds of this study (fewer than the common section's: eight settings).
   c.features.seeds = 1
   # FP8 P underflow: key-block order and a static P scale
   c.fp8_underflow = ml_collections.ConfigDict()

@@ -313,17 +313,17 @@ def test_overflow_is_recorded_and_named_not_hidden(tmp_path):
 def test_every_value_lives_in_the_config_file(variant):
   """Each block holds exactly its dataclass's fields, so a study has no
   default of its own; a missing or unknown field is named."""
-  from stableattn.experiments.config_values import from_block
+  from stableattn.experiments.config_values import from_section
   from stableattn.experiments.forward.study import Common
 
   c = forward_config.get_config(variant)
-  from_block(Common, c, "common")
+  from_section(Common, c, "common")
   for name, study in STUDIES.items():
-    from_block(study.Config, c, name)
+    from_section(study.Config, c, name)
   del c.seq_len["lengths"]
   c.seq_len.length = 8
   with pytest.raises(
     ValueError,
     match="missing fields \\['lengths'\\], unknown fields \\['length'\\]",
   ):
-    from_block(STUDIES["seq_len"].Config, c, "seq_len")
+    from_section(STUDIES["seq_len"].Config, c, "seq_len")

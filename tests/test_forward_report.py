@@ -44,7 +44,7 @@ def test_a_label_among_the_values_is_refused():
 
 def _context(tmp_path, study, rows, claims=None):
   config = forward_config.get_config("smoke")
-  config.studies = ",".join(STUDIES)  # every study's block, at smoke sizes
+  config.studies = ",".join(STUDIES)  # every study's section, at smoke sizes
   settings = forward.settings_from_config(config)
   return ReportContext(
     rows=rows,

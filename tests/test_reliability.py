@@ -215,3 +215,42 @@ def test_launcher_prints_the_error_line_not_a_traceback(tmp_path):
   assert out.returncode == 2
   assert "error: config.studies: unknown ['fig9']" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+def test_every_experiment_opens_its_run_directory_one_way(tmp_path):
+  """`opened` (what every experiment's `run` starts with) on synthetic
+  configs: a rerun resumes and reports an extended field, refuses one that
+  changes results (naming it), starts afresh on `restart`, and a run
+  measured anew each time keeps no rows."""
+  import ml_collections
+
+  from stableattn.experiments.rundir import opened
+
+  def config(seeds, width):
+    return ml_collections.ConfigDict(
+      {"seeds": seeds, "model": {"width": width}}
+    )
+
+  with opened(tmp_path, config(1, 8), restart=False, extendable=("seeds",)) as (
+    run_dir,
+    extended,
+  ):
+    run_dir.append_metrics([{"seed": 0}])
+    assert extended == {}
+  with opened(tmp_path, config(2, 8), restart=False, extendable=("seeds",)) as (
+    run_dir,
+    extended,
+  ):
+    assert extended == {"seeds": (1, 2)}
+    assert run_dir.read_metrics() == [{"seed": 0}]
+  with pytest.raises(ValueError, match=r"model.width: 8 there, 16 now"):
+    with opened(tmp_path, config(2, 16), restart=False, extendable=("seeds",)):
+      pass
+  with opened(tmp_path, config(2, 16), restart=True, extendable=("seeds",)) as (
+    run_dir,
+    _,
+  ):
+    assert run_dir.read_metrics() == []
+    run_dir.append_metrics([{"seed": 1}])
+  with opened(tmp_path, config(3, 16), restart=False) as (run_dir, _):
+    assert run_dir.read_metrics() == []  # measured anew: no rows kept

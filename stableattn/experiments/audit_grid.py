@@ -34,7 +34,7 @@ from stableattn.experiments import environment
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, table
-from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.rundir import RunDir, opened
 from stableattn.numerics.formats import format_name
 from stableattn.numerics.precision import Precision, natural_policy
 from stableattn.numerics.rules import RULES
@@ -137,9 +137,7 @@ def kernel_fn(s: Settings, policy: Precision):
 def run(config, workdir, *, restart: bool = False) -> dict:
   """Audits the kernel; the headline says whether it passed and why not."""
   s = settings_from_config(config)
-  run_dir = RunDir(workdir)
-  with run_dir.lock():
-    run_dir.start_afresh(config.to_dict(), restart)
+  with opened(workdir, config, restart=restart) as (run_dir, _):
     rows = []
     for name in s.precisions:
       policy = Precision.from_name(name)

@@ -112,7 +112,7 @@ def ring_devices(raw, name: str) -> int:
 
 
 def spec(*, minimum=None, choices=None, parse=None, allow_empty=False):
-  """Metadata of a config dataclass field, read by `from_block`; the
+  """Metadata of a config dataclass field, read by `from_section`; the
   field's values (default and per variant) live in the config file.
 
   minimum: the least valid value (of each element for a tuple);
@@ -129,38 +129,38 @@ def spec(*, minimum=None, choices=None, parse=None, allow_empty=False):
   )
 
 
-def _check_block_fields(cls, config, block: str) -> None:
-  """Raises naming the fields the block lacks or has beyond `cls`'s."""
+def _check_section_fields(cls, config, section: str) -> None:
+  """Raises naming the fields the section lacks or has beyond `cls`'s."""
   wanted = {f.name for f in dataclasses.fields(cls)}
   if not wanted:
     return
   try:
-    given = set(_lookup(config, block).keys())
+    given = set(_lookup(config, section).keys())
   except (KeyError, AttributeError):
     raise ValueError(
-      f"config.{block} is missing; it needs the fields {sorted(wanted)}."
+      f"config.{section} is missing; it needs the fields {sorted(wanted)}."
     ) from None
   missing, extra = sorted(wanted - given), sorted(given - wanted)
   if missing or extra:
     raise ValueError(
-      f"config.{block}: missing fields {missing}, unknown fields {extra}; "
+      f"config.{section}: missing fields {missing}, unknown fields {extra}; "
       f"valid: {sorted(wanted)}."
     )
 
 
-def from_block(cls, config, block: str):
-  """A config dataclass built from the ConfigDict sub-block `block`, which
+def from_section(cls, config, section: str):
+  """A config dataclass built from the ConfigDict section `section`, which
   must hold exactly its fields.
 
   Each field is read by its annotation (int, float, str, or a tuple of
   one of them) and its `spec` metadata; the error names the dotted field.
-  A class with no fields needs no block.
+  A class with no fields needs no section.
   """
-  _check_block_fields(cls, config, block)
+  _check_section_fields(cls, config, section)
   hints = typing.get_type_hints(cls)
   values = {}
   for f in dataclasses.fields(cls):
-    name = f"{block}.{f.name}"
+    name = f"{section}.{f.name}"
     meta = f.metadata
     kind = hints[f.name]
     if meta.get("parse"):
@@ -185,7 +185,7 @@ def from_block(cls, config, block: str):
   try:
     return cls(**values)
   except ValueError as e:
-    raise ValueError(f"config.{block}: {e}") from None
+    raise ValueError(f"config.{section}: {e}") from None
 
 
 def with_variant(config, arg: str | None, variants: dict[str, dict]):
@@ -199,10 +199,10 @@ def with_variant(config, arg: str | None, variants: dict[str, dict]):
       f"Unknown config variant {arg!r}; valid: {', '.join(variants)}."
     )
   for dotted, value in variants[name].items():
-    *blocks, key = dotted.split(".")
+    *sections, key = dotted.split(".")
     target = config
-    for block in blocks:
-      target = target[block]
+    for section in sections:
+      target = target[section]
     if key not in target:
       raise KeyError(f"variant {name!r} sets {dotted!r}, not a config field")
     target[key] = value

@@ -246,3 +246,30 @@ def _csv_value(value):
   if isinstance(value, (list, tuple)):
     return " ".join(str(v) for v in value)
   return value
+
+
+AFRESH = None  # `extendable` of a run measured anew each time
+
+
+@contextlib.contextmanager
+def opened(workdir, config, *, restart: bool, extendable=AFRESH):
+  """The run directory of one experiment run, locked for it and bound to
+  its config; every experiment's `run` starts here, in this order.
+
+  extendable: the dotted config fields a rerun may change to extend the
+    run (it resumes, skipping what is measured); `AFRESH`: every run
+    starts with empty metrics (timings, audits).
+
+  Yields (run_dir, extended): `extended` maps each extendable field that
+  changed to (stored, new), for the report to say so.
+  """
+  run_dir = RunDir(workdir)
+  with run_dir.lock():
+    if extendable is AFRESH:
+      run_dir.start_afresh(config.to_dict(), restart)
+      extended = {}
+    else:
+      extended = run_dir.bind_config(
+        config.to_dict(), extendable=extendable, restart=restart
+      )
+    yield run_dir, extended

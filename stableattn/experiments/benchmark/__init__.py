@@ -27,7 +27,7 @@ from stableattn.experiments.benchmark.timing import (
   time_masks,
   time_point,
 )
-from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.rundir import opened
 
 __all__ = ["MODES", "Settings", "flops", "run", "settings_from_config"]
 
@@ -35,9 +35,7 @@ __all__ = ["MODES", "Settings", "flops", "run", "settings_from_config"]
 def run(config, workdir, *, restart: bool = False) -> dict:
   """Times and measures every point afresh (timings are never resumed)."""
   s = settings_from_config(config)
-  run_dir = RunDir(workdir)
-  with run_dir.lock():
-    run_dir.start_afresh(config.to_dict(), restart)
+  with opened(workdir, config, restart=restart) as (run_dir, _):
     rows = []
     for new in _measurements(s):
       run_dir.append_metrics(new)

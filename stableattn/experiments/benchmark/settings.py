@@ -12,7 +12,7 @@ from stableattn.experiments.config_values import (
   booleans,
   field,
   field_tuple,
-  from_block,
+  from_section,
   spec,
 )
 from stableattn.numerics.precision import Precision, natural_policy
@@ -55,7 +55,7 @@ def _policy_names(raw, name: str) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceBlock:
+class DeviceSection:
   """The `cpu` or `gpu` block: sizes for the backend that runs."""
 
   dtypes: tuple[str, ...] = spec(allow_empty=True)
@@ -79,7 +79,7 @@ class DeviceBlock:
 
 def settings_from_config(c) -> Settings:
   gpu = on_gpu()
-  device = from_block(DeviceBlock, c, "gpu" if gpu else "cpu")
+  device = from_section(DeviceSection, c, "gpu" if gpu else "cpu")
   return Settings(
     implementations=_implementations(c, gpu),
     modes=_choices(c, "modes", MODES),

@@ -58,7 +58,7 @@ class Config:
     choices=tuple(SETTINGS),
   )
   pairings: tuple[str, ...] = spec(choices=tuple(PAIRINGS))
-  # Seeds of this study (fewer than the common block's: eight settings).
+  # Seeds of this study (fewer than the common section's: eight settings).
   seeds: int = spec(minimum=1)
 
 

@@ -1,5 +1,5 @@
 """The forward studies, in report order: one line per study module, each
-module defining `STUDY` (a `study.Study`) and named after its config block,
+module defining `STUDY` (a `study.Study`) and named after its config section,
 with `_study` added where the library holds a module of that name
 (`features_study` is the study `features`).
 """
@@ -32,7 +32,7 @@ def _load(module: str):
   if study.name != module.removesuffix("_study"):
     raise ValueError(
       f"study module {module!r} defines a study named {study.name!r}: the "
-      "study, its module and its config block share one name."
+      "study, its module and its config section share one name."
     )
   return study
 

@@ -16,13 +16,13 @@ import time
 import jax
 from tqdm.auto import tqdm
 
-from stableattn.experiments.config_values import as_tuple, from_block
+from stableattn.experiments.config_values import as_tuple, from_section
 from stableattn.experiments.engine import Engine
 from stableattn.experiments.forward.registry import STUDIES
 from stableattn.experiments.forward.report import write_report
 from stableattn.experiments.forward.study import Common
 from stableattn.experiments.reporting import summarize
-from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.rundir import RunDir, opened
 
 # Fields whose change only adds measurements to a run directory.
 EXTENDABLE = ("studies", "common.seeds") + tuple(
@@ -42,7 +42,7 @@ class Settings:
 def settings_from_config(config) -> Settings:
   """Validates the ConfigDict and builds every study's settings.
 
-  Each selected study's block is read (and validated) by its own Config.
+  Each selected study's section is read (and validated) by its own Config.
 
   Raises:
     ValueError: naming the field, what it got and what is valid.
@@ -60,13 +60,13 @@ def settings_from_config(config) -> Settings:
     cls = STUDIES[name].Config
     if dataclasses.fields(cls) and name not in config:
       raise ValueError(
-        f"config.{name}: study {name!r} is selected but its config block is "
+        f"config.{name}: study {name!r} is selected but its config section is "
         "missing."
       )
-    configs[name] = from_block(cls, config, name)
+    configs[name] = from_section(cls, config, name)
   return Settings(
     studies=studies,
-    common=from_block(Common, config, "common"),
+    common=from_section(Common, config, "common"),
     configs=configs,
   )
 
@@ -107,11 +107,10 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   # FP64 golden kernels and the fp64 format need JAX's 64-bit mode.
   jax.config.update("jax_enable_x64", True)
   settings = settings_from_config(config)
-  run_dir = RunDir(workdir)
-  with run_dir.lock():
-    extended = run_dir.bind_config(
-      config.to_dict(), extendable=EXTENDABLE, restart=restart
-    )
+  with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
+    run_dir,
+    extended,
+  ):
     return _run(settings, run_dir, extended)
 
 

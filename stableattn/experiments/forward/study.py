@@ -1,7 +1,7 @@
 """What every forward study shares: the common settings, the study
 interface, and the measurements several studies make.
 
-A study is one module in this package: its config block's dataclass, its
+A study is one module in this package: its config section's dataclass, its
 points, its measurement, its report section (with its figure) and the paper
 claims it answers. It measures one point for one seed and returns rows
 `{"labels": {...}, "values": {...}}`: labels say what was compared, values
@@ -58,7 +58,7 @@ def policies(raw, name: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Common:
-  """Settings every study reads: the `common` config block."""
+  """Settings every study reads: the `common` config section."""
 
   # Every point is repeated over this many input seeds.
   seeds: int = spec(minimum=1)
@@ -110,7 +110,7 @@ class Common:
 
 @dataclasses.dataclass(frozen=True)
 class NoConfig:
-  """The config of a study that reads only the common block."""
+  """The config of a study that reads only the common section."""
 
 
 @dataclasses.dataclass

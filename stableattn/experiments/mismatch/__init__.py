@@ -31,7 +31,7 @@ from stableattn.experiments import environment
 from stableattn.experiments.config_values import field
 from stableattn.experiments.mismatch import policy_gradient, report
 from stableattn.experiments.mismatch.pairs import Pair, resolve
-from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.rundir import RunDir, opened
 from stableattn.training import data, rollout
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
@@ -232,15 +232,16 @@ def measure(model, s: Settings, pair: Pair, prompts, seed: int) -> dict:
   }
 
 
+# A rerun may add seeds, pairs, replicates and arms; nothing else.
+EXTENDABLE = ("sample.seeds", "pairs", "rl.replicates", "rl.arms")
+
+
 def run(config, workdir, *, restart: bool = False) -> dict:
   s = settings_from_config(config)
-  run_dir = RunDir(workdir)
-  with run_dir.lock():
-    run_dir.bind_config(
-      config.to_dict(),
-      extendable=("sample.seeds", "pairs", "rl.replicates", "rl.arms"),
-      restart=restart,
-    )
+  with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
+    run_dir,
+    _,
+  ):
     rows = run_dir.read_metrics()
     done = {(r.get("pair"), r.get("seed")) for r in rows}
     runs_done = {(r.get("arm"), r.get("replicate")) for r in rows}
@@ -274,7 +275,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
       for r in rows
       if r.get("arm") in arms and r["replicate"] < s.rl.replicates
     ]
-    result = report.write(run_dir, s, pair_rows, training_log, rl_rows)
+    result = report.write_report(run_dir, s, pair_rows, training_log, rl_rows)
     return {
       "workdir": str(run_dir.path),
       "measured": measured,

@@ -354,7 +354,9 @@ def _write_data(run_dir: RunDir, found, rl_found, stats, training_log, env):
   )
 
 
-def write(run_dir: RunDir, s, rows, training_log: dict, rl_rows=()) -> dict:
+def write_report(
+  run_dir: RunDir, s, rows, training_log: dict, rl_rows=()
+) -> dict:
   if not rows:
     raise ValueError(
       "the mismatch run measured nothing: no verdict from 0 rows."

@@ -18,7 +18,7 @@ autotuning), the reference for how far Flash moves the sensitivity.
 from __future__ import annotations
 
 from stableattn.experiments import machine_twin
-from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.rundir import RunDir, opened
 from stableattn.experiments.stability.report import write_report
 from stableattn.experiments.stability.settings import (
   Settings,
@@ -35,11 +35,10 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   the headline (per arm: LR sensitivity with its interval, largest stable
   learning rate; the verdicts)."""
   s = settings_from_config(config)
-  run_dir = RunDir(workdir)
-  with run_dir.lock():
-    run_dir.bind_config(
-      config.to_dict(), extendable=EXTENDABLE, restart=restart
-    )
+  with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
+    run_dir,
+    _,
+  ):
     done = _done(run_dir)
     sweep(s, s.arms_here, run_dir, done)
     missing = [
@@ -57,7 +56,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
         s.machine_flags,
         s.machine,
       )
-    return write_report(s, run_dir, run_dir.read_metrics())
+    return write_report(run_dir, s, run_dir.read_metrics())
 
 
 def _done(run_dir: RunDir) -> set:

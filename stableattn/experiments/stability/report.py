@@ -204,7 +204,7 @@ def headline(s: Settings, numbers: dict, judged: dict) -> dict:
   }
 
 
-def write_report(s: Settings, run_dir, rows) -> dict:
+def write_report(run_dir, s: Settings, rows) -> dict:
   numbers = numbers_of(s, rows)
   judged = verdicts(s, numbers)
   result = headline(s, numbers, judged)

@@ -15,12 +15,16 @@ from stableattn.contract import options as options_lib
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
 from stableattn.experiments import environment
-from stableattn.experiments.blocks import CORPORA, ModelBlock
 from stableattn.experiments.config_values import (
   as_tuple,
-  from_block,
+  from_section,
   ring_devices,
   spec,
+)
+from stableattn.experiments.sections import (
+  DataSection,
+  ModelSection,
+  TileSection,
 )
 from stableattn.numerics.precision import Precision, natural_policy
 from stableattn.ops.registry import resolve
@@ -124,7 +128,7 @@ def _reference_precision(raw, name: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainBlock:
+class TrainSection:
   precision: str = spec(choices=COMPUTE_DTYPES)
   reference_precision: str = spec(parse=_reference_precision)
   learning_rates: tuple[float, ...] = spec(parse=_learning_rates)
@@ -137,17 +141,7 @@ class TrainBlock:
   machine_pair: bool = spec()
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionBlock:
-  block_q: int = spec(minimum=1)
-  block_k: int = spec(minimum=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class DataBlock:
-  corpus: str = spec(choices=CORPORA)
-  seed: int = spec(minimum=0)
-  corpus_tokens: int = spec(minimum=1)
+AttentionSection = TileSection
 
 
 def settings_from_config(config, *, machine: str | None = None) -> Settings:
@@ -157,10 +151,10 @@ def settings_from_config(config, *, machine: str | None = None) -> Settings:
   the child process that trains its arms); None: found from this process.
   """
   c = config
-  model = from_block(ModelBlock, c, "model")
-  train = from_block(TrainBlock, c, "train")
-  attention = from_block(AttentionBlock, c, "attention")
-  data = from_block(DataBlock, c, "data")
+  model = from_section(ModelSection, c, "model")
+  train = from_section(TrainSection, c, "train")
+  attention = from_section(AttentionSection, c, "attention")
+  data = from_section(DataSection, c, "data")
   variants = _variants(c)
   mitigations = as_tuple(c.mitigations)
   valid = MITIGATIONS + tuple(
@@ -244,7 +238,7 @@ def context_devices(c) -> int:
 
 
 def _run(
-  c, arm: Arm, model: ModelSpec, tiles: AttentionBlock
+  c, arm: Arm, model: ModelSpec, tiles: AttentionSection
 ) -> tuple[ModelSpec, RunSpec]:
   """The model and run of one arm."""
   if arm.variant == "candidate":

@@ -19,7 +19,7 @@ identically.
 
 from __future__ import annotations
 
-from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.rundir import opened
 from stableattn.experiments.training_drift.checkpoints import load_checkpoint
 from stableattn.experiments.training_drift.data import load_data
 from stableattn.experiments.training_drift.lockstep import Lockstep
@@ -51,9 +51,8 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   """
   settings = settings_from_config(config)
   tokens, eval_source = load_data(settings)
-  run_dir = RunDir(workdir)
-  with run_dir.lock():
-    run_dir.bind_config(
-      config.to_dict(), extendable=EXTENDABLE, restart=restart
-    )
+  with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
+    run_dir,
+    _,
+  ):
     return Lockstep(settings, tokens, eval_source, run_dir).train()

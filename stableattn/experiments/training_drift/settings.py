@@ -7,14 +7,14 @@ import dataclasses
 import jax
 
 from stableattn.contract.options import SCHEMES, Options
-from stableattn.experiments import environment
-from stableattn.experiments.blocks import CORPORA, ModelBlock
+from stableattn.experiments import environment, sections
 from stableattn.experiments.config_values import (
   as_tuple,
-  from_block,
+  from_section,
   ring_devices,
   spec,
 )
+from stableattn.experiments.sections import ModelSection
 from stableattn.experiments.training_drift.pairs import (
   BY_NAME,
   MACHINE_RUN,
@@ -99,7 +99,7 @@ def _policy(
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainBlock:
+class TrainSection:
   precision: str = spec(choices=COMPUTE_DTYPES)
   replicates: int = spec(minimum=1)
   batch_size: int = spec(minimum=1)
@@ -174,14 +174,12 @@ def _low_precision(raw, name: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionBlock:
+class AttentionSection(sections.TileSection):
   baseline: str = spec(choices=KINDS)  # attention of the base run
   flash: str = spec(choices=KINDS)  # attention of the run compared with it
   flash_precision: str = spec(parse=_precision_name)
   baseline_precision: str = spec(parse=_precision_name)
   compare: str = spec(choices=COMPARE_MODES)
-  block_q: int = spec(minimum=1)
-  block_k: int = spec(minimum=1)
   scheme: str = spec(choices=SCHEMES)
   flash_options: str = spec(parse=_kernel_options)
   fix: str = spec(parse=_kernel_options)
@@ -191,11 +189,8 @@ class AttentionBlock:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataBlock:
+class DataSection(sections.DataSection):
   path: str = spec()  # your tokens: .npy, .bin (uint16) or text
-  corpus: str = spec(choices=CORPORA)
-  seed: int = spec(minimum=0)
-  corpus_tokens: int = spec(minimum=1)
 
 
 def settings_from_config(config, *, twin: bool = False) -> Settings:
@@ -205,10 +200,10 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
   base run alone.
   """
   c = config
-  model = from_block(ModelBlock, c, "model")
-  train = from_block(TrainBlock, c, "train")
-  attention = from_block(AttentionBlock, c, "attention")
-  data = from_block(DataBlock, c, "data")
+  model = from_section(ModelSection, c, "model")
+  train = from_section(TrainSection, c, "train")
+  attention = from_section(AttentionSection, c, "attention")
+  data = from_section(DataSection, c, "data")
   devices = train.devices or jax.device_count()
   pairs = _pairs(c, attention, devices)
   flags, machine = None, Settings.machine
@@ -257,7 +252,7 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
   )
 
 
-def _pairs(c, attention: AttentionBlock, devices: int) -> tuple[str, ...]:
+def _pairs(c, attention: AttentionSection, devices: int) -> tuple[str, ...]:
   """`config.pairs` ("all": every pair whose config is set) that exist on
   `devices`."""
   names = as_tuple(c.pairs)
@@ -284,12 +279,12 @@ REQUIRED_TEXT = {
 }
 
 
-def _set(attention: AttentionBlock, pair) -> bool:
+def _set(attention: AttentionSection, pair) -> bool:
   return bool(getattr(attention, pair.requires.split(".")[1]))
 
 
 def _run_spec(
-  a: AttentionBlock, train: TrainBlock, variant: Variant, devices: int
+  a: AttentionSection, train: TrainSection, variant: Variant, devices: int
 ) -> RunSpec:
   """The RunSpec of one variant under this config."""
   precision = variant.precision or train.precision

@@ -1,5 +1,5 @@
-"""Config blocks the training experiments share, as dataclasses built by
-`config_values.from_block`; every value lives in the config file."""
+"""Config sections the training experiments share, as dataclasses built by
+`config_values.from_section`; every value lives in the config file."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ CORPORA = ("generated", "python_stdlib")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelBlock:
-  """The `model` block: a byte-level decoder's size."""
+class ModelSection:
+  """The `model` section: a byte-level decoder's size."""
 
   vocab_size: int = spec(minimum=2)
   width: int = spec(minimum=1)
@@ -38,3 +38,20 @@ class ModelBlock:
       max_len=self.seq_len,
       mlp_ratio=self.mlp_ratio,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  """The `data` section: which corpus, its seed and size."""
+
+  corpus: str = spec(choices=CORPORA)
+  seed: int = spec(minimum=0)
+  corpus_tokens: int = spec(minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSection:
+  """The tile sizes of the flash kernel in an `attention` section."""
+
+  block_q: int = spec(minimum=1)
+  block_k: int = spec(minimum=1)
