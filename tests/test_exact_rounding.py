@@ -1,8 +1,8 @@
 """The precision policy is what runs: bit for bit against an independent
 NumPy + ml_dtypes emulator (`policy_emulator.py`), under any XLA flags.
 
-CI runs this file twice: with default flags and with
-`XLA_FLAGS=--xla_allow_excess_precision=false`.
+CI runs this file and test_exact_rounding_low_precision.py twice: with
+default flags and with `XLA_FLAGS=--xla_allow_excess_precision=false`.
 """
 
 import itertools
@@ -13,89 +13,20 @@ import ml_dtypes
 import numpy as np
 import policy_emulator as emu
 import pytest
+from emulator_checks import (
+  PRESETS,
+  SHAPES,
+  check_against_emulator,
+  emulator_inputs,
+  identical_share,
+  on_grid,
+  stages_of,
+  ulps_at_largest,
+)
 from helpers import random_qkv, sampled
 
 import stableattn as sa
 from stableattn.numerics.rounding import round_to
-
-# Policies of 16 bits or more; FP8/FP4/INT8 policies have their own tests.
-PRESETS = [
-  p for p in sa.preset_names() if not sa.Precision.from_name(p).quantizes
-]
-HALF_OUTPUT = [p for p in PRESETS if not p.startswith("fp32") and p != "fp64"]
-# (q_len, kv_len, heads, kv_heads, head_dim, block_q, block_k, causal):
-# ragged last blocks both ways, GQA, cross attention, causal.
-SHAPES = [
-  (70, 70, 2, 1, 16, 16, 32, False),
-  (48, 80, 2, 2, 32, 32, 16, False),
-  (64, 64, 4, 2, 16, 16, 16, True),
-  (50, 50, 2, 1, 24, 32, 32, True),
-]
-
-
-def _inputs(seed, shape, scale=1.0):
-  q_len, kv_len, heads, kv_heads, head_dim = shape[:5]
-  q, k, v = random_qkv(
-    seed,
-    batch=1,
-    q_len=q_len,
-    kv_len=kv_len,
-    heads=heads,
-    kv_heads=kv_heads,
-    head_dim=head_dim,
-  )
-  return [on_grid(x * scale) for x in (q, k, v)]
-
-
-def on_grid(x):
-  """FP32 values on a 1/16 grid in [-4, 4]: every sum of their products
-  over a head dim <= 64 is exact in FP32, so QK^T and dO V^T do not depend
-  on summation order, and a difference from the emulator can come only
-  from a rounding the policy names, FP32 exp, or the order of the sums
-  over P."""
-  return np.clip(np.round(x * 16) / 16, -4, 4).astype(np.float32)
-
-
-def _stages(preset):
-  return sa.Precision.from_name(preset).stages()
-
-
-def identical_share(expected, actual):
-  expected, actual = np.asarray(expected), np.asarray(actual)
-  same = (expected == actual) | (np.isnan(expected) & np.isnan(actual))
-  return float(same.mean())
-
-
-def _format(preset):
-  return sa.Precision.from_name(preset).output
-
-
-def ulps_at_largest(expected, actual, fmt):
-  """Largest difference in units of `fmt`'s last place at max |expected|."""
-  info = ml_dtypes.finfo(emu.FORMATS[fmt])
-  largest = max(float(np.max(np.abs(expected))), float(info.tiny))
-  ulp = 2.0 ** (np.floor(np.log2(largest)) - info.nmant)
-  return float(np.max(np.abs(np.asarray(actual) - expected))) / ulp
-
-
-def _check(expected, actual, preset, what):
-  """The share of bit-identical elements, and the size of the rest.
-
-  Half-format outputs: >= 99.5% bit-identical. The rest may differ only
-  where FP32 exp (NumPy's vs XLA's) or an FP32 sum over P changes one
-  rounding, which moves a row by a few ulps of its largest value. FP32
-  and FP64 outputs show every such difference, so they are held to a few
-  ulps at the largest value instead.
-  """
-  share = identical_share(expected, actual)
-  ulps = ulps_at_largest(expected, actual, _format(preset))
-  if preset in HALF_OUTPUT:
-    assert share >= 0.995, f"{what}: only {share:.4f} bit-identical"
-    assert ulps <= 4.0, f"{what}: {ulps} ulps apart"
-  else:
-    assert ulps <= 64.0, f"{what}: {ulps} ulps apart"
-  return share
-
 
 FORWARD_CASES = [
   (preset, scheme, SHAPES[i % len(SHAPES)])
@@ -115,7 +46,7 @@ def _case_id(case):
 @pytest.mark.parametrize("case", sampled(FORWARD_CASES, 6, ids=_case_id))
 def test_pallas_forward_matches_emulator(case):
   preset, scheme, shape = case
-  q, k, v = _inputs(FORWARD_CASES.index(case), shape)
+  q, k, v = emulator_inputs(FORWARD_CASES.index(case), shape)
   *_, block_q, block_k, causal = shape
   out = sa.attention(
     q,
@@ -131,25 +62,29 @@ def test_pallas_forward_matches_emulator(case):
     q,
     k,
     v,
-    _stages(preset),
+    stages_of(preset),
     block_q=block_q,
     block_k=block_k,
     scheme=scheme,
     causal=causal,
   )
-  _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
+  check_against_emulator(
+    want, np.asarray(out.astype(jnp.float64)), preset, "output"
+  )
 
 
 @pytest.mark.parametrize("preset", sampled(PRESETS, 3))
 def test_reference_matches_emulator(preset):
   shape = SHAPES[PRESETS.index(preset) % len(SHAPES)]
-  q, k, v = _inputs(7, shape)
+  q, k, v = emulator_inputs(7, shape)
   causal = shape[7]
   out = sa.attention(
     q, k, v, implementation="reference", precision=preset, causal=causal
   )
-  want = emu.reference(q, k, v, _stages(preset), causal=causal)
-  _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
+  want = emu.reference(q, k, v, stages_of(preset), causal=causal)
+  check_against_emulator(
+    want, np.asarray(out.astype(jnp.float64)), preset, "output"
+  )
 
 
 # Split-KV: (preset, partials format or None for the preset's, schedule).
@@ -175,7 +110,7 @@ def test_split_kv_matches_emulator(preset, partials, schedule):
   """Each split's partial output is rounded to `partials`, the merge's
   exps, logs and lse to `softmax_stats`, its weighted sum to `out_accum`."""
   shape = SHAPES[SPLIT_CASES.index((preset, partials, schedule)) % 4]
-  q, k, v = _inputs(13, shape)
+  q, k, v = emulator_inputs(13, shape)
   *_, block_q, block_k, causal = shape
   policy = sa.Precision.from_name(preset)
   if partials is not None:
@@ -204,7 +139,9 @@ def test_split_kv_matches_emulator(preset, partials, schedule):
     causal=causal,
     **schedule,
   )
-  _check(want, np.asarray(out.astype(jnp.float64)), preset, "output")
+  check_against_emulator(
+    want, np.asarray(out.astype(jnp.float64)), preset, "output"
+  )
   # The lse is FP32 in most policies, where every exp, log and sum-order
   # difference shows: a few ulps of its value.
   want_lse = want_lse[..., : shape[0]]
@@ -224,7 +161,7 @@ BACKWARD_CASES = [
 @pytest.mark.parametrize("case", sampled(BACKWARD_CASES, 2, ids=_case_id))
 def test_pallas_backward_matches_emulator(case):
   preset, scheme, shape = case
-  q, k, v = _inputs(11, shape)
+  q, k, v = emulator_inputs(11, shape)
   d_out = on_grid(np.random.default_rng(12).standard_normal(q.shape))
   *_, block_q, block_k, causal = shape
   policy = sa.Precision.from_name(preset)
@@ -248,14 +185,14 @@ def test_pallas_backward_matches_emulator(case):
     k,
     v,
     d_out,
-    _stages(preset),
+    stages_of(preset),
     block_q=block_q,
     block_k=block_k,
     scheme=scheme,
     causal=causal,
   )
   for name, g, w in zip(("dq", "dk", "dv"), grads, want):
-    _check(w, np.asarray(g, np.float64), preset, name)
+    check_against_emulator(w, np.asarray(g, np.float64), preset, name)
 
 
 def test_fused_bf16_chain_is_rounded_at_every_op():
@@ -326,10 +263,14 @@ def test_tie_fix_matches_emulator(preset, scheme, tie_beta):
     causal=False,
     tie_beta=tie_beta,
   )
-  _check(want, np.asarray(out.astype(jnp.float64)), "bf16", "output")
+  check_against_emulator(
+    want, np.asarray(out.astype(jnp.float64)), "bf16", "output"
+  )
   base = sa.attention(q, k, v, implementation="reference", **kwargs)
   want = emu.reference(q, k, v, stages, causal=False, tie_beta=tie_beta)
-  _check(want, np.asarray(base.astype(jnp.float64)), "bf16", "baseline")
+  check_against_emulator(
+    want, np.asarray(base.astype(jnp.float64)), "bf16", "baseline"
+  )
 
 
 # Every attention feature, bit for bit against the emulator: batch 2, ragged
@@ -412,14 +353,16 @@ def test_features_forward_match_emulator(name):
     q,
     k,
     v,
-    _stages(preset),
+    stages_of(preset),
     block_q=16,
     block_k=32,
     scheme=scheme,
     causal=causal,
     **kw,
   )
-  _check(want, np.asarray(out.astype(jnp.float64)), preset, f"{name} output")
+  check_against_emulator(
+    want, np.asarray(out.astype(jnp.float64)), preset, f"{name} output"
+  )
   preset = PRESETS[(i + 6) % len(PRESETS)]
   base = sa.attention(
     q,
@@ -430,8 +373,10 @@ def test_features_forward_match_emulator(name):
     causal=causal,
     **kw,
   )
-  want = emu.reference(q, k, v, _stages(preset), causal=causal, **kw)
-  _check(want, np.asarray(base.astype(jnp.float64)), preset, f"{name} base")
+  want = emu.reference(q, k, v, stages_of(preset), causal=causal, **kw)
+  check_against_emulator(
+    want, np.asarray(base.astype(jnp.float64)), preset, f"{name} base"
+  )
 
 
 @pytest.mark.parametrize("name", sampled(FEATURE_NAMES, 3, seed=1))
@@ -466,7 +411,7 @@ def test_features_backward_match_emulator(name):
     k,
     v,
     d_out,
-    _stages(preset),
+    stages_of(preset),
     block_q=16,
     block_k=32,
     scheme="fa2",
@@ -475,11 +420,15 @@ def test_features_backward_match_emulator(name):
     **{n: np.asarray(x) for n, x in extra.items()},
   )
   for what, g, w in zip(("dq", "dk", "dv"), grads, want):
-    _check(w, np.asarray(g, np.float64), preset, f"{name} {what}")
+    check_against_emulator(
+      w, np.asarray(g, np.float64), preset, f"{name} {what}"
+    )
   if "bias" in extra:
     # The bias is shared by the batch: its gradient sums the examples.
     d_bias = policy_sum(want[3], preset)
-    _check(d_bias, np.asarray(d_extra["bias"], np.float64), preset, "dbias")
+    check_against_emulator(
+      d_bias, np.asarray(d_extra["bias"], np.float64), preset, "dbias"
+    )
   if "sink" in extra:
     fmt = policy.grad_accum
     got = np.asarray(d_extra["sink"], np.float64)
@@ -492,155 +441,3 @@ def policy_sum(d_bias, preset):
   fmt = emu.FORMATS[sa.Precision.from_name(preset).grad_accum]
   total = np.sum(d_bias, axis=0, keepdims=True).astype(np.float32)
   return total.astype(fmt).astype(np.float64)
-
-
-# Below 16 bits: every format and scaling, forward (both schemes) and
-# Baseline, against the emulator; one outlier feature in Q.
-QUANT_POLICIES = [
-  "fp8-baseline",
-  "fp8-fa3",
-  "fp8-fa3+block_quant=off+hadamard=off",
-  "fp8-fa3+p_scale=448+key_order=reversed",
-  "bf16-fa2+matmul_operands=fp8_e5m2+probs=fp8_e5m2",
-  "bf16-fa2+matmul_operands=int8+scaling=block",
-  "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
-  "fp8-sage+probs=fp8_e5m2",  # token scales, smoothing, e5m2 P, e4m3 V
-  "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=mx",
-  "fp4-nvfp4",
-  "bf16-fa2+matmul_accum=fp22",
-  "bf16-fa2+matmul_operands=int8+scaling=token+probs=fp16",
-]
-
-
-@pytest.mark.parametrize("name", sampled(QUANT_POLICIES, 4))
-def test_quantized_policies_match_emulator(name):
-  policy = sa.Precision.from_name(name)
-  q, k, v = _inputs(QUANT_POLICIES.index(name), SHAPES[0])
-  q[0, 3, 0, 2] = 30.0  # an outlier feature
-  tiles = dict(block_q=16, block_k=32)
-  options = policy.options()
-  # fa1 rescales differently but quantizes P V alike: its run covers one
-  # policy per kind of V scale (tile, channel, microscaled).
-  both = name in ("fp8-fa3", "fp8-sage+probs=fp8_e5m2", "fp4-nvfp4")
-  for scheme in ("fa2", "fa1") if both else ("fa2",):
-    out = sa.attention(q, k, v, precision=policy, scheme=scheme, **tiles)
-    want, _ = emu.forward(
-      q,
-      k,
-      v,
-      policy.stages(),
-      scheme=scheme,
-      causal=False,
-      options=options,
-      **tiles,
-    )
-    got = np.asarray(out.astype(jnp.float64))
-    _check(want, got, "fp16", f"{name} {scheme}")
-  base = sa.attention(q, k, v, implementation="reference", precision=policy)
-  want = emu.reference(q, k, v, policy.stages(), causal=False, options=options)
-  got = np.asarray(base.astype(jnp.float64))
-  if policy.scaling != "block":
-    _check(want, got, "fp16", f"{name} base")
-  else:
-    # The Baseline multiplies per-block V scales back before one P V
-    # matmul over every key: a sum of values off any grid, whose FP32
-    # order (XLA's vs the emulator's) moves about 1% of outputs by an ulp.
-    assert identical_share(want, got) >= 0.98
-    assert ulps_at_largest(want, got, "fp16") <= 2.0
-
-
-@pytest.mark.parametrize(
-  "name", ["fp8-fa3+scaling=mx", "fp4-nvfp4+probs=fp16+inputs=bf16"]
-)
-def test_microscaling_matches_emulator_across_groups(name):
-  # Head dim 64 and 100 keys in tiles of 32: several groups per row of Q
-  # and K, groups of P and V along keys within and across tiles, and a
-  # last group that is partly padding.
-  policy = sa.Precision.from_name(name)
-  q, k, v = _inputs(60, (40, 100, 2, 1, 64))
-  k[0, 7, 0, :32] *= 4.0  # one group with a larger scale
-  for implementation in ("pallas", "reference"):
-    out = sa.attention(
-      q,
-      k,
-      v,
-      precision=policy,
-      implementation=implementation,
-      block_q=16,
-      block_k=32,
-    )
-    emulate = emu.forward if implementation == "pallas" else emu.reference
-    tiles = dict(block_q=16, block_k=32, scheme="fa2")
-    want = emulate(
-      q,
-      k,
-      v,
-      policy.stages(),
-      causal=False,
-      options=policy.options(),
-      **(tiles if implementation == "pallas" else {}),
-    )
-    want = want[0] if implementation == "pallas" else want
-    _check(want, np.asarray(out.astype(jnp.float64)), "fp16", name)
-
-
-# The straight-through backward of quantizing policies (head dim 16: the
-# rotation's 1/sqrt(d) is exact).
-QUANT_BACKWARD = [
-  "fp8-fa3",
-  "bf16-fa2+matmul_operands=fp4_e2m1+probs=fp4_e2m1+scaling=block+p_scale=6",
-  "fp8-sage",
-  "fp4-nvfp4",
-]
-
-
-@pytest.mark.parametrize("name", sampled(QUANT_BACKWARD, 2))
-def test_quantized_backward_matches_emulator(name):
-  policy = sa.Precision.from_name(name)
-  shape = SHAPES[2]
-  *_, block_q, block_k, causal = shape
-  q, k, v = _inputs(40 + QUANT_BACKWARD.index(name), shape)
-  q[0, 3, 0, 2] = 30.0
-  d_out = on_grid(np.random.default_rng(41).standard_normal(q.shape))
-  tiles = dict(block_q=block_q, block_k=block_k, causal=causal)
-
-  def fn(q, k, v):
-    return sa.attention(q, k, v, precision=policy, **tiles)
-
-  _, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
-  grads = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))
-  want = emu.backward(
-    q,
-    k,
-    v,
-    d_out,
-    policy.stages(),
-    scheme="fa2",
-    options=policy.options(),
-    **tiles,
-  )
-  for what, g, w in zip(("dq", "dk", "dv"), grads, want):
-    # The dequantized operands round(x / s) * s are FP32 values off any
-    # short grid, so their products round in FP32 and a sum's order
-    # (XLA's vs the emulator's exact one) moves 0.5-1.1% of gradients by
-    # an ulp over seeds, as in the Baseline with block scales above.
-    got = np.asarray(g, np.float64)
-    assert identical_share(w, got) >= 0.98, what
-    assert ulps_at_largest(w, got, "fp16") <= 2.0, what
-
-
-@pytest.mark.parametrize(
-  "fmt", ["fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8", "fp22"]
-)
-@pytest.mark.parametrize("casts_round", [False, True])
-def test_low_formats_round_like_ml_dtypes(fmt, casts_round):
-  """To nearest even, subnormals exact, e4m3/e2m1/int8 saturating."""
-  rng = np.random.default_rng(2)
-  x = (rng.standard_normal(50000) * 10.0 ** rng.integers(-6, 4, 50000)).astype(
-    np.float32
-  )
-  x[:5] = [0.0, 448.0, 464.0, -1e9, 2.0**-10]
-  got = np.asarray(
-    jax.jit(lambda x: round_to(x, fmt, casts_round=casts_round))(x)
-  )
-  np.testing.assert_array_equal(got, emu.cast(x, fmt))

@@ -207,6 +207,7 @@ def test_a_length_the_ring_cannot_share_is_refused():
     )
 
 
+@pytest.mark.slow  # the study end to end
 def test_the_context_parallel_study_reports_its_claims(tmp_path):
   config = forward_config.get_config("smoke")
   config.studies = "context_parallel"
