@@ -57,3 +57,23 @@ def test_only_cudnn_needs_a_gpu():
   assert registry.needs_gpu("cudnn")
   assert not registry.needs_gpu("jax_mha")  # interpret mode on a CPU
   assert not any(map(registry.needs_gpu, registry.IMPLEMENTATIONS))
+
+
+def test_a_torch_name_without_torch_says_how_to_install(monkeypatch):
+  """Nothing imports torch until a torch kernel runs; without the extra,
+  that run fails in one line naming the install command."""
+  import importlib
+
+  from stableattn.ops import torch_bridge
+
+  real = importlib.import_module
+
+  def no_torch(name, *args):
+    if name == "torch":
+      raise ImportError("No module named 'torch'")
+    return real(name, *args)
+
+  monkeypatch.setattr(torch_bridge.importlib, "import_module", no_torch)
+  for name in ("torch_sdpa_flash", "torch:my_pkg.attention:sdpa"):
+    with pytest.raises(ValueError, match=r"pip install 'stableattn\[torch\]'"):
+      registry.resolve(name)

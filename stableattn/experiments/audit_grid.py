@@ -23,6 +23,7 @@ from stableattn.auditing import invariance
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
 from stableattn.auditing.kernel_audit import (
   INVARIANCE_GATE,
+  TENSORS,
   cases,
   check_accepts,
   check_gate,
@@ -38,7 +39,12 @@ from stableattn.experiments.rundir import RunDir, opened
 from stableattn.numerics.formats import format_name
 from stableattn.numerics.precision import Precision, natural_policy
 from stableattn.numerics.rules import RULES
-from stableattn.ops.registry import IMPLEMENTATIONS, needs_gpu, resolve
+from stableattn.ops.registry import (
+  IMPLEMENTATIONS,
+  forward_only,
+  needs_gpu,
+  resolve,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +174,11 @@ def run(config, workdir, *, restart: bool = False) -> dict:
 
 def _measure(fn, policy, case, s: Settings) -> list[dict]:
   check_accepts(fn, case.built_features().kwargs(), f"kernel {s.kernel!r}")
+  # A kernel with no backward here is judged on its output alone; the
+  # report says why its gradients are not (never a silent pass).
+  tensors = ("out",) if forward_only(s.kernel) else TENSORS
   try:
-    rows = measure_case(fn, policy, case, s.repeats)
+    rows = measure_case(fn, policy, case, s.repeats, tensors)
   except Exception as e:  # the kernel's own error, said in one line
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e)
     raise ValueError(
@@ -224,6 +233,7 @@ def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
     "",
     verdict_table(rows),
     "",
+    *_forward_only_lines(s.kernel),
     *_failure_lines(result["failures"]),
     "## Errors against FP64 (worst over cases)",
     "",
@@ -234,6 +244,13 @@ def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return {"workdir": str(run_dir.path), **result}
+
+
+def _forward_only_lines(kernel: str) -> list[str]:
+  reason = forward_only(kernel)
+  if reason is None:
+    return []
+  return [f"Gradients not audited: {reason}.", ""]
 
 
 def verdict_table(rows) -> str:

@@ -37,6 +37,17 @@ from absl import flags
 from stableattn.contract.options import Options
 from stableattn.ops.dispatch import IMPLEMENTATIONS, attention, split_keywords
 
+# PyTorch's kernels (the optional `[torch]` extra; `torch_kernels`): SDPA
+# under one backend each, FlexAttention compiled.
+TORCH_KERNELS = (
+  "torch_sdpa_math",
+  "torch_sdpa_flash",
+  "torch_flex",
+  "torch_sdpa_efficient",
+  "torch_sdpa_cudnn",
+)
+TORCH_CUDA_ONLY = ("torch_sdpa_efficient", "torch_sdpa_cudnn")
+TORCH_PREFIX = "torch:"
 TOKAMAX = {
   "tokamax_xla": "xla",
   "tokamax_xla_chunked": "xla_chunked",
@@ -54,6 +65,9 @@ class Entry:
 
   build: Callable[[Options], AttentionFn]
   gpu_only: bool = False
+  # Why it has no gradients on this machine (a function: it may import
+  # the kernel's library to tell), or None: it always has them.
+  forward_only: Callable[[], str | None] | None = None
 
 
 def needs_gpu(name: str) -> bool:
@@ -68,8 +82,9 @@ def check_name(name: str) -> None:
   if name in NAMES or (isinstance(name, str) and ":" in name):
     return
   raise ValueError(
-    f"Unknown attention {name!r}; valid: {list(NAMES)} or an import path "
-    "'package.module:function'."
+    f"Unknown attention {name!r}; valid: {list(NAMES)}, an import path "
+    "'package.module:function', or 'torch:package.module:function' for a "
+    "PyTorch function with SDPA's signature."
   )
 
 
@@ -186,9 +201,8 @@ def _tokamax(q, k, v, *, implementation: str, **features):
   )
 
 
-def import_attention(path: str) -> AttentionFn:
-  """The function at "package.module:function", checked against the
-  contract's signature."""
+def import_object(path: str):
+  """The callable at "package.module:function"."""
   module_name, _, attribute = path.partition(":")
   if not module_name or not attribute:
     raise ValueError(
@@ -206,6 +220,16 @@ def import_attention(path: str) -> AttentionFn:
       raise ValueError(f"Module {module_name!r} has no {attribute!r}.")
   if not callable(fn):
     raise ValueError(f"{path!r} is a {type(fn).__name__}, not a function.")
+  return fn
+
+
+def import_attention(path: str) -> AttentionFn:
+  """The function at "package.module:function", checked against the
+  contract's signature; "torch:package.module:function" is a PyTorch
+  function with SDPA's signature, run through `torch_bridge`."""
+  if path.startswith(TORCH_PREFIX):
+    return _torch_entry(path).build(None)
+  fn = import_object(path)
   try:
     inspect.signature(fn).bind(None, None, None)
   except TypeError as e:
@@ -216,6 +240,35 @@ def import_attention(path: str) -> AttentionFn:
   except ValueError:  # no signature to read (a builtin): trust the caller
     pass
   return fn
+
+
+def forward_only(name: str) -> str | None:
+  """Why `name` has no gradients on this machine, or None when it has."""
+  if name in REGISTRY and REGISTRY[name].forward_only is not None:
+    return REGISTRY[name].forward_only()
+  return None
+
+
+def _torch_entry(name: str) -> Entry:
+  """A PyTorch kernel (`torch_kernels`), imported when first resolved."""
+
+  def build(_):
+    from stableattn.ops import torch_bridge, torch_kernels
+
+    return torch_bridge.torch_attention(torch_kernels.kernel(name))
+
+  def no_backward():
+    from stableattn.ops import torch_kernels
+
+    if torch_kernels.kernel(name).backward:
+      return None
+    return "FlexAttention has no backward on a CPU: gradients n/a on CPU"
+
+  return Entry(
+    build,
+    gpu_only=name in TORCH_CUDA_ONLY,
+    forward_only=no_backward if name == "torch_flex" else None,
+  )
 
 
 def _ours(name: str) -> Entry:
@@ -242,6 +295,7 @@ REGISTRY: dict[str, Entry] = {
   ),
   "jax_mha": Entry(lambda _: _jax_mha),
   **{name: _tokamax_entry(impl) for name, impl in TOKAMAX.items()},
+  **{name: _torch_entry(name) for name in TORCH_KERNELS},
 }
 NAMES = tuple(REGISTRY)
 PEERS = tuple(name for name in REGISTRY if name not in IMPLEMENTATIONS)
