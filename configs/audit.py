@@ -29,8 +29,10 @@ The exit code is 1 when the kernel fails.
 
 import ml_collections
 
+from stableattn.experiments.config_values import with_variant
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+
+def _default() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # A registry name (pallas, reference, xla, cudnn, jax_mha, tokamax_xla,
   # ...) or an import path "package.module:function".
@@ -64,24 +66,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "all" or a comma list of batch, decode, chunked_prefill, padded_cache,
   # splits): see stableattn/auditing/invariance.py.
   c.invariances = ""
-
-  if arg == "smoke":
-    c.shapes = ((1, 128, 2, 32),)
-    c.distributions = "normal"
-    c.repeats = 2
-  elif arg == "paper":
-    c.shapes = (
-      (1, 128, 2, 64),
-      (2, 512, 4, 64),
-      (1, 1024, 8, 128),
-      (2, 256, 256, 8, 2, 64),  # GQA
-      (1, 97, 200, 4, 4, 72),  # ragged lengths, odd head dim
-    )
-    c.distributions = "normal,uniform,outliers"
-    c.seeds = 2
-    c.precisions = "fp32,fp16-framework,bf16-framework"
-  elif arg not in (None, "", "default"):
-    raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, smoke, paper."
-    )
   return c
+
+
+SMOKE = {
+  "shapes": ((1, 128, 2, 32),),
+  "distributions": "normal",
+  "repeats": 2,
+}
+PAPER = {
+  "shapes": (
+    (1, 128, 2, 64),
+    (2, 512, 4, 64),
+    (1, 1024, 8, 128),
+    (2, 256, 256, 8, 2, 64),  # GQA
+    (1, 97, 200, 4, 4, 72),  # ragged lengths, odd head dim
+  ),
+  "distributions": "normal,uniform,outliers",
+  "seeds": 2,
+  "precisions": "fp32,fp16-framework,bf16-framework",
+}
+
+VARIANTS = {"default": {}, "smoke": SMOKE, "paper": PAPER}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)

@@ -15,8 +15,10 @@ length while the reference's grows quadratically.
 
 import ml_collections
 
+from stableattn.experiments.config_values import with_variant
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+
+def _default() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.implementations = "pallas,reference,xla"  # GPU adds cudnn and jax_mha
   c.modes = "forward,forward_backward"
@@ -52,16 +54,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.gpu.memory_seq_lens = "2048,8192,16384"
   c.gpu.search_seq_len = 8192  # length of the tile search
   c.gpu.masks_seq_len = 4096
-
-  if arg == "smoke":
-    c.head_dims = "64"
-    c.repeats = 3
-    c.warmup = 1
-    c.cpu.seq_lens = "256,512"
-    c.cpu.heads = 2
-    c.cpu.memory_seq_lens = "512,1024"
-    c.cpu.masks_seq_len = 512
-    c.mask_settings = "full,window_256"
-  elif arg not in (None, "", "default"):
-    raise ValueError(f"Unknown config variant {arg!r}; valid: default, smoke.")
   return c
+
+
+SMOKE = {
+  "head_dims": "64",
+  "repeats": 3,
+  "warmup": 1,
+  "cpu.seq_lens": "256,512",
+  "cpu.heads": 2,
+  "cpu.memory_seq_lens": "512,1024",
+  "cpu.masks_seq_len": 512,
+  "mask_settings": "full,window_256",
+}
+
+VARIANTS = {"default": {}, "smoke": SMOKE}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)

@@ -18,8 +18,10 @@ see stableattn/experiments/mismatch/pairs.py.
 
 import ml_collections
 
+from stableattn.experiments.config_values import with_variant
 
-def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+
+def _default() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = ml_collections.ConfigDict()
   c.model.width = 64
@@ -51,44 +53,51 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.new_tokens = 16
   c.rl.learning_rate = 1e-3
   c.rl.target_byte = 101  # "e"
-  if arg == "smoke":
-    c.model.width = 32
-    c.model.max_len = 32
-    c.train.steps = 10
-    c.train.batch = 8
-    c.sample.prompts = 4
-    c.sample.prompt_len = 8
-    c.sample.new_tokens = 8
-    c.sample.seeds = 2
-    c.rl.arms = "fp8_sampler,fp8_sampler_tis"
-    c.rl.replicates = 1
-    c.rl.steps = 3
-    c.rl.prompt_len = 8
-    c.rl.new_tokens = 8
-  elif arg == "paper":
-    c.sample.prompts = 32
-    c.sample.seeds = 5
-    c.rl.replicates = 4
-    c.rl.steps = 100
-  elif arg == "gpu":
-    c.model.width = 512
-    c.model.depth = 8
-    c.model.heads = 8
-    c.model.max_len = 512
-    c.train.steps = 2000
-    c.train.batch = 32
-    c.sample.prompts = 64
-    c.sample.prompt_len = 128
-    c.sample.new_tokens = 256
-    c.sample.seeds = 5
-    c.rl.replicates = 5
-    c.rl.steps = 300
-    c.rl.prompts = 16
-    c.rl.group = 8
-    c.rl.prompt_len = 64
-    c.rl.new_tokens = 128
-  elif arg not in (None, "", "default"):
-    raise ValueError(
-      f"Unknown config variant {arg!r}; valid: default, smoke, paper, gpu."
-    )
   return c
+
+
+SMOKE = {
+  "model.width": 32,
+  "model.max_len": 32,
+  "train.steps": 10,
+  "train.batch": 8,
+  "sample.prompts": 4,
+  "sample.prompt_len": 8,
+  "sample.new_tokens": 8,
+  "sample.seeds": 2,
+  "rl.arms": "fp8_sampler,fp8_sampler_tis",
+  "rl.replicates": 1,
+  "rl.steps": 3,
+  "rl.prompt_len": 8,
+  "rl.new_tokens": 8,
+}
+PAPER = {
+  "sample.prompts": 32,
+  "sample.seeds": 5,
+  "rl.replicates": 4,
+  "rl.steps": 100,
+}
+GPU = {
+  "model.width": 512,
+  "model.depth": 8,
+  "model.heads": 8,
+  "model.max_len": 512,
+  "train.steps": 2000,
+  "train.batch": 32,
+  "sample.prompts": 64,
+  "sample.prompt_len": 128,
+  "sample.new_tokens": 256,
+  "sample.seeds": 5,
+  "rl.replicates": 5,
+  "rl.steps": 300,
+  "rl.prompts": 16,
+  "rl.group": 8,
+  "rl.prompt_len": 64,
+  "rl.new_tokens": 128,
+}
+
+VARIANTS = {"default": {}, "smoke": SMOKE, "paper": PAPER, "gpu": GPU}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)
