@@ -131,3 +131,20 @@ def test_the_launcher_audits_a_torch_kernel(tmp_path):
   assert result["passed"], result["failures"]
   report = (tmp_path / "flex" / "report.md").read_text()
   assert "Gradients not audited: FlexAttention has no backward" in report
+
+
+def test_a_torch_kernel_trains_as_a_subject_in_the_drift_study(tmp_path):
+  """Inside jit and grad, through pure_callback: the drift study trains
+  with PyTorch's flash kernel and divides its drift by a reference."""
+  from configs import training_drift as drift_config
+  from stableattn.experiments import training_drift
+
+  config = drift_config.get_config("smoke")
+  config.attention.candidate = "torch_sdpa_flash"
+  config.pairs = "candidate_vs_baseline,different_seed"
+  config.train.replicates = 2
+  result = training_drift.run(config, tmp_path)
+  ratio = result["ratios"]["candidate_vs_baseline"]["different_seed"]
+  assert ratio["wasserstein"]["over_replicates"]["count"] == 2
+  report = (tmp_path / "report.md").read_text()
+  assert "candidate: torch_sdpa_flash attention" in report

@@ -10,8 +10,10 @@ attention here, so a name is defined once:
   "jax_mha" (jax's Pallas Triton `mha` with its own tile sizes; interpret
   mode off the GPU), and tokamax's implementations ("tokamax_xla",
   "tokamax_xla_chunked", "tokamax_triton", "tokamax_mosaic"; the optional
-  `[peers]` extra);
-* any importable function, named "package.module:function".
+  `[peers]` extra), and PyTorch's (`TORCH_KERNELS`: SDPA's backends and
+  FlexAttention, through `torch_bridge`; the optional `[torch]` extra);
+* any importable function, named "package.module:function", and any
+  PyTorch function with SDPA's signature, "torch:package.module:function".
 
 The contract: `fn(q, k, v, **features) -> out`, with q of shape [batch,
 q_len, heads, head_dim], k and v [batch, kv_len, kv_heads, head_dim]
