@@ -283,3 +283,26 @@ def test_interrupted_run_with_the_other_machine_ends_with_the_same_rows(
     )
 
   assert machine_rows(tmp_path) == machine_rows(full_dir)
+
+
+def test_context_parallel_run_is_a_subject_against_every_reference(
+  smoke_run,
+):
+  workdir, result = smoke_run
+  drift = [
+    r["max_abs"]
+    for r in _rows(workdir)
+    if r["kind"] == "drift"
+    and r["pair"] == "context_parallel_vs_single"
+    and r["step"] > 0
+  ]
+  # The ring changes the order of summation, so the runs part.
+  assert drift and min(drift) > 0.0
+  ratios = result["ratios"]["context_parallel_vs_single"]
+  for reference in ("bf16_vs_fp32", "fp16_vs_bf16", "different_seed"):
+    interval = ratios[reference]["wasserstein"]["over_replicates"]
+    assert interval["count"] == 2
+    assert interval["low"] <= interval["mean"] <= interval["high"]
+  verdicts = result["paper_verdicts"]["context_parallel_vs_single"]
+  assert set(verdicts) >= {"bf16_vs_fp32", "different_seed"}
+  assert "ring attention" in (workdir / "report.md").read_text()

@@ -1,8 +1,9 @@
 """PyTorch attention kernels on the registry's contract, with gradients.
 
 `torch_attention(kernel)` is a JAX function `fn(q, k, v, **features)`:
-the inputs go to PyTorch (zero-copy where NumPy and DLPack allow), the
-kernel runs there, and the output comes back; under `jax.vjp` the
+the inputs go to PyTorch without a copy (torch tensors are views of the
+NumPy buffers `jax.pure_callback` hands over), the kernel runs there, and
+the output comes back; under `jax.vjp` the
 backward runs the kernel again under `torch.autograd` and returns dQ, dK
 and dV. So the audit judges a PyTorch kernel exactly as it judges ours:
 the four rules on output and gradients, determinism, NaN/Inf, the

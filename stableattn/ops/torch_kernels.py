@@ -21,24 +21,24 @@ SDPA_BACKENDS = {
 
 def sdpa(backend: str):
   """F.scaled_dot_product_attention restricted to one backend (it raises
-  rather than fall back to another)."""
+  rather than fall back to another), on the GPU where PyTorch has one
+  (there `torch_sdpa_flash` is FlashAttention-2), else on the CPU."""
   torch = import_torch()
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
   chosen = getattr(SDPBackend, backend)
+  on_cuda = torch.cuda.is_available()
 
   def attention(query, key, value, **kwargs):
-    on_cuda = backend in ("EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
-    device = "cuda" if on_cuda else None
-    if device == "cuda":
-      query, key, value = (x.to(device) for x in (query, key, value))
+    if on_cuda:
+      query, key, value = (x.cuda() for x in (query, key, value))
       if "attn_mask" in kwargs:
-        kwargs["attn_mask"] = kwargs["attn_mask"].to(device)
+        kwargs["attn_mask"] = kwargs["attn_mask"].cuda()
     with sdpa_kernel(chosen):
       out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, **kwargs
       )
-    return out.cpu() if device == "cuda" else out
+    return out.cpu() if on_cuda else out
 
   return attention
 
