@@ -152,3 +152,28 @@ def test_grad_error_section_calls_aligned_low_rank_errors_so():
   assert "point the same way" in text and "(low-rank)" in text
   assert headline["grad_error_cosine_flash"] == pytest.approx(0.9)
   assert report.grad_error_section([], {}) == []
+
+
+def test_a_reference_identical_in_some_replicates_gives_no_ratio():
+  """A reference whose runs compute the same bits in 2 of 3 replicates
+  makes the ratio unbounded there: the report says so and gives no ratio
+  or verdict from the one replicate left."""
+  rows = _rows(0.25, reference="other_machine")
+  for row in rows:
+    if row["pair"] == "other_machine" and row["replicate"] in (0, 2):
+      row["wasserstein"] = row["max_abs"] = 0.0
+  pairs = ("flash_vs_baseline", "other_machine", "identical_rerun")
+  headline = {}
+  lines, findings = report.ratio_section(rows, pairs, headline)
+  summary = ratio_summary(rows, "flash_vs_baseline", "other_machine")
+  assert not summary.bounded and summary.over_replicates is None
+  assert (summary.unbounded_replicates, summary.replicates) == (2, 3)
+  ratios = headline["ratios"]["flash_vs_baseline"]["other_machine"]
+  assert ratios["wasserstein"] == {"unbounded_replicates": 2, "replicates": 3}
+  assert headline["paper_verdicts"] == {}
+  table = "\n".join(lines)
+  assert "unbounded: identical in 2 of 3 replicates" in table
+  (finding,) = findings
+  assert "identical (drift exactly 0 at every logged step) in 2 of 3" in finding
+  # With the reference drifting in every replicate the ratio is back.
+  assert ratio_summary(_rows(0.25), "flash_vs_baseline", "bf16_vs_fp32").bounded

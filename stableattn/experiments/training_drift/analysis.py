@@ -59,20 +59,57 @@ class RatioSummary:
   less honest of the two).
   """
 
-  over_replicates: Interval
-  over_steps: Interval
+  over_replicates: Interval | None
+  over_steps: Interval | None
+  # Replicates whose reference drifts exactly 0 at every logged step while
+  # the subject drifts: the ratio is unbounded there, so the others are
+  # not the whole and give no ratio (None above) and no verdict.
+  unbounded_replicates: int = 0
+  replicates: int = 0
+
+  @property
+  def bounded(self) -> bool:
+    return self.unbounded_replicates == 0
 
   def as_dict(self) -> dict:
+    if not self.bounded:
+      return {
+        "unbounded_replicates": self.unbounded_replicates,
+        "replicates": self.replicates,
+      }
     return {
       "over_replicates": self.over_replicates.as_dict(),
       "over_steps": self.over_steps.as_dict(),
     }
 
 
+def unbounded_replicates(
+  rows, numerator: str, denominator: str, metric: str = "wasserstein"
+) -> list[int]:
+  """Replicates where `denominator` drifts exactly 0 at every logged step
+  after step 0 while `numerator` drifts at some: the ratio has no bound."""
+  found = []
+  for replicate in replicates_of(rows):
+    a = model_drift(rows, numerator, metric, replicate)
+    b = model_drift(rows, denominator, metric, replicate)
+    steps = [s for s in a if s > 0 and s in b]
+    if steps and all(b[s] == 0 for s in steps) and any(a[s] > 0 for s in steps):
+      found.append(replicate)
+  return found
+
+
 def ratio_summary(
   rows, numerator: str, denominator: str, metric: str = "wasserstein"
 ) -> RatioSummary | None:
-  """The ratio of two pairs' drifts with intervals; None if never defined."""
+  """The ratio of two pairs' drifts with intervals; None if never defined.
+
+  Where the reference is identical (drift 0) in some replicates but not
+  all, the summary says how many and carries no ratio.
+  """
+  unbounded = unbounded_replicates(rows, numerator, denominator, metric)
+  replicates = len(replicates_of(rows))
+  if unbounded and len(unbounded) < replicates:
+    return RatioSummary(None, None, len(unbounded), replicates)
   per_replicate = {
     r: drift_ratios(rows, numerator, denominator, metric, r)
     for r in replicates_of(rows)
@@ -96,12 +133,15 @@ def ratio_summary(
       geometric=True,
     ),
     over_steps=mean_interval(by_step, geometric=True),
+    replicates=replicates,
   )
 
 
 def paper_verdict(summary: RatioSummary, reference: Pair) -> str | None:
   """The verdict on the paper's claim about a subject against `reference`
   (None where the paper claims nothing about that reference)."""
+  if not summary.bounded:
+    return None
   interval = summary.over_replicates
   if reference.at_most is not None:
     return band_verdict(interval, 0.0, reference.at_most)

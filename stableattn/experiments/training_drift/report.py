@@ -182,6 +182,11 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
           continue
         ratios = headline["ratios"].setdefault(subject.name, {})
         ratios.setdefault(reference.name, {})[metric] = summary.as_dict()
+        if not summary.bounded:
+          table_rows.append(_unbounded_row(subject, reference, metric, summary))
+          if metric == "wasserstein":
+            findings.append(_unbounded_finding(subject, reference, summary))
+          continue
         verdict = paper_verdict(summary, reference)
         judged = metric == "wasserstein" and verdict is not None
         if judged:
@@ -231,6 +236,27 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
     table(header, table_rows),
     "",
   ], findings
+
+
+def _unbounded_row(subject, reference, metric, summary) -> list[str]:
+  identical = (
+    f"unbounded: identical in {summary.unbounded_replicates} of "
+    f"{summary.replicates} replicates"
+  )
+  return [subject.name, reference.name, metric, identical, "-", "-"] + (
+    [reference.claim, "no verdict"] if reference.claim else ["-", "-"]
+  )
+
+
+def _unbounded_finding(subject, reference, summary) -> str:
+  return (
+    f"`{subject.name}` against `{reference.name}`: the reference's two "
+    f"runs are identical (drift exactly 0 at every logged step) in "
+    f"{summary.unbounded_replicates} of {summary.replicates} replicates, "
+    "where the subject drifts, so the ratio is unbounded there; no ratio "
+    "or verdict is given from the other replicates as if they were the "
+    "whole."
+  )
 
 
 def _below_text(interval: Interval) -> str:
@@ -346,7 +372,7 @@ def fix_finding(rows, headline) -> str:
     )
   text = f"Flash with Qiu & Yao's fix vs without: max |Δw| {num(worst)}"
   summary = ratio_summary(rows, "flash_fix_vs_flash", "flash_vs_baseline")
-  if summary is not None:
+  if summary is not None and summary.bounded:
     text += (
       "; its Wasserstein drift over the flash_vs_baseline pair's is "
       + _below_text(summary.over_replicates)
