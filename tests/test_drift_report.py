@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from stableattn.experiments.training_drift import report
+from stableattn.experiments.training_drift import ratio_report, report
 from stableattn.experiments.training_drift.analysis import ratio_summary
 
 STEPS = (0, 10, 20)
@@ -43,7 +43,7 @@ def test_every_subject_is_divided_by_every_reference_with_verdicts():
   rows = _rows(0.25)  # 4x below: inside the paper's 2-5x band
   pairs = ("flash_vs_baseline", "bf16_vs_fp32", "identical_rerun")
   headline = {}
-  lines, findings = report.ratio_section(rows, pairs, headline)
+  lines, findings = ratio_report.ratio_section(rows, pairs, headline)
   summary = ratio_summary(rows, "flash_vs_baseline", "bf16_vs_fp32")
   geo = math.exp(sum(math.log(0.25 * (1 + 0.1 * r)) for r in range(3)) / 3)
   assert summary.over_replicates.mean == pytest.approx(geo)
@@ -61,7 +61,7 @@ def test_every_subject_is_divided_by_every_reference_with_verdicts():
 
 def test_a_subject_drifting_as_far_as_the_reference_fails_the_band():
   headline = {}
-  report.ratio_section(
+  ratio_report.ratio_section(
     _rows(1.0), ("flash_vs_baseline", "bf16_vs_fp32"), headline
   )
   assert headline["paper_verdicts"]["flash_vs_baseline"] == {
@@ -71,7 +71,7 @@ def test_a_subject_drifting_as_far_as_the_reference_fails_the_band():
 
 def test_no_subject_or_no_reference_gives_no_ratio_section():
   headline = {}
-  lines, findings = report.ratio_section(
+  lines, findings = ratio_report.ratio_section(
     _rows(0.25), ("bf16_vs_fp32", "identical_rerun"), headline
   )
   assert lines == [] and findings == []
@@ -164,7 +164,7 @@ def test_a_reference_identical_in_some_replicates_gives_no_ratio():
       row["wasserstein"] = row["max_abs"] = 0.0
   pairs = ("flash_vs_baseline", "other_machine", "identical_rerun")
   headline = {}
-  lines, findings = report.ratio_section(rows, pairs, headline)
+  lines, findings = ratio_report.ratio_section(rows, pairs, headline)
   summary = ratio_summary(rows, "flash_vs_baseline", "other_machine")
   assert not summary.bounded and summary.over_replicates is None
   assert (summary.unbounded_replicates, summary.replicates) == (2, 3)

@@ -10,18 +10,14 @@ import numpy as np
 
 from stableattn.experiments import environment
 from stableattn.experiments.reporting import (
-  Interval,
   finding_lines,
   num,
-  resolution,
   spread,
   table,
 )
 from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift.analysis import (
-  RATIO_METRICS,
   model_drift,
-  paper_verdict,
   ratio_summary,
   replicates_of,
 )
@@ -29,6 +25,10 @@ from stableattn.experiments.training_drift.pairs import with_role
 from stableattn.experiments.training_drift.plots import (
   replicate_series,
   write_plots,
+)
+from stableattn.experiments.training_drift.ratio_report import (
+  below_text,
+  ratio_section,
 )
 from stableattn.numerics.metrics import power_law
 from stableattn.ops.dispatch import IMPLEMENTATIONS
@@ -158,125 +158,6 @@ def what_ran(settings, replicates: int) -> str:
   )
 
 
-RATIO_INTRO = (
-  "Drift of each subject pair divided by the drift of each reference pair "
-  "(below 1: the subject drifts less). Geometric means over logging steps "
-  "after step 0, then over replicates; 95% Student-t intervals over "
-  "replicates (each replicate its own initialization and data order) and "
-  "over logging steps (correlated, so narrower). A verdict holds when the "
-  "interval over replicates lies inside the paper's band, fails when it "
-  "lies outside, and cannot be told apart when it straddles an edge or "
-  "there is one replicate."
-)
-
-
-def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
-  """Every subject against every reference, with the paper's verdicts."""
-  table_rows, findings = [], []
-  headline["ratios"], headline["paper_verdicts"] = {}, {}
-  for subject in with_role(pairs, "subject"):
-    for reference in with_role(pairs, "reference"):
-      for metric in RATIO_METRICS:
-        summary = ratio_summary(rows, subject.name, reference.name, metric)
-        if summary is None:
-          continue
-        ratios = headline["ratios"].setdefault(subject.name, {})
-        ratios.setdefault(reference.name, {})[metric] = summary.as_dict()
-        if not summary.bounded:
-          table_rows.append(_unbounded_row(subject, reference, metric, summary))
-          if metric == "wasserstein":
-            findings.append(_unbounded_finding(subject, reference, summary))
-          continue
-        verdict = paper_verdict(summary, reference)
-        judged = metric == "wasserstein" and verdict is not None
-        if judged:
-          verdicts = headline["paper_verdicts"].setdefault(subject.name, {})
-          verdicts[reference.name] = verdict
-          findings.append(
-            f"`{subject.name}` against `{reference.name}` (Wasserstein): "
-            f"{_below_text(summary.over_replicates)}, over replicates; the "
-            f"paper's {reference.claim} **{verdict}**"
-            f"{_resolution_text(summary.over_replicates)}."
-          )
-        elif metric == "wasserstein":
-          findings.append(
-            f"`{subject.name}` against `{reference.name}` (Wasserstein; "
-            f"the paper claims nothing here): "
-            f"{_below_text(summary.over_replicates)}, over replicates"
-            f"{_resolution_text(summary.over_replicates)}."
-          )
-        table_rows.append(
-          [subject.name, reference.name, metric]
-          + [num(summary.over_replicates.mean)]
-          + [_interval_cell(summary.over_replicates)]
-          + [_interval_cell(summary.over_steps)]
-          + ([reference.claim, verdict] if judged else ["-", "-"])
-        )
-  for reference in with_role(pairs, "reference"):
-    drifts = [
-      v
-      for replicate in replicates_of(rows)
-      for v in model_drift(rows, reference.name, "max_abs", replicate).values()
-    ]
-    if drifts and max(drifts) == 0:
-      findings.append(
-        f"Reference `{reference.name}` drifts exactly 0 at every logged "
-        "step (its two runs compute the same bits here), so no subject is "
-        "divided by it."
-      )
-  if not table_rows:
-    return [], findings
-  header = ["subject pair", "reference pair", "metric", "subject / reference"]
-  header += ["95% CI over replicates", "95% CI over steps", "paper", "verdict"]
-  return [
-    "## Each subject pair against each reference pair",
-    "",
-    RATIO_INTRO,
-    "",
-    table(header, table_rows),
-    "",
-  ], findings
-
-
-def _unbounded_row(subject, reference, metric, summary) -> list[str]:
-  identical = (
-    f"unbounded: identical in {summary.unbounded_replicates} of "
-    f"{summary.replicates} replicates"
-  )
-  return [subject.name, reference.name, metric, identical, "-", "-"] + (
-    [reference.claim, "no verdict"] if reference.claim else ["-", "-"]
-  )
-
-
-def _unbounded_finding(subject, reference, summary) -> str:
-  return (
-    f"`{subject.name}` against `{reference.name}`: the reference's two "
-    f"runs are identical (drift exactly 0 at every logged step) in "
-    f"{summary.unbounded_replicates} of {summary.replicates} replicates, "
-    "where the subject drifts, so the ratio is unbounded there; no ratio "
-    "or verdict is given from the other replicates as if they were the "
-    "whole."
-  )
-
-
-def _below_text(interval: Interval) -> str:
-  """A ratio with its interval, read as 'N x below' (or above)."""
-  mean = interval.mean
-  side = f"{num(1 / mean)}x below" if mean < 1 else f"{num(mean)}x above"
-  return f"{interval.text('x')}, i.e. {side}"
-
-
-def _resolution_text(interval: Interval) -> str:
-  text = resolution(interval, geometric=True)
-  return f" ({text})" if text else ""
-
-
-def _interval_cell(interval: Interval) -> str:
-  if interval.low is None:
-    return f"- (n={interval.count})"
-  return f"{num(interval.low)}-{num(interval.high)} (n={interval.count})"
-
-
 def growth_findings(rows, pairs, headline) -> list[str]:
   """Log-log slope of each pair's Wasserstein drift over steps."""
   slopes = {}
@@ -375,7 +256,7 @@ def fix_finding(rows, headline) -> str:
   if summary is not None and summary.bounded:
     text += (
       "; its Wasserstein drift over the flash_vs_baseline pair's is "
-      + _below_text(summary.over_replicates)
+      + below_text(summary.over_replicates)
     )
   return text + ": the fix changed what was computed."
 
