@@ -253,17 +253,11 @@ def flash_forward(
      `merge_splits` returns them merged, in the same formats as above.
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
-  kv_len_padded, kv_heads = cfg.kv_len_padded, k.shape[2]
-  pool_len = k.shape[1]
+  kv_heads, pool_len = k.shape[2], k.shape[1]
   group = heads // kv_heads
   splits = cfg.kv_splits
   split_kv = cfg.blocks_per_split is not None
   grid = (q_len_padded // cfg.block_q, batch, heads, splits)
-
-  def per_split(spec):
-    """A BlockSpec of the unsplit grid (i, b, h), read by every split."""
-    index_map = spec.index_map
-    return pl.BlockSpec(spec.block_shape, lambda i, b, h, s: index_map(i, b, h))
 
   q_spec = pl.BlockSpec(
     (None, cfg.block_q, None, head_dim_padded),
@@ -274,26 +268,9 @@ def flash_forward(
     (None, pool_len, None, head_dim_padded),
     lambda i, b, h, s: (0 if paged else b, 0, h // group, 0),
   )
-  names, arrays, specs = operand_specs(
-    cfg.mask,
-    ops,
-    ranges,
-    query_major=True,
-    block_q=cfg.block_q,
-    block_k=cfg.block_k,
-    q_len_padded=q_len_padded,
-    kv_len_padded=kv_len_padded,
-    with_sink=True,
-    scales=scales,
-    group=group,
-    policy=cfg.policy,
+  names, arrays, specs = _operand_specs(
+    cfg, q_len_padded, ops, ranges, scales, group, page_table
   )
-  specs = [per_split(spec) for spec in specs]
-  if paged:
-    table_spec = pl.BlockSpec(
-      (None, page_table.shape[1]), lambda i, b, h, s: (b, 0)
-    )
-    specs, arrays = [table_spec, *specs], [page_table, *arrays]
   o_spec, lse_spec, out_shape = _output_specs(cfg, q, q_spec, splits)
   out, lse = pl.pallas_call(
     functools.partial(_forward_kernel, cfg=cfg, names=names),
@@ -339,3 +316,35 @@ def _output_specs(cfg: KernelConfig, q, q_spec, splits: int):
     jax.ShapeDtypeStruct((batch, splits, heads, q_len_padded), stats_dtype),
   )
   return o_spec, lse_spec, out_shape
+
+
+def _operand_specs(cfg, q_len_padded, ops, ranges, scales, group, page_table):
+  """(names, arrays, BlockSpecs) of the feature operands, each read by
+  every split, with the page table first for a paged cache."""
+
+  def per_split(spec):
+    """A BlockSpec of the unsplit grid (i, b, h), read by every split."""
+    index_map = spec.index_map
+    return pl.BlockSpec(spec.block_shape, lambda i, b, h, s: index_map(i, b, h))
+
+  names, arrays, specs = operand_specs(
+    cfg.mask,
+    ops,
+    ranges,
+    query_major=True,
+    block_q=cfg.block_q,
+    block_k=cfg.block_k,
+    q_len_padded=q_len_padded,
+    kv_len_padded=cfg.kv_len_padded,
+    with_sink=True,
+    scales=scales,
+    group=group,
+    policy=cfg.policy,
+  )
+  specs = [per_split(spec) for spec in specs]
+  if page_table is not None:
+    table_spec = pl.BlockSpec(
+      (None, page_table.shape[1]), lambda i, b, h, s: (b, 0)
+    )
+    specs, arrays = [table_spec, *specs], [page_table, *arrays]
+  return names, arrays, specs
