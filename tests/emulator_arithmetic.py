@@ -399,3 +399,14 @@ def merge_splits(em, parts):
     weight = oa(em.exp(st(lse_s - lse)))
     out = oa(out + oa(weight[:, None] * em.r(o_s, "partials")))
   return em.r(out, "output"), np.where(empty, np.inf, lse)
+
+
+def prepared_inputs(stages, options, qkv, block_q, block_k):
+  """(the policy's Emulator, q/k/v rounded to `inputs` and, below 16
+  bits, quantized, their scales or None): where every algorithm starts."""
+  em = Emulator(stages, options)
+  q, k, v = (em.r(x, "inputs") for x in qkv)
+  scales = None
+  if em.quantizes:
+    q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
+  return em, (q, k, v), scales

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 from emulator_arithmetic import (
-  Emulator,
   Features,
   head_pairs,
+  prepared_inputs,
   probs_times_values,
-  quantize_inputs,
   tie_safe_max,
 )
 
@@ -30,11 +29,9 @@ def reference(
   """Materialized baseline attention; `options` are the policy's
   quantization options (block scaling groups block_q / block_k rows), `kw`
   the features."""
-  em = Emulator(stages, options)
-  q, k, v = (em.r(x, "inputs") for x in (q, k, v))
-  scales = None
-  if em.quantizes:
-    q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
+  em, (q, k, v), scales = prepared_inputs(
+    stages, options, (q, k, v), block_q, block_k
+  )
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
   f = Features(d, causal, **kw)

@@ -30,6 +30,7 @@ from emulator_arithmetic import (
   merge_splits,
   pad,
   per_channel,
+  prepared_inputs,
   probs_times_values,
   quantize_inputs,
   split_ranges,
@@ -61,11 +62,9 @@ def forward(
   `options` are the policy's quantization options, `kw` the features.
   With `num_splits` or `split_size`, split-KV: each split's keys give a
   partial output (in `partials`) and lse, merged in split order."""
-  em = Emulator(stages, options)
-  q, k, v = (em.r(x, "inputs") for x in (q, k, v))
-  scales = None
-  if em.quantizes:
-    q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
+  em, (q, k, v), scales = prepared_inputs(
+    stages, options, (q, k, v), block_q, block_k
+  )
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
   f = Features(d, causal, **kw)
