@@ -61,6 +61,8 @@ class Settings:
   gate: tuple[str, ...]  # rules (and "invariance") that decide `passed`
   # probes of `stableattn.auditing.invariance`
   invariances: tuple[str, ...] = ()
+  # Why the kernel has no gradients here (judged on `out` alone), or None.
+  forward_only: str | None = None
 
 
 def settings_from_config(c) -> Settings:
@@ -103,6 +105,7 @@ def settings_from_config(c) -> Settings:
     repeats=field(c, "repeats", minimum=2),
     gate=gate,
     invariances=invariances,
+    forward_only=forward_only(kernel),
   )
 
 
@@ -176,7 +179,7 @@ def _measure(fn, policy, case, s: Settings) -> list[dict]:
   check_accepts(fn, case.built_features().kwargs(), f"kernel {s.kernel!r}")
   # A kernel with no backward here is judged on its output alone; the
   # report says why its gradients are not (never a silent pass).
-  tensors = ("out",) if forward_only(s.kernel) else TENSORS
+  tensors = ("out",) if s.forward_only else TENSORS
   try:
     rows = measure_case(fn, policy, case, s.repeats, tensors)
   except Exception as e:  # the kernel's own error, said in one line
@@ -233,7 +236,7 @@ def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
     "",
     verdict_table(rows),
     "",
-    *_forward_only_lines(s.kernel),
+    *_forward_only_lines(s.forward_only),
     *_failure_lines(result["failures"]),
     "## Errors against FP64 (worst over cases)",
     "",
@@ -246,11 +249,8 @@ def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
   return {"workdir": str(run_dir.path), **result}
 
 
-def _forward_only_lines(kernel: str) -> list[str]:
-  reason = forward_only(kernel)
-  if reason is None:
-    return []
-  return [f"Gradients not audited: {reason}.", ""]
+def _forward_only_lines(reason: str | None) -> list[str]:
+  return [] if reason is None else [f"Gradients not audited: {reason}.", ""]
 
 
 def verdict_table(rows) -> str:

@@ -122,7 +122,7 @@ class TorchCall:
   enable_gqa: bool
   softcap: float | None
 
-  def kwargs(self, kernel: TorchKernel) -> dict:
+  def kwargs(self) -> dict:
     out = {"is_causal": self.is_causal, "scale": self.scale}
     if self.attn_mask is not None:
       out["attn_mask"] = to_torch(self.attn_mask)
@@ -196,7 +196,7 @@ def _forward(kernel: TorchKernel, call: TorchCall, q, k, v, grad_of=None):
     tensors = [t.detach().clone().requires_grad_(True) for t in tensors]
   inputs = [_to_layout(t, kernel.layout) for t in tensors]
   with torch.set_grad_enabled(grad_of is not None):
-    out = kernel.fn(*inputs, **call.kwargs(kernel))
+    out = kernel.fn(*inputs, **call.kwargs())
     out = _to_layout(out, kernel.layout)
   if grad_of is None:
     return to_numpy(out)
