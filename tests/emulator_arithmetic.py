@@ -6,6 +6,8 @@ algorithms in `policy_emulator.py` are written from. Shares no code with
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
@@ -42,6 +44,8 @@ def cast(x, fmt_name):
 # Microscaling as documented: values per shared scale, and the largest
 # exponent of each element format's normal numbers (OCP MX v1.0).
 MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
+# A policy with exp2 measures scores in base 2: the scale carries log2(e).
+LOG2E = math.log2(math.e)
 ELEMENT_EMAX = {"fp8_e4m3": 8, "fp8_e5m2": 15, "fp4_e2m1": 2}
 
 
@@ -89,6 +93,7 @@ class Emulator:
       hadamard=False,
       key_order="forward",
       smooth_k=False,
+      exp2=False,
     )
     self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32
@@ -133,20 +138,40 @@ class Emulator:
     s = np.sum(np.asarray(x, np.float64), axis=axis, keepdims=keepdims)
     return self.r(s.astype(self.carrier), stage)
 
-  def exp(self, x):
-    """exp correctly rounded to the carrier, then rounded to the stage."""
+  def exp(self, x, base2=False):
+    """exp (2^x with `base2`) correctly rounded to the carrier, then
+    rounded to the stage."""
     with np.errstate(invalid="ignore"):
-      wide = np.exp(np.asarray(x, np.float64))
+      wide = (np.exp2 if base2 else np.exp)(np.asarray(x, np.float64))
     return self.r(wide.astype(self.carrier), "softmax_stats")
+
+  def in_base(self, x, stage, base2):
+    """A logit (bias, sink) rounded to `stage`; with `base2` times log2(e),
+    rounded again."""
+    x = self.r(x, stage)
+    if not base2:
+      return x
+    return self.r(x * self.carrier(LOG2E), stage)
+
+  def lse(self, m, l_sum, base2=False):
+    """m + log(l) in `softmax_stats`; with `base2` (m in base 2)
+    (m + log2(l)) * ln(2)."""
+    st = lambda x: self.r(x, "softmax_stats")  # noqa: E731
+    with np.errstate(divide="ignore"):
+      if not base2:
+        return st(m + self.log(l_sum))
+      log2 = st(np.log2(np.asarray(l_sum, np.float64)).astype(self.carrier))
+      return st(st(m + log2) * self.carrier(math.log(2.0)))
 
   def log(self, x):
     wide = np.log(np.asarray(x, np.float64))
     return self.r(wide.astype(self.carrier), "softmax_stats")
 
-  def scores(self, q, k, f, mask, bias=None, scales=None):
+  def scores(self, q, k, f, mask, bias=None, scales=None, base2=False):
     """(S, tanh of the softcap or None) of one tile; -inf where masked.
     `scales`: (q row scales, k row scales): Q/s_q and K/s_k enter the
-    matmul, whose product is multiplied by s_q s_k."""
+    matmul, whose product is multiplied by s_q s_k. With `base2` the
+    scale (or softcap) and the bias carry log2(e)."""
     c = self.carrier
     if scales is None:
       x = self.dot(q, k.T)
@@ -158,14 +183,15 @@ class Emulator:
       )
       x = (x * (sq[:, None] * sk[None, :]).astype(c)).astype(c)
     tanh = None
+    to_base = LOG2E if base2 else 1.0
     if f.softcap is None:
-      s = self.r(x * c(f.scale), "scores")
+      s = self.r(x * c(f.scale * to_base), "scores")
     else:
       tanh = np.tanh((x * c(f.scale / f.softcap)).astype(np.float64)).astype(c)
-      s = self.r(c(f.softcap) * tanh, "scores")
+      s = self.r(c(f.softcap * to_base) * tanh, "scores")
     s = self.r(s, "softmax_stats")
     if bias is not None:
-      s = self.r(s + self.r(bias, "scores"), "softmax_stats")
+      s = self.r(s + self.in_base(bias, "scores", base2), "softmax_stats")
     return np.where(mask, s, -np.inf).astype(c), tanh
 
 

@@ -37,6 +37,7 @@ def reference(
   f = Features(d, causal, **kw)
   c = em.carrier
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
+  base2 = em.options["exp2"]
   out = np.zeros(q.shape)
   for b in range(batch):
     for h, hk in head_pairs(q, k):
@@ -51,16 +52,17 @@ def reference(
         allowed,
         f.bias_of(b, h, t, s_len),
         head_scales,
+        base2,
       )
       m = tie_safe_max(em, s, s.max(-1), tie_beta)
       if f.sink is not None:
-        sink = em.r(f.sink[h], "softmax_stats")
+        sink = em.in_base(f.sink[h], "softmax_stats", base2)
         m = np.maximum(m, sink)
       m = np.where(m == -np.inf, c(0), m)[:, None]
-      p = em.exp(st(s - m))
+      p = em.exp(st(s - m), base2)
       l_ = st(em.total(p, "matmul_accum", keepdims=True))
       if f.sink is not None:
-        l_ = st(l_ + em.exp(st(sink - m)))
+        l_ = st(l_ + em.exp(st(sink - m), base2))
       l_ = np.where(l_ == 0, c(1), l_)
       p = st(p * st(1.0 / l_))
       sv = None if scales is None else scales[2][b, hk]

@@ -112,10 +112,7 @@ def forward(
             else (head_scales[0][rows], head_scales[1], head_scales[2]),
             key_blocks=(first, end),
           )
-          with np.errstate(divide="ignore"):
-            lse_rows = em.r(
-              m + em.log(np.where(l_ == 0, 1, l_)), "softmax_stats"
-            )
+          lse_rows = em.lse(m, np.where(l_ == 0, 1, l_), em.options["exp2"])
           parts.append((o, np.where(l_ == 0, -np.inf, lse_rows)))
         if num_splits is None and split_size is None:
           ((o, lse_rows),) = parts
@@ -146,15 +143,17 @@ def _forward_rows(
   bq, d = qb.shape
   sp = kh.shape[0]
   c = em.carrier
+  base2 = em.options["exp2"]
   acc = np.zeros((bq, d), c)
   if sink is None:
     m = np.full((bq,), -np.inf, c)
     l_ = np.zeros((bq,), c)
   else:  # the sink: a logit with value 0, counted from the start
-    m = np.full((bq,), em.r(sink, "softmax_stats"), c)
+    m = np.full((bq,), em.in_base(sink, "softmax_stats", base2), c)
     l_ = np.ones((bq,), c)
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   oa = lambda x: em.r(x, "out_accum")  # noqa: E731
+  exp = lambda x: em.exp(x, base2)  # noqa: E731
   first, end = key_blocks or (0, sp // block_k)
   starts = list(range(first * block_k, end * block_k, block_k))
   if em.options["key_order"] == "reversed":
@@ -175,21 +174,22 @@ def _forward_rows(
       allowed[:, cols],
       None if bias is None else bias[:, cols],
       tile_scales,
+      base2,
     )
     m_block = tie_safe_max(em, s, s.max(-1), tie_beta)
     m_new = np.maximum(m, m_block)
     m_use = np.where(m_new == -np.inf, c(0), m_new)
-    alpha = em.exp(st(m - m_use))
+    alpha = exp(st(m - m_use))
     row_sum = lambda p: st(em.total(p, "matmul_accum"))  # noqa: E731
     if scheme == "fa2":
-      p = em.exp(st(s - m_use[:, None]))
+      p = exp(st(s - m_use[:, None]))
       l_ = st(st(alpha * l_) + row_sum(p))
       pv = oa(probs_times_values(em, p, vb, sv))
       acc = oa(oa(oa(alpha)[:, None] * acc) + pv)
     else:
       m_ref = np.where(m_block == -np.inf, m_use, m_block)
-      p = em.exp(st(s - m_ref[:, None]))
-      beta = em.exp(st(m_ref - m_use))
+      p = exp(st(s - m_ref[:, None]))
+      beta = exp(st(m_ref - m_use))
       old_sum = st(alpha * l_)
       l_ = st(old_sum + st(beta * row_sum(p)))
       pv = oa(probs_times_values(em, p, vb, sv))

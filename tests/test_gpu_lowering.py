@@ -20,7 +20,7 @@ GPU_PRESETS = [
   p
   for p in sa.preset_names()
   if p != "fp64" and not sa.Precision.from_name(p).quantizes
-]
+] + ["bf16-fa2+exp2=on", "bf16+exp2=on"]  # the softmax in base 2
 # Every preset except FP64 compiles: half-precision arithmetic runs in FP32
 # and each result is rounded by a cast, a real rounding in a Triton kernel.
 CONFIGS = [

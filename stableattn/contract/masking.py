@@ -32,6 +32,7 @@ Inside the kernels lengths and segments become one integer id per token
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -145,18 +146,38 @@ def allowed_pairs(spec: MaskSpec, ops: MaskOperands, q_len, kv_len, xp=jnp):
   return allowed
 
 
-def scores(product, spec: MaskSpec, ar):
+# log2(e): a policy with `exp2` measures scores in base 2 (see `scores`).
+LOG2E = math.log2(math.e)
+
+
+def scores(product, spec: MaskSpec, ar, base2: bool = False):
   """Scores from Q K^T (rounded to `matmul_accum`), rounded to `scores`.
 
   Without softcap: product * scale. With it: softcap * tanh(product *
   (scale / softcap)), FlashAttention's form; tanh is also returned (for
-  the gradient), else None.
+  the gradient), else None. With `base2` the one constant multiplier also
+  carries log2(e) (scale * log2(e), or softcap * log2(e)), so the softmax
+  that follows is 2^(s - m): FlashAttention-2's and Triton's form, one
+  multiply and a native exp2 per score.
   """
   dtype = product.dtype
+  to_base = LOG2E if base2 else 1.0
   if spec.softcap is None:
-    return ar.round(product * jnp.asarray(spec.scale, dtype), "scores"), None
+    scale = jnp.asarray(spec.scale * to_base, dtype)
+    return ar.round(product * scale, "scores"), None
   tanh = jnp.tanh(product * jnp.asarray(spec.scale / spec.softcap, dtype))
-  return ar.round(jnp.asarray(spec.softcap, dtype) * tanh, "scores"), tanh
+  cap = jnp.asarray(spec.softcap * to_base, dtype)
+  return ar.round(cap * tanh, "scores"), tanh
+
+
+def logits_in_base(x, ar, base2: bool, stage: str):
+  """A logit added to the scores (a bias, rounded to `scores`; a sink, to
+  `softmax_stats`) in the scores' base: times log2(e) with `base2`,
+  rounded again to `stage`."""
+  x = ar.round(x, stage)
+  if not base2:
+    return x
+  return ar.round(x * jnp.asarray(LOG2E, x.dtype), stage)
 
 
 def softcap_slope(tanh, ar):

@@ -133,6 +133,12 @@ class Options:
         f"Unknown scheme {self.scheme!r}; valid: {list(SCHEMES)}."
       )
     put("tie_beta", _tie_beta(self.tie_beta))
+    if self.tie_beta is not None and self.precision.exp2:
+      raise ValueError(
+        f"tie_beta={self.tie_beta} shifts natural-log scores; the policy "
+        f"{self.precision.name!r} takes exp in base 2 (exp2=on). Use one "
+        "of them."
+      )
     put("fixed_tiles", check_flag("fixed_tiles", self.fixed_tiles))
     if self.interpret is not None:
       put("interpret", check_flag("interpret", self.interpret))

@@ -13,7 +13,7 @@ import math
 
 import jax.numpy as jnp
 
-from stableattn.contract.masking import scores
+from stableattn.contract.masking import logits_in_base, scores
 from stableattn.numerics.rounding import PolicyArithmetic
 
 # Contract the last dimension of both operands: A @ B^T.
@@ -31,10 +31,20 @@ def scaled_dot(a, b, dims, ar: PolicyArithmetic, scale: float, stage: str):
 
 
 def block_scores(
-  q_BqxD, k_BkxD, *, ar: PolicyArithmetic, spec, mask, bias, scales=None
+  q_BqxD,
+  k_BkxD,
+  *,
+  ar: PolicyArithmetic,
+  spec,
+  mask,
+  bias,
+  scales=None,
+  base2: bool = False,
 ):
   """S = Q K^T * scale (softcapped if set) in `scores`, held in
-  `softmax_stats`, plus the bias (rounded to `scores`) if any.
+  `softmax_stats`, plus the bias (rounded to `scores`) if any; with
+  `base2` in base 2 (`masking.scores`), the forward's softmax under the
+  policy option `exp2`.
 
   Masked pairs are -inf.
 
@@ -57,10 +67,11 @@ def block_scores(
       k_BkxD * (1.0 / k_scale)[:, None],
       NT_DIMS,
     ) * (q_scale[:, None] * k_scale[None, :])
-  s, tanh = scores(product, spec, ar)
+  s, tanh = scores(product, spec, ar, base2)
   s = ar.round(s, "softmax_stats")
   if bias is not None:
-    s = ar.round(s + ar.round(bias, "scores"), "softmax_stats")
+    bias = logits_in_base(bias, ar, base2, "scores")
+    s = ar.round(s + bias, "softmax_stats")
   if mask is not None:
     s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
   return s, tanh
@@ -72,9 +83,23 @@ def no_key_safe(m):
   return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
 
 
-def stats_exp(x, ar: PolicyArithmetic):
-  """exp(x) rounded to `softmax_stats` (x already in that format)."""
-  return ar.round(jnp.exp(x), "softmax_stats")
+def stats_exp(x, ar: PolicyArithmetic, base2: bool = False):
+  """exp(x), or 2^x with `base2`, rounded to `softmax_stats` (x already in
+  that format)."""
+  return ar.round(jnp.exp2(x) if base2 else jnp.exp(x), "softmax_stats")
+
+
+def stored_lse(m, l_sum, ar: PolicyArithmetic, base2: bool = False):
+  """The log-sum-exp m + log(l) in `softmax_stats`, in natural log: with
+  `base2` (m in base 2) (m + log2(l)) * ln(2)."""
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  if not base2:
+    return m + stats(jnp.log(l_sum))
+  lse2 = stats(m + stats(jnp.log2(l_sum)))
+  return stats(lse2 * jnp.asarray(math.log(2.0), lse2.dtype))
 
 
 def row_sum(x_BqxBk, ar: PolicyArithmetic):

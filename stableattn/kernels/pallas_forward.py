@@ -23,13 +23,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from stableattn.contract.masking import MaskOperands
+from stableattn.contract.masking import MaskOperands, logits_in_base
 from stableattn.kernels.block_math import (
   block_scores,
   no_key_safe,
   probs_times_values,
   row_sum,
   stats_exp,
+  stored_lse,
   tie_safe_max,
 )
 from stableattn.kernels.kernel_config import KernelConfig
@@ -64,6 +65,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   q_start = pl.program_id(0) * block_q
   q_BqxD = q_ref[...]
   forward_order = cfg.policy.key_order == "forward"
+  base2 = cfg.policy.exp2
 
   first, end, split = _key_blocks(cfg, tiles)
 
@@ -86,6 +88,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
       mask=mask,
       bias=tiles.bias(q_start, k_start, block_q, block_k),
       scales=None if scales is None else scales[:2],
+      base2=base2,
     )
     m_block_Bq = tie_safe_max(
       s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.options
@@ -93,9 +96,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
     # A row with no key so far keeps m = -inf; subtract 0 instead.
     m_use_Bq = no_key_safe(m_new_Bq)
-    alpha_Bq = stats_exp(stats(m_Bq - m_use_Bq), ar)
+    alpha_Bq = stats_exp(stats(m_Bq - m_use_Bq), ar, base2)
     if cfg.scheme == "fa2":
-      p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar)
+      p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar, base2)
       l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
       pv_BqxD = probs_times_values(
         p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel
@@ -104,6 +107,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     else:
       acc_BqxD, l_new_Bq = _fa1_update(
         ar,
+        base2,
         s_BqxBk,
         (m_block_Bq, m_use_Bq, alpha_Bq, l_Bq),
         acc_BqxD,
@@ -141,7 +145,7 @@ def _pool_start(cfg: KernelConfig, page_table_ref, k_start):
   )
 
 
-def _fa1_update(ar, s_BqxBk, stats_Bq, acc_BqxD, times_values):
+def _fa1_update(ar, base2, s_BqxBk, stats_Bq, acc_BqxD, times_values):
   """FlashAttention-1's step: probabilities against the block's own max
   (Dao et al. 2022, Alg. 1 line 10), then two rescale factors bring the
   old and new parts to the new max, renormalized by the new sum."""
@@ -156,8 +160,8 @@ def _fa1_update(ar, s_BqxBk, stats_Bq, acc_BqxD, times_values):
   # A row can have no key in this block (max -inf); measuring it against
   # m_new keeps its zero weight instead of exp(-inf + inf).
   m_ref_Bq = jnp.where(m_block_Bq == -jnp.inf, m_use_Bq, m_block_Bq)
-  p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar)
-  beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar)
+  p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar, base2)
+  beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar, base2)
   old_sum_Bq = stats(alpha_Bq * l_Bq)
   l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
   pv_BqxD = times_values(p_BqxBk)
@@ -180,8 +184,11 @@ def _initial_state(tiles, ar, block_q: int, head_dim_padded: int, split):
   if "sink_rows" in tiles.refs:
     # The sink is a key with logit `sink` and value 0: it starts the
     # running maximum and contributes exp(sink - m) to the sum.
-    m_sink = ar.round(
-      tiles.refs["sink_rows"][...].astype(carrier), "softmax_stats"
+    m_sink = logits_in_base(
+      tiles.refs["sink_rows"][...].astype(carrier),
+      ar,
+      ar.policy.exp2,
+      "softmax_stats",
     )
     l_sink = jnp.ones((block_q,), carrier)
     if split is None:
@@ -202,15 +209,15 @@ def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref, partial: bool):
     return ar.round(x, "softmax_stats")
 
   empty_Bq = l_Bq == 0  # no key attends: output 0, lse +inf (backward p = 0)
+  l_safe_Bq = jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq)
   if cfg.scheme == "fa2":
-    l_safe_Bq = jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq)
     inverse_Bq = ar.round(stats(1.0 / l_safe_Bq), "out_accum")
     acc_BqxD = ar.round(acc_BqxD * inverse_Bq[:, None], "out_accum")
   o_ref[...] = ar.stored(acc_BqxD, "partials" if partial else "output")
   lse_Bq = jnp.where(
     empty_Bq,
     jnp.full_like(l_Bq, -jnp.inf if partial else jnp.inf),
-    m_Bq + stats(jnp.log(jnp.where(empty_Bq, jnp.ones_like(l_Bq), l_Bq))),
+    stored_lse(m_Bq, l_safe_Bq, ar, cfg.policy.exp2),
   )
   lse_ref[...] = ar.stored(lse_Bq, "softmax_stats")
 

@@ -19,10 +19,15 @@ from stableattn.contract.masking import (
   MaskOperands,
   MaskSpec,
   allowed_pairs,
+  logits_in_base,
   scores,
 )
 from stableattn.contract.options import Options
-from stableattn.kernels.block_math import no_key_safe, tie_safe_max
+from stableattn.kernels.block_math import (
+  no_key_safe,
+  stats_exp,
+  tie_safe_max,
+)
 from stableattn.kernels.quantization import QuantScales, v_per_channel
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rounding import PolicyArithmetic
@@ -76,23 +81,27 @@ def reference_attention(
       q_BxTxKxGxD * (1.0 / q_rows),
       k * (1.0 / k_rows),
     ) * (q_scale[..., None] * k_scale)
-  s, _ = scores(product, spec, ar)
+  base2 = policy.exp2
+  s, _ = scores(product, spec, ar, base2)
   s = stats(s)
   if ops.bias is not None:
-    s = stats(s + ar.round(_grouped(ops.bias, kv_heads), "scores"))
+    bias = logits_in_base(_grouped(ops.bias, kv_heads), ar, base2, "scores")
+    s = stats(s + bias)
   allowed = _grouped(allowed_pairs(spec, ops, q_len, kv_len), kv_heads)
   s = jnp.where(allowed, s, jnp.asarray(-jnp.inf, s.dtype))
   m = tie_safe_max(s, jnp.max(s, axis=-1), ar, options)
   sink = None
   if ops.sink is not None:
-    sink = stats(ops.sink.astype(ar.carrier)).reshape(kv_heads, group, 1)
+    sink = logits_in_base(
+      ops.sink.astype(ar.carrier), ar, base2, "softmax_stats"
+    ).reshape(kv_heads, group, 1)
     sink = jnp.broadcast_to(sink, m.shape)
     m = jnp.maximum(m, sink)
   m = lax.stop_gradient(no_key_safe(m))[..., None]
-  p = stats(jnp.exp(stats(s - m)))
+  p = stats_exp(stats(s - m), ar, base2)
   l_sum = stats(ar.sum(p, "matmul_accum", keepdims=True))
   if sink is not None:
-    l_sum = stats(l_sum + stats(jnp.exp(stats(sink[..., None] - m))))
+    l_sum = stats(l_sum + stats_exp(stats(sink[..., None] - m), ar, base2))
   # A row no key attends has l = 0 and p = 0: its output is 0.
   l_safe = jnp.where(l_sum == 0, jnp.ones_like(l_sum), l_sum)
   if scales is None and policy.p_scale == 1.0:

@@ -86,13 +86,15 @@ class Precision:
   # input format; policies that name no format for them do the same.
   partials: str = "fp32"
   name: str = "custom"
-  # How operands below 16 bits are scaled before their cast (see
-  # `QUANT_OPTIONS`); none of these change a policy of 16 bits or more.
+  # How operands below 16 bits are scaled before their cast, and (any
+  # policy) the order of key blocks and the softmax's base (see
+  # `QUANT_OPTIONS`).
   scaling: str = "none"
   p_scale: float = 1.0
   hadamard: bool = False
   key_order: str = "forward"
   smooth_k: bool = False
+  exp2: bool = False
 
   def __post_init__(self):
     for stage in STAGES:

@@ -1,6 +1,7 @@
-"""Options of a precision policy whose matmul operands are below 16 bits:
-scaling, P's scale, rotation, key order, K smoothing; their text in a
-policy name and their validation."""
+"""Options of a precision policy: for matmul operands below 16 bits
+scaling, P's scale, rotation and K smoothing; for any policy the key order
+and the softmax's base (exp2); their text in a policy name and their
+validation."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ QUANT_OPTIONS = {
   "hadamard": (False, True),
   # Order in which the forward kernel visits key blocks.
   "key_order": ("forward", "reversed"),
+  # The forward softmax in base 2 (any policy): the one multiplier of Q K^T
+  # carries log2(e) and P = 2^(s - m), as FlashAttention-2, jax's Triton
+  # `mha` and the Triton tutorial compute it (one multiply and the GPU's
+  # native exp2 instead of exp's range reduction). Scores, running max and
+  # sum are then in base 2, rounded where the natural ones were; lse is
+  # stored in natural log. The Baseline follows it; the backward does not
+  # (it recomputes P from the natural lse).
+  "exp2": (False, True),
   # K minus its mean over tokens (per batch, head and channel) before the
   # rotation and scaling: each score row moves by one constant, which
   # softmax removes (SageAttention's smoothing of K; not with a softcap).
@@ -54,6 +63,7 @@ DEFAULT_OPTIONS = {
   "hadamard": False,
   "key_order": "forward",
   "smooth_k": False,
+  "exp2": False,
 }
 
 
@@ -65,7 +75,7 @@ def option_text(value) -> str:
 
 def parse_option(option: str, text: str, name: str):
   """An option's value from its text in a policy name."""
-  if option in ("hadamard", "block_quant", "smooth_k"):
+  if option in ("hadamard", "block_quant", "smooth_k", "exp2"):
     if text in ("on", "true", "1"):
       return True
     if text in ("off", "false", "0"):
@@ -92,7 +102,7 @@ def check_quant_options(policy: Precision) -> None:
       raise ValueError(
         f"Unknown {option} {getattr(policy, option)!r}; valid: {list(valid)}."
       )
-  for option in ("hadamard", "smooth_k"):
+  for option in ("hadamard", "smooth_k", "exp2"):
     if not isinstance(getattr(policy, option), bool):
       raise ValueError(
         f"{option} must be True or False, got {getattr(policy, option)!r}."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import jax
 
@@ -16,7 +17,13 @@ from stableattn.experiments.config_values import (
   spec,
 )
 from stableattn.numerics.precision import Precision, natural_policy
-from stableattn.ops.registry import IMPLEMENTATIONS, NAMES, PEERS, needs_gpu
+from stableattn.ops.registry import (
+  IMPLEMENTATIONS,
+  NAMES,
+  PEERS,
+  TOKAMAX,
+  needs_gpu,
+)
 
 MODES = ("forward", "forward_backward")
 
@@ -123,11 +130,23 @@ def _mask_settings(c) -> tuple[str, ...]:
   return names
 
 
+def gpu_peers() -> tuple[str, ...]:
+  """Peers that join the configured names on a GPU: those that run on the
+  device and are installed. PyTorch's kernels reach it through a host
+  callback, whose copies a timing would count: timed only when named."""
+  has_tokamax = importlib.util.find_spec("tokamax") is not None
+  return tuple(
+    p
+    for p in PEERS
+    if not p.startswith("torch") and (has_tokamax or p not in TOKAMAX)
+  )
+
+
 def _implementations(c, gpu: bool) -> tuple[str, ...]:
-  """The configured names; on a GPU the peers join them."""
+  """The configured names; on a GPU the device-side peers join them."""
   names = as_tuple(c.implementations)
   if gpu:
-    names += tuple(p for p in PEERS if p not in names)
+    names += tuple(p for p in gpu_peers() if p not in names)
   for name in names:
     if name not in NAMES:
       raise ValueError(

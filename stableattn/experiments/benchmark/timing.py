@@ -100,7 +100,9 @@ def time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
     args,
   )
   runnable = {name: fn for name, fn in compiled.items() if callable(fn)}
-  times = _alternating_times(runnable, args, s.warmup, s.repeats)
+  times, run_errors = _alternating_times(runnable, args, s.warmup, s.repeats)
+  compiled.update(run_errors)
+  runnable = {name: fn for name, fn in runnable.items() if name in times}
   labels = {
     "kind": "timing",
     "device": jax.devices()[0].device_kind,
@@ -129,17 +131,24 @@ def time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
   return timed + failed
 
 
-def _alternating_times(fns: dict, args, warmup: int, repeats: int) -> dict:
-  for fn in fns.values():
-    for _ in range(warmup):
-      jax.block_until_ready(fn(*args))
+def _alternating_times(fns: dict, args, warmup: int, repeats: int):
+  """({name: run times}, {name: first line of the error}): a function
+  that fails in its warm-up (out of memory at run time) is left out."""
+  errors = {}
+  for name, fn in fns.items():
+    try:
+      for _ in range(max(warmup, 1)):
+        jax.block_until_ready(fn(*args))
+    except Exception as e:  # recorded in the row; the others are timed
+      errors[name] = first_line(e)
+  fns = {name: fn for name, fn in fns.items() if name not in errors}
   times = {name: [] for name in fns}
   for _ in range(repeats):  # alternate so drifts hit all alike
     for name, fn in fns.items():
       start = time.perf_counter()
       jax.block_until_ready(fn(*args))
       times[name].append(time.perf_counter() - start)
-  return times
+  return times, errors
 
 
 def _timing_row(labels: dict, name: str, times, work: float) -> dict:
@@ -178,7 +187,9 @@ def time_masks(s: Settings, mode, precision, head_dim, seq_len):
   }
   compiled = compile_all(fns, args)
   runnable = {name: fn for name, fn in compiled.items() if callable(fn)}
-  times = _alternating_times(runnable, args, s.warmup, s.repeats)
+  times, run_errors = _alternating_times(runnable, args, s.warmup, s.repeats)
+  compiled.update(run_errors)
+  runnable = {name: fn for name, fn in runnable.items() if name in times}
   labels = {
     "kind": "masks",
     "device": jax.devices()[0].device_kind,
