@@ -5,7 +5,8 @@ Implementations run in one process, in alternation, after warm-up: ours
 GPU also "cudnn" and jax's own Pallas kernel ("jax_mha"); names resolve
 through `stableattn.ops.registry`. Modules: `settings` (config), `timing`
 (FLOPs, compilation, alternating runs), `memory` (peak memory in a fresh
-process), `tile_search` (GPU), `report`.
+process), `tile_search` (GPU), `report`, and `gpu_record` (a GPU session's
+rows kept in the repository and the docs' tables regenerated from them).
 """
 
 from __future__ import annotations
