@@ -10,6 +10,7 @@ import math
 
 import ml_dtypes
 import numpy as np
+from emulator_mma import mma_dot
 
 FORMATS = {
   "bf16": ml_dtypes.bfloat16,
@@ -94,6 +95,9 @@ class Emulator:
       key_order="forward",
       smooth_k=False,
       exp2=False,
+      mma_chunk=0,
+      mma_rounding="nearest",
+      promote_every=1,
     )
     self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32
@@ -173,11 +177,15 @@ class Emulator:
     matmul, whose product is multiplied by s_q s_k. With `base2` the
     scale (or softcap) and the bias carry log2(e)."""
     c = self.carrier
+    # QK^T as the tensor core accumulates it (mma_chunk), or summed once.
+    dot = self.dot
+    if self.options["mma_chunk"]:
+      dot = lambda a, b: mma_dot(self, a, b)  # noqa: E731
     if scales is None:
-      x = self.dot(q, k.T)
+      x = dot(q, k.T)
     else:
       sq, sk = (np.asarray(v, c) for v in scales)
-      x = self.dot(
+      x = dot(
         (q * (c(1) / sq)[:, None]).astype(c),
         (k * (c(1) / sk)[:, None]).T.astype(c),
       )

@@ -36,6 +36,8 @@ from emulator_arithmetic import (
   split_ranges,
   tie_safe_max,
 )
+from emulator_mma import promote, two_level_step
+from emulator_mma import raw_probs_times_values as mma_pv
 from emulator_reference import reference
 
 # What the tests call: the algorithms, and the formats they round to.
@@ -140,17 +142,11 @@ def _forward_rows(
 ):
   """One query block over the key blocks in `key_blocks` (first, end),
   all by default; the output normalized (fa2) but not yet stored."""
-  bq, d = qb.shape
   sp = kh.shape[0]
   c = em.carrier
   base2 = em.options["exp2"]
-  acc = np.zeros((bq, d), c)
-  if sink is None:
-    m = np.full((bq,), -np.inf, c)
-    l_ = np.zeros((bq,), c)
-  else:  # the sink: a logit with value 0, counted from the start
-    m = np.full((bq,), em.in_base(sink, "softmax_stats", base2), c)
-    l_ = np.ones((bq,), c)
+  acc, m, l_, mma = _initial_state(em, qb.shape, sink)
+  visited = 0
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   oa = lambda x: em.r(x, "out_accum")  # noqa: E731
   exp = lambda x: em.exp(x, base2)  # noqa: E731
@@ -184,8 +180,8 @@ def _forward_rows(
     if scheme == "fa2":
       p = exp(st(s - m_use[:, None]))
       l_ = st(st(alpha * l_) + row_sum(p))
-      pv = oa(probs_times_values(em, p, vb, sv))
-      acc = oa(oa(oa(alpha)[:, None] * acc) + pv)
+      acc, mma = _fa2_output(em, acc, mma, alpha, (p, vb, sv), visited)
+      visited += 1
     else:
       m_ref = np.where(m_block == -np.inf, m_use, m_block)
       p = exp(st(s - m_ref[:, None]))
@@ -198,10 +194,50 @@ def _forward_rows(
       new_w = oa(st(beta / l_safe))
       acc = oa(oa(old_w[:, None] * acc) + oa(new_w[:, None] * pv))
     m = m_new
+  if mma is not None:
+    acc = promote(em, acc, mma)
   if scheme == "fa2":
     l_safe = np.where(l_ == 0, c(1), l_)
     acc = oa(acc * oa(st(c(1.0) / l_safe))[:, None])
   return acc, m, l_
+
+
+def _initial_state(em, shape, sink):
+  """(O, m, l, MMA accumulator or None) before the first key tile: the
+  sink is a logit with value 0, counted from the start; with two-level
+  accumulation (mma_chunk, promote_every != 1) P V is held in the MMA
+  accumulator, counted in visited tiles."""
+  bq, d = shape
+  c = em.carrier
+  if sink is None:
+    m = np.full((bq,), -np.inf, c)
+    l_ = np.zeros((bq,), c)
+  else:
+    m = np.full((bq,), em.in_base(sink, "softmax_stats", em.options["exp2"]), c)
+    l_ = np.ones((bq,), c)
+  mma = None
+  if em.options["mma_chunk"] and em.options["promote_every"] != 1:
+    mma = (np.zeros((bq, d), c), c(1))
+  return np.zeros((bq, d), c), m, l_, mma
+
+
+def _fa2_output(em, acc, mma, alpha, tile, visited):
+  """O = alpha O + P V for one key tile (`tile`: P, V, V's scales); with
+  `mma` P V stays in the MMA accumulator across tiles (two levels)."""
+  p, vb, sv = tile
+  oa = lambda x: em.r(x, "out_accum")  # noqa: E731
+  if mma is not None:
+
+    def add_pv(t):
+      return mma_pv(em, p, vb, sv, t, per_channel(em))
+
+    return two_level_step(em, acc, mma, alpha, add_pv, visited)
+  if em.options["mma_chunk"]:
+    pv, descale = mma_pv(em, p, vb, sv, None, per_channel(em))
+    pv = oa((pv * descale).astype(em.carrier))
+  else:
+    pv = oa(probs_times_values(em, p, vb, sv))
+  return oa(oa(oa(alpha)[:, None] * acc) + pv), mma
 
 
 def _probs_and_ds(em, x, f, qs, ks, block_q, block_k):

@@ -21,6 +21,13 @@ GPU_PRESETS = [
   for p in sa.preset_names()
   if p != "fp64" and not sa.Precision.from_name(p).quantizes
 ] + ["bf16-fa2+exp2=on", "bf16+exp2=on"]  # the softmax in base 2
+# The tensor core's accumulator: one level, promoted every 4 tiles, and a
+# 16-bit policy's chunked MMA.
+ACCUMULATOR_POLICIES = [
+  "fp8-fa3-hopper",
+  "fp8-fa3-two-level+promote_every=4",
+  "bf16-fa2+mma_chunk=16+matmul_accum=bf16+mma_rounding=truncate",
+]
 # Every preset except FP64 compiles: half-precision arithmetic runs in FP32
 # and each result is rounded by a cast, a real rounding in a Triton kernel.
 CONFIGS = [
@@ -196,7 +203,7 @@ def test_compiled_kernel_passes_fa_rule_on_gpu(precision, tiles, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", GPU_PRESETS)
+@pytest.mark.parametrize("precision", GPU_PRESETS + ACCUMULATOR_POLICIES)
 def test_compiled_kernel_rounds_like_interpret_mode(precision):
   """Compiled (casts) and interpreted (reduce_precision) roundings agree."""
   q, k, v = (
@@ -313,6 +320,23 @@ LOW_POLICIES = [
   "fp8-fa3+scaling=mx",
   "fp4-nvfp4",
 ]
+
+
+@pytest.mark.parametrize("precision", ACCUMULATOR_POLICIES)
+def test_mma_accumulator_presets_lower_for_cuda(precision):
+  """Chunked dots, the truncating accumulator (bit operations) and the
+  promotion's select lower to Triton, forward and backward."""
+  q = jax.ShapeDtypeStruct((1, 320, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = sa.attention(
+      q, k, v, precision=precision, block_k=32, interpret=False
+    )
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stableattn_flash_forward_fa2" in text
 
 
 @pytest.mark.parametrize("precision", sampled(LOW_POLICIES, 2))

@@ -133,6 +133,12 @@ class Options:
         f"Unknown scheme {self.scheme!r}; valid: {list(SCHEMES)}."
       )
     put("tie_beta", _tie_beta(self.tie_beta))
+    if self.scheme != "fa2" and self.precision.mma_chunk:
+      raise ValueError(
+        f"The MMA accumulator options (mma_chunk) model FlashAttention-2's "
+        f"and -3's rescaling; scheme={self.scheme!r} renormalizes every "
+        "tile. Use scheme='fa2'."
+      )
     if self.tie_beta is not None and self.precision.exp2:
       raise ValueError(
         f"tie_beta={self.tie_beta} shifts natural-log scores; the policy "

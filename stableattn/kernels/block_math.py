@@ -9,6 +9,7 @@ scores.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -58,11 +59,12 @@ def block_scores(
   Returns:
     (S, tanh of the softcap or None), both [block_q, block_k].
   """
+  dot = ar.mma_dot if ar.policy.mma_chunk else ar.dot
   if scales is None:
-    product = ar.dot(q_BqxD, k_BkxD, NT_DIMS)
+    product = dot(q_BqxD, k_BkxD, NT_DIMS)
   else:
     q_scale, k_scale = scales
-    product = ar.dot(
+    product = dot(
       q_BqxD * (1.0 / q_scale)[:, None],
       k_BkxD * (1.0 / k_scale)[:, None],
       NT_DIMS,
@@ -172,20 +174,42 @@ def probs_times_values(
   p_scale). (Divisions are written as reciprocal products, which XLA
   would make of them anyway.)
   """
+  return descaled(
+    ar, *raw_probs_times_values(p_BqxBk, v_BkxD, ar, v_scale, per_channel)
+  )
+
+
+def descaled(ar: PolicyArithmetic, pv, descale):
+  """P V times its descale factor (if any), in `out_accum`."""
+  return ar.round(pv if descale is None else pv * descale, "out_accum")
+
+
+def raw_probs_times_values(
+  p_BqxBk,
+  v_BkxD,
+  ar: PolicyArithmetic,
+  v_scale=None,
+  per_channel=False,
+  acc=None,
+):
+  """(P V before descaling, the descale factor or None): the matmul of
+  `probs_times_values`. With the MMA accumulator (policy option
+  mma_chunk) the product is added into `acc` chunk by chunk of keys."""
+  if ar.policy.mma_chunk:
+    dot = functools.partial(ar.mma_dot, acc=acc)
+  else:
+    dot = ar.dot
   p_scale = ar.policy.p_scale
   if v_scale is None and p_scale == 1.0:
-    pv = ar.dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS)
-    return ar.round(pv, "out_accum")
+    return dot(ar.round(p_BqxBk, "probs"), v_BkxD, NN_DIMS), None
   dtype = p_BqxBk.dtype
   p_hat = ar.round_probs(p_BqxBk * jnp.asarray(p_scale, dtype))
   if v_scale is None:
-    pv = ar.dot(p_hat, v_BkxD, NN_DIMS, probs=True)
-    descale = jnp.asarray(1.0 / p_scale, dtype)
-  elif per_channel:
-    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[None, :], NN_DIMS, probs=True)
-    descale = (v_scale * jnp.asarray(1.0 / p_scale, dtype))[None, :]
-  else:
-    pv = ar.dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS, probs=True)
-    # One value over the tile (a max: Triton cannot slice a vector).
-    descale = jnp.max(v_scale) * jnp.asarray(1.0 / p_scale, dtype)
-  return ar.round(pv * descale, "out_accum")
+    pv = dot(p_hat, v_BkxD, NN_DIMS, probs=True)
+    return pv, jnp.asarray(1.0 / p_scale, dtype)
+  if per_channel:
+    pv = dot(p_hat, v_BkxD * (1.0 / v_scale)[None, :], NN_DIMS, probs=True)
+    return pv, (v_scale * jnp.asarray(1.0 / p_scale, dtype))[None, :]
+  pv = dot(p_hat, v_BkxD * (1.0 / v_scale)[:, None], NN_DIMS, probs=True)
+  # One value over the tile (a max: Triton cannot slice a vector).
+  return pv, jnp.max(v_scale) * jnp.asarray(1.0 / p_scale, dtype)

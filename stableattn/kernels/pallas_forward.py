@@ -26,8 +26,9 @@ from jax.experimental import pallas as pl
 from stableattn.contract.masking import MaskOperands, logits_in_base
 from stableattn.kernels.block_math import (
   block_scores,
+  descaled,
   no_key_safe,
-  probs_times_values,
+  raw_probs_times_values,
   row_sum,
   stats_exp,
   stored_lse,
@@ -59,9 +60,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   def stats(x):
     return ar.round(x, "softmax_stats")
 
-  def accum(x):
-    return ar.round(x, "out_accum")
-
   q_start = pl.program_id(0) * block_q
   q_BqxD = q_ref[...]
   forward_order = cfg.policy.key_order == "forward"
@@ -70,7 +68,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   first, end, split = _key_blocks(cfg, tiles)
 
   def body(step, carry):
-    acc_BqxD, m_Bq, l_Bq = carry
+    acc_BqxD, m_Bq, l_Bq, mma = carry
     # Key blocks in order, or last to first (policy option key_order).
     k_index = step if forward_order else first + end - 1 - step
     k_start = pl.multiple_of(k_index * block_k, block_k)
@@ -97,29 +95,102 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     # A row with no key so far keeps m = -inf; subtract 0 instead.
     m_use_Bq = no_key_safe(m_new_Bq)
     alpha_Bq = stats_exp(stats(m_Bq - m_use_Bq), ar, base2)
-    if cfg.scheme == "fa2":
-      p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar, base2)
-      l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
-      pv_BqxD = probs_times_values(
-        p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel
+
+    def times_values(p_BqxBk, acc=None):
+      return raw_probs_times_values(
+        p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel, acc=acc
       )
-      acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
+
+    stats_Bq = (m_block_Bq, m_use_Bq, alpha_Bq, l_Bq)
+    if cfg.scheme == "fa2":
+      acc_BqxD, l_new_Bq, mma = _fa2_update(
+        cfg, step - first, s_BqxBk, stats_Bq, (acc_BqxD, mma), times_values
+      )
     else:
       acc_BqxD, l_new_Bq = _fa1_update(
         ar,
         base2,
         s_BqxBk,
-        (m_block_Bq, m_use_Bq, alpha_Bq, l_Bq),
+        stats_Bq,
         acc_BqxD,
-        lambda p: probs_times_values(
-          p, v_BkxD, ar, v_scale, tiles.v_per_channel
-        ),
+        lambda p: descaled(ar, *times_values(p)),
       )
-    return acc_BqxD, m_new_Bq, l_new_Bq
+    return acc_BqxD, m_new_Bq, l_new_Bq, mma
 
   init = _initial_state(tiles, ar, block_q, head_dim_padded, split)
-  carry = lax.fori_loop(first, end, body, init)
+  acc_BqxD, m_Bq, l_Bq, mma = lax.fori_loop(first, end, body, init)
+  if mma:
+    acc_BqxD = _promote(ar, acc_BqxD, mma)
+  carry = acc_BqxD, m_Bq, l_Bq
   _store(carry, cfg, ar, o_ref, lse_ref, partial=split is not None)
+
+
+def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):
+  """FlashAttention-2's step: P against the running max, l = alpha l +
+  rowsum(P), O = alpha O + P V, with P V in the MMA accumulator across
+  tiles if the policy keeps it there (`mma` in `o_state`). `pv(p, acc)`
+  is P V before descaling, and the descale. Returns (O, l, mma)."""
+  ar, base2 = cfg.arithmetic, cfg.policy.exp2
+  _, m_use_Bq, alpha_Bq, l_Bq = stats_Bq
+  acc_BqxD, mma = o_state
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  def accum(x):
+    return ar.round(x, "out_accum")
+
+  p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar, base2)
+  l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
+  if mma:
+    acc_BqxD, mma = _two_level_update(
+      ar,
+      cfg.policy.promote_every,
+      visited,
+      (acc_BqxD, alpha_Bq),
+      mma,
+      functools.partial(pv, p_BqxBk),
+    )
+    return acc_BqxD, l_new_Bq, mma
+  pv_BqxD = descaled(ar, *pv(p_BqxBk))
+  acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
+  return acc_BqxD, l_new_Bq, mma
+
+
+def _two_level_update(ar, every: int, visited, o_state, mma, raw_pv):
+  """One key tile with the running P V in the MMA accumulator (policy
+  options mma_chunk, promote_every != 1): both accumulators rescaled by
+  alpha in FP32, P V added into the MMA one chunk by chunk, and every
+  `every` tiles (never if 0) the MMA accumulator, descaled, added into
+  the FP32 output accumulator and restarted from zero."""
+  acc_BqxD, alpha_Bq = o_state
+  t_BqxD, _ = mma
+
+  def accum(x):
+    return ar.round(x, "out_accum")
+
+  alpha = accum(alpha_Bq)[:, None]
+  t_BqxD, descale = raw_pv(acc=accum(alpha * t_BqxD))
+  descale_Bq = jnp.broadcast_to(
+    jnp.ones((), t_BqxD.dtype) if descale is None else descale,
+    alpha_Bq.shape,
+  )
+  acc_BqxD = accum(alpha * acc_BqxD)
+  if every == 0:
+    return acc_BqxD, (t_BqxD, descale_Bq)
+  count = jnp.asarray(visited, jnp.int32) + jnp.int32(1)
+  promote = lax.rem(count, jnp.int32(every)) == jnp.int32(0)
+  promoted = _promote(ar, acc_BqxD, (t_BqxD, descale_Bq))
+  acc_BqxD = jnp.where(promote, promoted, acc_BqxD)
+  t_BqxD = jnp.where(promote, jnp.zeros_like(t_BqxD), t_BqxD)
+  return acc_BqxD, (t_BqxD, descale_Bq)
+
+
+def _promote(ar, acc_BqxD, mma):
+  """The output accumulator plus the MMA accumulator, descaled, in FP32."""
+  t_BqxD, descale_Bq = mma
+  pv = ar.round(t_BqxD * descale_Bq[:, None], "out_accum")
+  return ar.round(acc_BqxD + pv, "out_accum")
 
 
 def _key_blocks(cfg: KernelConfig, tiles):
@@ -196,7 +267,11 @@ def _initial_state(tiles, ar, block_q: int, head_dim_padded: int, split):
     else:
       m_init = jnp.where(split == 0, m_sink, m_init)
       l_init = jnp.where(split == 0, l_sink, l_init)
-  return jnp.zeros((block_q, head_dim_padded), carrier), m_init, l_init
+  acc = jnp.zeros((block_q, head_dim_padded), carrier)
+  mma = ()
+  if ar.policy.mma_chunk and ar.policy.promote_every != 1:
+    mma = (jnp.zeros_like(acc), jnp.ones((block_q,), carrier))
+  return acc, m_init, l_init, mma
 
 
 def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref, partial: bool):

@@ -95,6 +95,9 @@ class Precision:
   key_order: str = "forward"
   smooth_k: bool = False
   exp2: bool = False
+  mma_chunk: int = 0
+  mma_rounding: str = "nearest"
+  promote_every: int = 1
 
   def __post_init__(self):
     for stage in STAGES:
@@ -318,6 +321,7 @@ def _low_presets() -> dict[str, Precision]:
     p_scale=448.0,
     **fp8,
   )
+  presets.update(_accumulator_presets(fp8))
   # An NVFP4 attention (SageAttention 3's format, arXiv 2505.11594): Q, K,
   # P and V in e2m1 with one e4m3 scale per 16 values along each matmul's
   # contraction and one FP32 scale per tensor (P's static); FP32 softmax.
@@ -327,6 +331,37 @@ def _low_presets() -> dict[str, Precision]:
     softmax_stats="fp32",
     scaling="nvfp4",
     **{**fp8, "matmul_operands": "fp4_e2m1", "probs": "fp4_e2m1"},
+  )
+  return presets
+
+
+def _accumulator_presets(fp8: dict) -> dict:
+  """FP8 presets with the tensor core's accumulator (`mma_chunk`)."""
+  presets = {}
+  # FlashAttention-3's FP8 forward on Hopper as vLLM serves it before
+  # two-level accumulation (vllm #23813, #15865): BF16 model, Q, K, V and P
+  # in e4m3 with per-tensor scales, no rotation; the WGMMA accumulator adds
+  # 32 products at a time keeping about 14 significant bits, truncating
+  # (DeepSeek-V3, arXiv 2412.19437, section 3.3.2: fp22 here), and the
+  # running output stays in it for the whole row.
+  hopper = dict(
+    fp8,
+    inputs="bf16",
+    output="bf16",
+    matmul_accum="fp22",
+    scores="fp32",
+    softmax_stats="fp32",
+    scaling="tensor",
+    mma_chunk=32,
+    mma_rounding="truncate",
+  )
+  presets["fp8-fa3-hopper"] = Precision(
+    name="fp8-fa3-hopper", promote_every=0, **hopper
+  )
+  # The fix: each key tile's P V promoted into an FP32 accumulator
+  # (vllm-project/flash-attention #104, Dao-AILab/flash-attention #2250).
+  presets["fp8-fa3-two-level"] = Precision(
+    name="fp8-fa3-two-level", promote_every=1, **hopper
   )
   return presets
 

@@ -54,6 +54,22 @@ QUANT_OPTIONS = {
   # rotation and scaling: each score row moves by one constant, which
   # softmax removes (SageAttention's smoothing of K; not with a softcap).
   "smooth_k": (False, True),
+  # The tensor core's accumulator (forward kernel, any policy). With
+  # mma_chunk = k > 0 a matmul adds its reduction k products at a time
+  # (the MMA's depth: 32 for FP8 WGMMA, 16 for BF16) into an accumulator
+  # held in `matmul_accum`, each add rounded by mma_rounding: QK^T over the
+  # head dim from zero, P V over a tile's keys into the running output.
+  # Hopper's FP8 accumulator keeps about 14 bits (DeepSeek-V3, arXiv
+  # 2412.19437, section 3.3.2): fp22 with truncation. 0: the whole
+  # reduction summed in the carrier and rounded once.
+  "mma_chunk": "an integer >= 0",
+  "mma_rounding": ("nearest", "truncate"),
+  # Two-level accumulation: the P V accumulator is added into an FP32
+  # output accumulator (and restarted) every n key tiles; 0 keeps the
+  # running output in the MMA accumulator for the whole row, rescaled by
+  # exp(m_old - m_new) in FP32 every tile (FlashAttention-3's FP8 kernel
+  # before vllm-project/flash-attention #104). 1 is today's kernel.
+  "promote_every": "an integer >= 0",
 }
 # Values per shared scale of each microscaling.
 MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
@@ -64,6 +80,9 @@ DEFAULT_OPTIONS = {
   "key_order": "forward",
   "smooth_k": False,
   "exp2": False,
+  "mma_chunk": 0,
+  "mma_rounding": "nearest",
+  "promote_every": 1,
 }
 
 
@@ -83,6 +102,14 @@ def parse_option(option: str, text: str, name: str):
     raise ValueError(
       f"Bad value {text!r} for {option} in precision {name!r}; valid: on, off."
     )
+  if option in ("mma_chunk", "promote_every"):
+    try:
+      return int(text)
+    except ValueError:
+      raise ValueError(
+        f"Bad value {text!r} for {option} in precision {name!r}; give an "
+        "integer >= 0, e.g. 32."
+      ) from None
   if option == "p_scale":
     try:
       return float(text)
@@ -96,6 +123,7 @@ def parse_option(option: str, text: str, name: str):
 
 def check_quant_options(policy: Precision) -> None:
   """Raises ValueError for options that are unknown or meaningless."""
+  _check_accumulator(policy)
   for option in ("scaling", "key_order"):
     valid = QUANT_OPTIONS[option]
     if getattr(policy, option) not in valid:
@@ -144,3 +172,41 @@ def check_quant_options(policy: Precision) -> None:
           f"bits (fp8_e4m3, fp8_e5m2, fp4_e2m1, int8); this policy's are "
           f"{policy.matmul_operands}."
         )
+
+
+# Formats with FP32's exponent, whose FP32 bit pattern truncates.
+TRUNCATING_FORMATS = ("fp32", "fp22", "bf16")
+
+
+def _check_accumulator(policy: Precision) -> None:
+  """The MMA accumulator options: valid, and meaningful together."""
+  for option in ("mma_chunk", "promote_every"):
+    value = getattr(policy, option)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      raise ValueError(f"{option} must be an integer >= 0, got {value!r}.")
+  if policy.mma_rounding not in QUANT_OPTIONS["mma_rounding"]:
+    raise ValueError(
+      f"Unknown mma_rounding {policy.mma_rounding!r}; valid: "
+      f"{list(QUANT_OPTIONS['mma_rounding'])}."
+    )
+  if policy.mma_chunk == 0 and (
+    policy.mma_rounding != "nearest" or policy.promote_every != 1
+  ):
+    raise ValueError(
+      "mma_rounding and promote_every describe the chunked MMA "
+      "accumulator: give mma_chunk (e.g. 32 for FP8 WGMMA) with them."
+    )
+  if (
+    policy.mma_rounding == "truncate"
+    and policy.matmul_accum not in TRUNCATING_FORMATS
+  ):
+    raise ValueError(
+      f"mma_rounding=truncate needs an accumulator with FP32's exponent "
+      f"({list(TRUNCATING_FORMATS)}), not {policy.matmul_accum}."
+    )
+  if policy.promote_every != 1 and policy.scaling not in ("none", "tensor"):
+    raise ValueError(
+      f"promote_every={policy.promote_every} keeps P V of several key tiles "
+      f"in one accumulator, which needs one V scale for all of them "
+      f"(scaling none or tensor), not scaling={policy.scaling}."
+    )

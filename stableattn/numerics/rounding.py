@@ -116,6 +116,16 @@ def _round_fp32_bits(x, mantissa_bits: int):
   return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def truncate_fp32_bits(x, mantissa_bits: int):
+  """FP32 x rounded toward zero at `mantissa_bits` fraction bits: the low
+  bits of its pattern cleared (a tensor core's truncating accumulator)."""
+  drop = 23 - mantissa_bits
+  if drop == 0:
+    return x
+  bits = lax.bitcast_convert_type(x, jnp.int32)
+  return lax.bitcast_convert_type(bits & ~((1 << drop) - 1), jnp.float32)
+
+
 def carrier_dtype(policy: Precision) -> np.dtype:
   """The format every value of `policy` is held and computed in."""
   return jnp.dtype(jnp.float64 if policy.uses_fp64 else jnp.float32)
@@ -319,6 +329,37 @@ class PolicyArithmetic:
       preferred_element_type=self.carrier,
     )
     return self.round(out, "matmul_accum")
+
+  def round_accumulator(self, x):
+    """x rounded to `matmul_accum` as the MMA accumulator adds: to nearest,
+    or toward zero (`mma_rounding=truncate`)."""
+    if self.policy.mma_rounding == "nearest":
+      return self.round(x, "matmul_accum")
+    bits = FORMAT_BITS[self.policy.matmul_accum][1]
+    return truncate_fp32_bits(x.astype(jnp.float32), bits).astype(self.carrier)
+
+  def mma_dot(self, a, b, dims, *, acc=None, probs: bool = False):
+    """`dot` as a tensor core accumulates (policy option mma_chunk = k):
+    the contraction (a's axis 1) k products at a time, each chunk's sum
+    added into the accumulator `acc` (zero if None) and rounded by
+    `round_accumulator`. A chunk is formed by zeroing a's other columns,
+    which adds exact zeros: no slicing, which Triton has none of."""
+    a = self._first_operand(a, probs)
+    b = self._operand(b)
+    chunk, length = self.policy.mma_chunk, a.shape[1]
+    column = lax.broadcasted_iota(jnp.int32, a.shape, 1)
+    zero = jnp.zeros((), a.dtype)
+    for start in range(0, length, chunk):
+      inside = (column >= start) & (column < start + chunk)
+      part = lax.dot_general(
+        jnp.where(inside, a, zero),
+        b,
+        dims,
+        precision=self._matmul_precision,
+        preferred_element_type=self.carrier,
+      )
+      acc = self.round_accumulator(part if acc is None else acc + part)
+    return acc
 
   def einsum(self, spec: str, a, b, *, probs: bool = False):
     """`dot` for an einsum spec (the reference implementation's matmuls)."""

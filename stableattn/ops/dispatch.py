@@ -250,6 +250,21 @@ def _check_implementation_options(
   """Raises for options the chosen implementation does not have."""
   if implementation == "xla":
     _check_xla(cfg)
+  changed = [
+    text
+    for text, used in (
+      ("exp2=on", cfg.policy.exp2 and implementation == "xla"),
+      (f"mma_chunk={cfg.policy.mma_chunk}", cfg.policy.mma_chunk),
+    )
+    if used
+  ]
+  if changed and implementation != "pallas":
+    raise ValueError(
+      f"{', '.join(changed)} in precision {cfg.policy.name!r} describes "
+      f"how a flash kernel computes; implementation={implementation!r} "
+      "cannot: use 'pallas' (the Baseline follows exp2, not the MMA "
+      "accumulator)."
+    )
   if cfg.policy.smooth_k and cfg.mask.softcap is not None:
     raise ValueError(
       "smooth_k=on subtracts K's mean, which moves each score row by a "

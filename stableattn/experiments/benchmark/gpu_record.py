@@ -365,6 +365,12 @@ def write(folder, workdir) -> dict:
     f"tests: {s['gpu_tests']['passed']} passed, {s['gpu_tests']['failed']} "
     f"failed (`{s['gpu_tests']['command']}`)."
   )
+  extra = s.get("gpu_tests_accumulator")
+  if extra:
+    head += (
+      f" The MMA accumulator presets compiled against interpret mode: "
+      f"{extra['passed']} passed, {extra['failed']} failed."
+    )
   parts = [head] + [
     f"## {name}\n\n{text}" for name, text in sections(record).items() if text
   ]
