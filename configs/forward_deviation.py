@@ -66,6 +66,7 @@ OPT_IN = (
   "fp8_stages",
   "inference",
   "context_parallel",
+  "long_context",
 )
 SMOKE_SKIPS = ("fp8_underflow", "sage_fp8", "fp8_stages", "context_parallel")
 
@@ -204,6 +205,21 @@ def _further_studies(c: ml_collections.ConfigDict) -> None:
   c.context_parallel.vary_at = 4
   c.context_parallel.seq_len = 512
   c.context_parallel.seeds = 2
+  # Long context and the tensor core's accumulator: decode rows over up to
+  # 128K keys, FP64 for those rows only
+  c.long_context = ml_collections.ConfigDict()
+  c.long_context.lengths = (1024, 4096, 16384, 65536, 131072)
+  c.long_context.policies = (
+    "bf16-fa2,fp16-fa2,fp8 (FP32 accumulator),"
+    "fp8-fa3 (block scales + rotation),fp8 one-level (Hopper),"
+    "fp8 one-level (nearest),two-level n=1,two-level n=4,two-level n=64"
+  )
+  c.long_context.distributions = "normal,outliers,sink,needle"
+  c.long_context.query_rows = 16  # decode rows per sequence
+  c.long_context.batch = 4  # sequences per point: 64 needles a seed
+  c.long_context.head_dim = 128
+  c.long_context.block_k = 128
+  c.long_context.seeds = 3
 
 
 def _default() -> ml_collections.ConfigDict:
@@ -320,6 +336,16 @@ SMOKE = {
   "context_parallel.vary_at": 0,
   "context_parallel.seq_len": 64,
   "context_parallel.seeds": 1,
+  "long_context.lengths": (128, 256, 512),
+  "long_context.policies": (
+    "fp8 (FP32 accumulator),fp8 one-level (Hopper),two-level n=1,"
+    "two-level n=4,two-level n=64"
+  ),
+  "long_context.query_rows": 4,
+  "long_context.batch": 1,
+  "long_context.head_dim": 32,
+  "long_context.block_k": 32,
+  "long_context.seeds": 1,
 }
 
 VARIANTS = {"default": {}, "paper": PAPER, "smoke": SMOKE}

@@ -24,6 +24,7 @@ STUDY_MODULES = (
   "fp8_stages",
   "inference",
   "context_parallel",
+  "long_context",
 )
 
 
