@@ -43,8 +43,10 @@ baseline keeps P in FP16 (length 2048, head dims 128-256);
 with `fp8_stages`: Q, K and V in e4m3 set fp8-fa3's error, not P; with
 `fp8_underflow`: key order and P's scale matter only with P alone in
 e4m3 and peaked (outlier) rows; with `sage_fp8`: smoothing K helps where
-K has a channel bias. The report computes each of these verdicts from its
-rows.
+K has a channel bias; with `long_context` (4.5 minutes, to 131,072 keys):
+Hopper's one-level truncating FP8 accumulator doubles the error at 128K
+keys with normal inputs, two-level accumulation restores it. The report
+computes each of these verdicts from its rows.
 """
 
 import ml_collections

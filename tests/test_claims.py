@@ -146,6 +146,11 @@ def test_every_paper_claim_has_one_study():
     "inference_fp32_partials",
     "inference_heuristic_split",
     "inference_split_error",
+    "lc_cause",
+    "lc_grows",
+    "lc_interval",
+    "lc_needle",
+    "lc_restored",
   ]
 
 

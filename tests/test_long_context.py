@@ -76,10 +76,15 @@ def _summary(one_level, two_level, control, lengths=(1024, 4096, 16384)):
 def test_verdicts_follow_the_rows():
   grows = _summary([0.05, 0.08, 0.12], [0.05, 0.05, 0.05], [0.05] * 3)
   assert report.grows(grows)["verdict"] == "reproduced"
+  assert report.cause(grows)["verdict"] == "reproduced"
   assert report.restored(grows)["verdict"] == "reproduced"
   assert report.trade_off(grows)["verdict"] == "reproduced"
   flat = _summary([0.05] * 3, [0.06, 0.07, 0.08], [0.05] * 3)
   assert report.grows(flat)["verdict"] == "not reproduced"
+  # Both grow alike: the growth is the operands', not the accumulator's.
+  alike = _summary([0.05, 0.08, 0.12], [0.05] * 3, [0.05, 0.08, 0.12])
+  assert report.grows(alike)["verdict"] == "reproduced"
+  assert report.cause(alike)["verdict"] == "not reproduced"
   assert report.restored(flat)["verdict"] == "not reproduced"
   assert report.trade_off(flat)["verdict"] == "not reproduced"
   with pytest.raises(ValueError, match="at least 3"):

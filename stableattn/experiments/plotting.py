@@ -129,9 +129,15 @@ def line_panels(
   handles = [
     plt.Line2D([], [], color=colours[label], marker="o") for label in labels
   ]
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels))
+  # As many legend columns as the figure's width holds (about 100
+  # characters at 8.4 inches; a column is as wide as its longest label),
+  # the panels raised above the legend's lines.
+  column = max(len(label) for label in labels) + 8
+  per_line = max(1, min(len(labels), 100 * columns // (2 * column)))
+  lines = -(-len(labels) // per_line)
+  fig.legend(handles, labels, loc="lower center", ncol=per_line)
   fig.suptitle(title)
-  fig.tight_layout(rect=(0, 0.06, 1, 1))
+  fig.tight_layout(rect=(0, 0.01 + lines * 0.3 / (2.9 * rows), 1, 1))
   fig.savefig(path)
   plt.close(fig)
   return pathlib.Path(path)

@@ -76,6 +76,50 @@ def grows_evidence(claim) -> str:
   )
 
 
+def cause(rows) -> dict:
+  """The narrow accumulator is what grows: the one-level error over the
+  FP32-accumulator control's (same FP8 operands) grows with length,
+  per input; the control's own slope is reported beside it."""
+  rows = _rows(rows)
+  found = []
+  for dist in ERROR_INPUTS:
+    one_level = dict(_series(rows, ONE_LEVEL, dist))
+    control = dict(_series(rows, CONTROL, dist))
+    lengths = sorted(set(one_level) & set(control))
+    if len(lengths) < 3:
+      continue
+    ratios = [one_level[n] / control[n] for n in lengths]
+    slope, _ = power_law(lengths, ratios)
+    control_slope, _ = power_law(lengths, [control[n] for n in lengths])
+    found.append(
+      {
+        "distribution": dist,
+        "slope": slope,
+        "control_slope": control_slope,
+        "last": ratios[-1],
+        "length": lengths[-1],
+        "holds": slope > FLAT_SLOPE,
+      }
+    )
+  if not found:
+    raise ValueError(
+      f"long_context: {ONE_LEVEL!r} and {CONTROL!r} at 3 lengths needed."
+    )
+  return {
+    "verdict": verdict(sum(f["holds"] for f in found), len(found)),
+    "series": found,
+  }
+
+
+def cause_evidence(claim) -> str:
+  return "; ".join(
+    f"{f['distribution']}: one level / FP32 accumulator slope "
+    f"{f['slope']:+.2f} ({f['last']:.2f}x at {f['length']}), the FP32 "
+    f"accumulator's own slope {f['control_slope']:+.2f}"
+    for f in claim["series"]
+  )
+
+
 def restored(rows) -> dict:
   """Two-level accumulation (n = 1) has the FP32 accumulator's error
   (within RESTORED) at every length and input."""
@@ -178,6 +222,13 @@ CLAIMS = {
     "accumulator (vllm #15865, #23813)",
     grows,
     grows_evidence,
+  ),
+  "lc_cause": Claim(
+    "the growth is the narrow accumulator's: one level over the same FP8 "
+    "operands with an FP32 accumulator grows with context "
+    "(vllm #23813, DeepSeek-V3 3.3.2)",
+    cause,
+    cause_evidence,
   ),
   "lc_restored": Claim(
     "two-level accumulation (n = 1) restores the FP32 accumulator's error "
