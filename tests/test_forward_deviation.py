@@ -110,6 +110,11 @@ def test_headline_claims_follow_from_the_measured_rows(smoke_run):
     "inference_heuristic_split",
     "inference_split_error",
     "inference_fp32_partials",
+    "lc_cause",
+    "lc_grows",
+    "lc_interval",
+    "lc_needle",
+    "lc_restored",
   }
   assert headline["claims"] == json.loads(json.dumps(result["claims"]))
   fig4 = headline["claims"]["fig4"]

@@ -29,7 +29,12 @@ import numpy as np
 from stableattn.contract.golden import golden_attention
 from stableattn.experiments.config_values import spec
 from stableattn.experiments.forward import long_context_report
-from stableattn.experiments.forward.study import Study, policies, row
+from stableattn.experiments.forward.study import (
+  Study,
+  deviation_values,
+  policies,
+  row,
+)
 from stableattn.numerics.rounding import round_to
 from stableattn.ops.dispatch import attention
 
@@ -197,7 +202,10 @@ class LongContext(Study):
     return [
       row(
         {"comparison": label, "policy": POLICIES[label]},
-        _values(out, gold, axes, control),
+        {
+          **deviation_values(gold, out),
+          **_values(out, gold, axes, control),
+        },
       )
       for label, out in outs.items()
     ]
