@@ -43,7 +43,7 @@ baseline keeps P in FP16 (length 2048, head dims 128-256);
 with `fp8_stages`: Q, K and V in e4m3 set fp8-fa3's error, not P; with
 `fp8_underflow`: key order and P's scale matter only with P alone in
 e4m3 and peaked (outlier) rows; with `sage_fp8`: smoothing K helps where
-K has a channel bias; with `long_context` (4.5 minutes, to 131,072 keys):
+K has a channel bias; with `long_context` (4.6 minutes, to 131,072 keys):
 Hopper's one-level truncating FP8 accumulator doubles the error at 128K
 keys with normal inputs, two-level accumulation restores it. The report
 computes each of these verdicts from its rows.
@@ -213,7 +213,8 @@ def _further_studies(c: ml_collections.ConfigDict) -> None:
   c.long_context.lengths = (1024, 4096, 16384, 65536, 131072)
   c.long_context.policies = (
     "bf16-fa2,fp16-fa2,fp8 (FP32 accumulator),"
-    "fp8-fa3 (block scales + rotation),fp8 one-level (Hopper),"
+    "fp8-fa3 (block scales + rotation),fp8 KV cache (BF16 Q),"
+    "fp8 one-level (Hopper),"
     "fp8 one-level (nearest),two-level n=1,two-level n=4,two-level n=64"
   )
   c.long_context.distributions = "normal,outliers,sink,needle"

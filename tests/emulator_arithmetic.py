@@ -10,6 +10,7 @@ import math
 
 import ml_dtypes
 import numpy as np
+from emulator_kv_cache import read_from_cache
 from emulator_mma import mma_dot
 
 FORMATS = {
@@ -98,6 +99,7 @@ class Emulator:
       mma_chunk=0,
       mma_rounding="nearest",
       promote_every=1,
+      kv_cache="none",
     )
     self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32
@@ -440,6 +442,7 @@ def prepared_inputs(stages, options, qkv, block_q, block_k):
   bits, quantized, their scales or None): where every algorithm starts."""
   em = Emulator(stages, options)
   q, k, v = (em.r(x, "inputs") for x in qkv)
+  k, v = read_from_cache(em, k, v, cast)
   scales = None
   if em.quantizes:
     q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)

@@ -9,9 +9,13 @@ from helpers import random_qkv
 
 import stableattn as sa
 
-# Policies of 16 bits or more; FP8/FP4/INT8 policies have their own tests.
+# Policies of 16 bits or more with no option set; FP8/FP4/INT8 policies
+# and the FP8 KV cache (test_kv_cache.py) have their own tests.
 PRESETS = [
-  p for p in sa.preset_names() if not sa.Precision.from_name(p).quantizes
+  p
+  for p in sa.preset_names()
+  if not sa.Precision.from_name(p).quantizes
+  and sa.Precision.from_name(p).kv_cache == "none"
 ]
 HALF_OUTPUT = [p for p in PRESETS if not p.startswith("fp32") and p != "fp64"]
 # (q_len, kv_len, heads, kv_heads, head_dim, block_q, block_k, causal):

@@ -42,6 +42,7 @@ from stableattn.numerics.rounding import (
   LOW_FORMATS,
   PolicyArithmetic,
   micro_round,
+  round_to,
 )
 
 # The rotation's random signs come from this seed (one matrix per head dim).
@@ -145,6 +146,24 @@ def row_scales(x, policy: Precision, block: int):
 def _scale(amax, largest: float):
   scale = amax * jnp.asarray(1.0 / largest, jnp.float32)
   return jnp.where(scale > 0, scale, jnp.ones_like(scale))
+
+
+def read_from_cache(k, v, policy: Precision):
+  """(k, v) as attention reads them from the policy's KV cache: unchanged,
+  or (kv_cache=fp8_e4m3) stored as round(x / s) in e4m3 with s = amax /
+  448 over the tensor and dequantized to the `inputs` format. Gradients
+  pass straight through (the cache is not trained through)."""
+  if policy.kv_cache == "none":
+    return k, v
+
+  def round_trip(x):
+    wide = x.astype(jnp.float32)
+    scale = _scale(jnp.max(jnp.abs(wide)), LOW_FORMATS["fp8_e4m3"].max_finite)
+    stored = round_to(wide * (1.0 / scale), "fp8_e4m3")
+    read = round_to(stored * scale, policy.inputs).astype(x.dtype)
+    return x + lax.stop_gradient(read - x)
+
+  return round_trip(k), round_trip(v)
 
 
 def prepare(q, k, v, policy: Precision, block_q: int, block_k: int):

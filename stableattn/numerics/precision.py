@@ -98,6 +98,7 @@ class Precision:
   mma_chunk: int = 0
   mma_rounding: str = "nearest"
   promote_every: int = 1
+  kv_cache: str = "none"
 
   def __post_init__(self):
     for stage in STAGES:
@@ -240,7 +241,13 @@ def _uniform(fmt: str, name: str, **overrides: str) -> Precision:
 
 
 def _build_presets() -> dict[str, Precision]:
-  return {**_wide_presets(), **_low_presets()}
+  wide = _wide_presets()
+  # BF16 attention reading K and V from an FP8 KV cache with one scale per
+  # tensor (FlashInfer #4977, vLLM's FP8 KV cache): `bf16-fa2`'s math.
+  kv_cache = dataclasses.replace(
+    wide["bf16-fa2"], name="bf16-fp8-kv-cache", kv_cache="fp8_e4m3"
+  )
+  return {**wide, **_low_presets(), kv_cache.name: kv_cache}
 
 
 def _wide_presets() -> dict[str, Precision]:

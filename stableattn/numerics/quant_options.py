@@ -70,6 +70,10 @@ QUANT_OPTIONS = {
   # exp(m_old - m_new) in FP32 every tile (FlashAttention-3's FP8 kernel
   # before vllm-project/flash-attention #104). 1 is today's kernel.
   "promote_every": "an integer >= 0",
+  # An FP8 KV cache read by 16-bit attention (FlashInfer, vLLM): K and V
+  # stored as round(x / s) in e4m3 with one scale per tensor (amax / 448)
+  # and dequantized to the `inputs` format before any math; Q untouched.
+  "kv_cache": ("none", "fp8_e4m3"),
 }
 # Values per shared scale of each microscaling.
 MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
@@ -83,6 +87,7 @@ DEFAULT_OPTIONS = {
   "mma_chunk": 0,
   "mma_rounding": "nearest",
   "promote_every": 1,
+  "kv_cache": "none",
 }
 
 
@@ -124,7 +129,7 @@ def parse_option(option: str, text: str, name: str):
 def check_quant_options(policy: Precision) -> None:
   """Raises ValueError for options that are unknown or meaningless."""
   _check_accumulator(policy)
-  for option in ("scaling", "key_order"):
+  for option in ("scaling", "key_order", "kv_cache"):
     valid = QUANT_OPTIONS[option]
     if getattr(policy, option) not in valid:
       raise ValueError(
@@ -158,6 +163,12 @@ def check_quant_options(policy: Precision) -> None:
     raise ValueError(
       f"scaling={policy.scaling} is built for float elements (fp8_e4m3, "
       "fp8_e5m2, fp4_e2m1); int8 takes none, tensor, block or token."
+    )
+  if policy.kv_cache != "none" and policy.matmul_operands not in WIDE_FORMATS:
+    raise ValueError(
+      f"kv_cache={policy.kv_cache} is an FP8 cache read by 16-bit math; "
+      f"this policy's matmul operands are {policy.matmul_operands} "
+      "already (quantized with `scaling`). Use it with bf16-fa2 or fp16-fa2."
     )
   if policy.matmul_operands in WIDE_FORMATS:
     # These prepare quantized operands; on wide ones they would be ignored.

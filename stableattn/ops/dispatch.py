@@ -313,6 +313,7 @@ def _compute(
   # the next op widens it again (see `rounding.py`).
   ar = PolicyArithmetic(cfg.policy)
   q, k, v = (ar.round_inputs(x) for x in (q, k, v))
+  k, v = quantization.read_from_cache(k, v, cfg.policy)
   scales = None
   if cfg.policy.quantizes:
     q, k, v, scales = quantization.prepare(

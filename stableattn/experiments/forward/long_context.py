@@ -50,6 +50,8 @@ POLICIES = {
     "+promote_every=1"
   ),
   "fp8-fa3 (block scales + rotation)": "fp8-fa3",
+  # K and V from an FP8 cache (one scale per tensor), BF16 math.
+  "fp8 KV cache (BF16 Q)": "bf16-fp8-kv-cache",
   "fp8 one-level (Hopper)": "fp8-fa3-hopper",
   "fp8 one-level (nearest)": "fp8-fa3-hopper+mma_rounding=nearest",
   "two-level n=1": "fp8-fa3-two-level",
