@@ -14,6 +14,36 @@ def avx2_host(monkeypatch):
     lambda: "model name\t: Test CPU\nflags\t\t: fpu sse4_2 avx avx2 fma\n",
   )
   monkeypatch.delenv("XLA_FLAGS", raising=False)
+  # Every instruction set compiles another program (the probe's digest).
+  monkeypatch.setattr(environment, "program_digest", environment.compiled_isa)
+
+
+def test_the_other_machine_skips_instruction_sets_that_compile_the_same(
+  avx2_host, monkeypatch
+):
+  same_as_avx2 = {"AVX2": "x", "AVX": "x", "SSE4_2": "y"}
+  monkeypatch.setattr(
+    environment,
+    "program_digest",
+    lambda flags: same_as_avx2[environment.compiled_isa(flags)],
+  )
+  assert environment.other_machine_flags() == (
+    "--xla_cpu_max_isa=SSE4_2",
+    "SSE4_2",
+  )
+  monkeypatch.setattr(environment, "program_digest", lambda flags: "x")
+  flags, reason = environment.other_machine_flags()
+  assert flags is None
+  assert "identical on this host" in reason and "AVX, SSE4_2" in reason
+
+
+def test_the_probe_is_deterministic_and_sees_a_lower_instruction_set():
+  isa = environment.host_isa()
+  if isa in (None, "SSE4_2"):
+    pytest.skip(f"no lower instruction set than {isa} here")
+  here = environment.program_digest("")
+  assert environment.program_digest.__wrapped__("") == here
+  assert environment.program_digest("--xla_cpu_max_isa=SSE4_2") != here
 
 
 def test_the_instruction_set_is_the_hosts_capped_by_the_flag(avx2_host):

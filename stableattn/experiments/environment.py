@@ -13,12 +13,14 @@ hardware.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import os
 import pathlib
 import platform
 import re
+import subprocess
 import sys
 
 import jax
@@ -85,9 +87,11 @@ def other_machine_flags() -> tuple[str | None, str]:
   """(XLA_FLAGS of the same run on another machine, its label), or
   (None, why not).
 
-  On a CPU: one instruction set below the one XLA compiles for now
-  (AVX2 -> AVX: no fused multiply-add). On a GPU: autotuning off, so XLA
-  takes its default algorithms instead of the fastest it measured.
+  On a CPU: the highest instruction set below the one XLA compiles for
+  now whose program rounds otherwise (AVX2 -> AVX: no fused
+  multiply-add), found by compiling a probe training step under each; None
+  with "identical on this host" if none does. On a GPU: autotuning off, so
+  XLA takes its default algorithms instead of the fastest it measured.
   """
   backend = jax.default_backend()
   current = xla_flags()
@@ -104,9 +108,48 @@ def other_machine_flags() -> tuple[str | None, str]:
   position = X86_ISAS.index(isa)
   if position == 0:
     return None, f"XLA already compiles for the lowest instruction set, {isa}"
-  lower = X86_ISAS[position - 1]
   kept = _MAX_ISA.sub("", current).strip()
-  return f"{kept} --xla_cpu_max_isa={lower}".strip(), lower
+  here = program_digest(current)
+  same = []
+  # Down from the next instruction set until the program changes: on an
+  # AVX-512 host XLA can compile the same arithmetic for AVX2.
+  for lower in reversed(X86_ISAS[:position]):
+    flags = f"{kept} --xla_cpu_max_isa={lower}".strip()
+    if program_digest(flags) != here:
+      return flags, lower
+    same.append(lower)
+  return None, (
+    f"identical on this host: XLA compiles the same program for "
+    f"{', '.join(same)} as for {isa} (a probe training step, bit for bit)"
+  )
+
+
+# Digests the probe gave in this process, by the instruction set it ran
+# for (recorded by `describe`).
+PROBED: dict[str, str] = {}
+
+
+@functools.cache
+def program_digest(flags: str) -> str:
+  """The bits of a small training step (`machine_probe`) compiled under
+  XLA_FLAGS `flags`, in a fresh process (flags act when JAX starts)."""
+  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run(
+    [sys.executable, "-m", "stableattn.experiments.machine_probe"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
+  if done.returncode != 0:
+    raise RuntimeError(
+      f"the machine probe failed under XLA_FLAGS={flags!r}: "
+      f"{done.stderr.strip().splitlines()[-1:]}"
+    )
+  digest = done.stdout.strip().splitlines()[-1]
+  PROBED[compiled_isa(flags) or flags] = digest[:16]
+  return digest
 
 
 def corpus_digest(*arrays: np.ndarray) -> str:
@@ -153,6 +196,9 @@ def describe(corpus: str | None = None) -> dict:
   if env["backend"] == "gpu":
     env["gpu"] = devices[0].device_kind
     env["gpu_driver"] = _gpu_driver()
+  if PROBED:
+    # Which instruction sets compile the same program (equal digests).
+    env["isa_probe"] = dict(PROBED)
   if corpus is not None:
     env["corpus_sha256"] = corpus
   return env
