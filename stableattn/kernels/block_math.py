@@ -163,28 +163,12 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, options):
   return jnp.where(finite, stats(r_safe + shift), r_m)
 
 
-def probs_times_values(
-  p_BqxBk, v_BkxD, ar: PolicyArithmetic, v_scale=None, per_channel=False
-):
-  """P V with P rounded to `probs` first; result in `out_accum`.
-
-  With operands below 16 bits P enters as round(P * p_scale) and V as
-  round(V * (1 / s_v)) (s_v constant over a tile's rows, or one per
-  column if `per_channel`); the product is then multiplied by s_v * (1 /
-  p_scale). (Divisions are written as reciprocal products, which XLA
-  would make of them anyway.)
-  """
-  return descaled(
-    ar, *raw_probs_times_values(p_BqxBk, v_BkxD, ar, v_scale, per_channel)
-  )
-
-
 def descaled(ar: PolicyArithmetic, pv, descale):
   """P V times its descale factor (if any), in `out_accum`."""
   return ar.round(pv if descale is None else pv * descale, "out_accum")
 
 
-def raw_probs_times_values(
+def probs_times_values(
   p_BqxBk,
   v_BkxD,
   ar: PolicyArithmetic,
@@ -192,9 +176,17 @@ def raw_probs_times_values(
   per_channel=False,
   acc=None,
 ):
-  """(P V before descaling, the descale factor or None): the matmul of
-  `probs_times_values`. With the MMA accumulator (policy option
-  mma_chunk) the product is added into `acc` chunk by chunk of keys."""
+  """(P V before descaling, the descale factor or None); `descaled`
+  applies the factor, in `out_accum`.
+
+  P enters rounded to `probs`. With operands below 16 bits P enters as
+  round(P * p_scale) and V as round(V * (1 / s_v)) (s_v constant over a
+  tile's rows, or one per column if `per_channel`); the factor is then
+  s_v * (1 / p_scale). (Divisions are written as reciprocal products,
+  which XLA would make of them anyway.) With the MMA accumulator (policy
+  option mma_chunk) the product is added into `acc` chunk by chunk of
+  keys.
+  """
   if ar.policy.mma_chunk:
     dot = functools.partial(ar.mma_dot, acc=acc)
   else:

@@ -28,7 +28,7 @@ from stableattn.kernels.block_math import (
   block_scores,
   descaled,
   no_key_safe,
-  raw_probs_times_values,
+  probs_times_values,
   row_sum,
   stats_exp,
   stored_lse,
@@ -97,7 +97,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
     alpha_Bq = stats_exp(stats(m_Bq - m_use_Bq), ar, base2)
 
     def times_values(p_BqxBk, acc=None):
-      return raw_probs_times_values(
+      return probs_times_values(
         p_BqxBk, v_BkxD, ar, v_scale, tiles.v_per_channel, acc=acc
       )
 

@@ -148,6 +148,14 @@ def _scale(amax, largest: float):
   return jnp.where(scale > 0, scale, jnp.ones_like(scale))
 
 
+def stored_inputs(q, k, v, policy: Precision):
+  """(q, k, v) as attention reads them: rounded to `inputs`, and K and V
+  through the policy's KV cache (`read_from_cache`)."""
+  ar = PolicyArithmetic(policy)
+  q, k, v = (ar.round_inputs(x) for x in (q, k, v))
+  return (q, *read_from_cache(k, v, policy))
+
+
 def read_from_cache(k, v, policy: Precision):
   """(k, v) as attention reads them from the policy's KV cache: unchanged,
   or (kv_cache=fp8_e4m3) stored as round(x / s) in e4m3 with s = amax /

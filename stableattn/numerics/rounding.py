@@ -321,14 +321,20 @@ class PolicyArithmetic:
   def dot(self, a, b, dims, *, probs: bool = False):
     """A block matmul: operands in `matmul_operands` (a is P, already in
     `probs`, if `probs`); the sum rounded once."""
-    out = lax.dot_general(
-      self._first_operand(a, probs),
-      self._operand(b),
+    out = self._sum_of_products(
+      self._first_operand(a, probs), self._operand(b), dims
+    )
+    return self.round(out, "matmul_accum")
+
+  def _sum_of_products(self, a, b, dims):
+    """a . b of operands already in their formats, summed in the carrier."""
+    return lax.dot_general(
+      a,
+      b,
       dims,
       precision=self._matmul_precision,
       preferred_element_type=self.carrier,
     )
-    return self.round(out, "matmul_accum")
 
   def round_accumulator(self, x):
     """x rounded to `matmul_accum` as the MMA accumulator adds: to nearest,
@@ -351,13 +357,7 @@ class PolicyArithmetic:
     zero = jnp.zeros((), a.dtype)
     for start in range(0, length, chunk):
       inside = (column >= start) & (column < start + chunk)
-      part = lax.dot_general(
-        jnp.where(inside, a, zero),
-        b,
-        dims,
-        precision=self._matmul_precision,
-        preferred_element_type=self.carrier,
-      )
+      part = self._sum_of_products(jnp.where(inside, a, zero), b, dims)
       acc = self.round_accumulator(part if acc is None else acc + part)
     return acc
 

@@ -30,7 +30,6 @@ from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
-from stableattn.numerics.rounding import PolicyArithmetic
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla")
 
@@ -311,9 +310,7 @@ def _compute(
   """One compiled program per (shapes, implementation, configuration)."""
   # Explicit rounding: a bare cast to a half type may be skipped by XLA when
   # the next op widens it again (see `rounding.py`).
-  ar = PolicyArithmetic(cfg.policy)
-  q, k, v = (ar.round_inputs(x) for x in (q, k, v))
-  k, v = quantization.read_from_cache(k, v, cfg.policy)
+  q, k, v = quantization.stored_inputs(q, k, v, cfg.policy)
   scales = None
   if cfg.policy.quantizes:
     q, k, v, scales = quantization.prepare(

@@ -31,9 +31,8 @@ from stableattn.kernels.flash_attention import (
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.pallas_forward import flash_forward
-from stableattn.kernels.quantization import read_from_cache
+from stableattn.kernels.quantization import stored_inputs
 from stableattn.numerics.precision import require_x64_if_needed
-from stableattn.numerics.rounding import PolicyArithmetic
 from stableattn.ops import dispatch
 
 
@@ -165,9 +164,7 @@ def paged_attention(
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _paged_forward(q, k_pages, v_pages, page_table, ops, *, cfg: KernelConfig):
-  ar = PolicyArithmetic(cfg.policy)
-  q, k_pages, v_pages = (ar.round_inputs(x) for x in (q, k_pages, v_pages))
-  k_pages, v_pages = read_from_cache(k_pages, v_pages, cfg.policy)
+  q, k_pages, v_pages = stored_inputs(q, k_pages, v_pages, cfg.policy)
   q_len_padded = cfg.padded_lengths[0]
   head_dim_padded = padded_head_dim(cfg.head_dim, cfg.interpret)
   num_pages, page_size, kv_heads, _ = k_pages.shape

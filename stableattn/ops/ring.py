@@ -60,7 +60,7 @@ from stableattn.kernels.flash_attention import (
 )
 from stableattn.kernels.pallas_backward import flash_backward
 from stableattn.kernels.pallas_forward import flash_forward
-from stableattn.kernels.quantization import read_from_cache
+from stableattn.kernels.quantization import stored_inputs
 from stableattn.kernels.split_merge import merge_splits
 from stableattn.numerics.precision import require_x64_if_needed
 from stableattn.numerics.rounding import PolicyArithmetic
@@ -248,9 +248,7 @@ _ring_shard.defvjp(_ring_shard_fwd, _ring_shard_bwd)
   jax.jit, static_argnames=("plan", "mesh", "return_lse", "with_ids")
 )
 def _ring(q, k, v, q_ids, kv_ids, *, plan, mesh, return_lse, with_ids):
-  ar = PolicyArithmetic(plan.step.policy)
-  q, k, v = (ar.round_inputs(x) for x in (q, k, v))
-  k, v = read_from_cache(k, v, plan.step.policy)
+  q, k, v = stored_inputs(q, k, v, plan.step.policy)
   q_order = device_order(plan.devices, q.shape[1], plan.balanced)
   kv_order = device_order(plan.devices, k.shape[1], plan.balanced)
   q, k, v = q[:, q_order], k[:, kv_order], v[:, kv_order]

@@ -99,10 +99,7 @@ def time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
     },
     args,
   )
-  runnable = {name: fn for name, fn in compiled.items() if callable(fn)}
-  times, run_errors = _alternating_times(runnable, args, s.warmup, s.repeats)
-  compiled.update(run_errors)
-  runnable = {name: fn for name, fn in runnable.items() if name in times}
+  times, errors = _alternating_times(compiled, args, s.warmup, s.repeats)
   labels = {
     "kind": "timing",
     "device": jax.devices()[0].device_kind,
@@ -125,16 +122,18 @@ def time_point(s: Settings, mode, causal, precision, head_dim, seq_len):
         )
   failed = [
     {**labels, "implementation": name, "error": error}
-    for name, error in compiled.items()
-    if name not in runnable
+    for name, error in errors.items()
   ]
   return timed + failed
 
 
-def _alternating_times(fns: dict, args, warmup: int, repeats: int):
-  """({name: run times}, {name: first line of the error}): a function
-  that fails in its warm-up (out of memory at run time) is left out."""
-  errors = {}
+def _alternating_times(compiled: dict, args, warmup: int, repeats: int):
+  """({name: run times}, {name: first line of the error}) of `compiled`
+  (`compile_all`'s: a function, or the error that kept it from
+  compiling); one that fails in its warm-up (out of memory at run time)
+  is left out too."""
+  errors = {n: fn for n, fn in compiled.items() if not callable(fn)}
+  fns = {n: fn for n, fn in compiled.items() if callable(fn)}
   for name, fn in fns.items():
     try:
       for _ in range(max(warmup, 1)):
@@ -186,10 +185,7 @@ def time_masks(s: Settings, mode, precision, head_dim, seq_len):
     for name in s.mask_settings
   }
   compiled = compile_all(fns, args)
-  runnable = {name: fn for name, fn in compiled.items() if callable(fn)}
-  times, run_errors = _alternating_times(runnable, args, s.warmup, s.repeats)
-  compiled.update(run_errors)
-  runnable = {name: fn for name, fn in runnable.items() if name in times}
+  times, errors = _alternating_times(compiled, args, s.warmup, s.repeats)
   labels = {
     "kind": "masks",
     "device": jax.devices()[0].device_kind,
@@ -207,7 +203,5 @@ def time_masks(s: Settings, mode, precision, head_dim, seq_len):
     if full is not None:
       r["time_vs_full"] = r["median_ms"] / full["median_ms"]
   return rows + [
-    {**labels, "mask": name, "error": error}
-    for name, error in compiled.items()
-    if name not in runnable
+    {**labels, "mask": name, "error": error} for name, error in errors.items()
   ]

@@ -28,6 +28,15 @@ NOISE, COSTS = 0.01, 0.05
 KEPT = 0.02
 
 
+def _verdict(found: list[dict], **evidence) -> dict:
+  """The verdict over the settings in `found` (each with "holds"), and
+  the evidence the claim's sentence reads."""
+  return {
+    "verdict": verdict(sum(f["holds"] for f in found), len(found)),
+    **evidence,
+  }
+
+
 def _rows(rows, study="long_context"):
   return require(select(rows, study=study), "long_context", "long_context")
 
@@ -62,10 +71,7 @@ def grows(rows) -> dict:
       "long_context: fewer than 3 lengths measured, no trend; give at "
       "least 3 in config.long_context.lengths."
     )
-  return {
-    "verdict": verdict(sum(f["holds"] for f in found), len(found)),
-    "series": found,
-  }
+  return _verdict(found, series=found)
 
 
 def grows_evidence(claim) -> str:
@@ -105,10 +111,7 @@ def cause(rows) -> dict:
     raise ValueError(
       f"long_context: {ONE_LEVEL!r} and {CONTROL!r} at 3 lengths needed."
     )
-  return {
-    "verdict": verdict(sum(f["holds"] for f in found), len(found)),
-    "series": found,
-  }
+  return _verdict(found, series=found)
 
 
 def cause_evidence(claim) -> str:
@@ -136,11 +139,7 @@ def restored(rows) -> dict:
   if not found:
     raise ValueError(f"long_context: no rows of {TWO_LEVEL[0]} and {CONTROL}.")
   worst = max(found, key=lambda f: f["ratio"])
-  return {
-    "verdict": verdict(sum(f["holds"] for f in found), len(found)),
-    "worst": worst,
-    "settings": len(found),
-  }
+  return _verdict(found, worst=worst, settings=len(found))
 
 
 def restored_evidence(claim) -> str:
@@ -171,11 +170,7 @@ def trade_off(rows) -> dict:
                   "holds": monotone and costs})  # fmt: skip
   if not found:
     raise ValueError("long_context: the interval rows are missing.")
-  return {
-    "verdict": verdict(sum(f["holds"] for f in found), len(found)),
-    "length": longest,
-    "series": found,
-  }
+  return _verdict(found, length=longest, series=found)
 
 
 def trade_off_evidence(claim) -> str:
