@@ -25,7 +25,7 @@ class Series:
     return cls(label, [x for x, _ in points], [y for _, y in points])
 
 
-def _save(fig, path, *, tight_box: bool = False) -> pathlib.Path:
+def save_figure(fig, path, *, tight_box: bool = False) -> pathlib.Path:
   """Writes the PNG and frees the figure; `tight_box` crops to the content
   (figures whose colour bar sits outside the axes grid)."""
   if tight_box:
@@ -83,7 +83,7 @@ def line_plot(
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
   elif series:
     ax.legend(fontsize=8)
-  return _save(fig, path)
+  return save_figure(fig, path)
 
 
 def line_panels(
@@ -179,10 +179,10 @@ def bar_plot(
   ax.grid(True, axis="y", which="both", alpha=0.3)
   if len(groups) > 1 and legend_outside:
     ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
-    return _save(fig, path, tight_box=True)
+    return save_figure(fig, path, tight_box=True)
   if len(groups) > 1:
     ax.legend(fontsize=8)
-  return _save(fig, path)
+  return save_figure(fig, path)
 
 
 def signed_share_panels(
@@ -208,7 +208,7 @@ def signed_share_panels(
     ax.grid(True, axis="y", alpha=0.3)
   axes[0, 0].legend(fontsize=7, loc="lower left")
   fig.suptitle(title, fontsize=10)
-  return _save(fig, path)
+  return save_figure(fig, path)
 
 
 def ratio_heatmaps(
@@ -267,7 +267,7 @@ def ratio_heatmaps(
   if image is not None:
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.9)
   fig.suptitle(title, fontsize=10)
-  return _save(fig, path, tight_box=True)
+  return save_figure(fig, path, tight_box=True)
 
 
 def interval_plot(
@@ -306,4 +306,4 @@ def interval_plot(
     ax.set_yscale("log")
   ax.set(title=title, ylabel=ylabel)
   ax.grid(True, axis="y", which="both", alpha=0.3)
-  return _save(fig, path)
+  return save_figure(fig, path)

@@ -34,6 +34,7 @@ RUN_OUTPUTS = (
   "config_history.jsonl",
   "checkpoints",
   "machine_twin",  # the other-machine run of the training experiments
+  "sizes",  # one drift study per model size (drift scaling)
   machine_twin.CONFIG_NAME,  # the config that run was started with
 )
 

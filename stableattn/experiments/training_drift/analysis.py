@@ -110,11 +110,7 @@ def ratio_summary(
   replicates = len(replicates_of(rows))
   if unbounded and len(unbounded) < replicates:
     return RatioSummary(None, None, len(unbounded), replicates)
-  per_replicate = {
-    r: drift_ratios(rows, numerator, denominator, metric, r)
-    for r in replicates_of(rows)
-  }
-  per_replicate = {r: v for r, v in per_replicate.items() if v}
+  per_replicate = _per_replicate_ratios(rows, numerator, denominator, metric)
   if not per_replicate:
     return None
   steps = sorted({s for v in per_replicate.values() for s in v})
@@ -126,15 +122,35 @@ def ratio_summary(
   ]
   return RatioSummary(
     over_replicates=mean_interval(
-      [
-        mean_interval(list(v.values()), geometric=True).mean
-        for v in per_replicate.values()
-      ],
+      list(replicate_ratios(rows, numerator, denominator, metric).values()),
       geometric=True,
     ),
     over_steps=mean_interval(by_step, geometric=True),
     replicates=replicates,
   )
+
+
+def _per_replicate_ratios(rows, numerator, denominator, metric):
+  """{replicate: {step: ratio}} of the replicates with a defined ratio."""
+  per_replicate = {
+    r: drift_ratios(rows, numerator, denominator, metric, r)
+    for r in replicates_of(rows)
+  }
+  return {r: v for r, v in per_replicate.items() if v}
+
+
+def replicate_ratios(
+  rows, numerator: str, denominator: str, metric: str = "wasserstein"
+) -> dict[int, float]:
+  """{replicate: geometric mean over logging steps of the ratio}: one
+  independent value per replicate (its own initialization and data
+  order), the unit that intervals and fits across runs rest on."""
+  return {
+    r: mean_interval(list(v.values()), geometric=True).mean
+    for r, v in _per_replicate_ratios(
+      rows, numerator, denominator, metric
+    ).items()
+  }
 
 
 def paper_verdict(summary: RatioSummary, reference: Pair) -> str | None:

@@ -1,0 +1,85 @@
+"""Training drift across model sizes and contexts, with a fitted trend.
+
+Run:
+  python launch/drift_scaling.py --workdir=runs/drift_scaling
+  python launch/drift_scaling.py --workdir=runs/drift_scaling_smoke \
+      --config=configs/drift_scaling.py:smoke
+
+Each size is a whole drift study (`configs/training_drift.py`, the
+`drift` section below) with the pairs that carry the verdicts: Flash vs
+Baseline against BF16-vs-FP32 training, another seed and the base run
+compiled for another machine. Sizes are "w<width>-d<depth>-s<context>";
+each trains the same number of tokens per (non-embedding) parameter with
+the same tokens per step, so every model is at the same stage of training
+and the context axis changes nothing but the context.
+
+Default: three sizes at context 64 (width 64 to 128, depth 2 to 4; 8x the
+parameters, 64x the training compute) and the middle size at contexts 128
+and 256; 5 replicates each. About 35 minutes on 2 CPU cores; a killed run
+resumes size by size from the last checkpoint. `smoke`: tiny sizes on a
+generated corpus, for tests (under a minute).
+"""
+
+import importlib.util
+import pathlib
+
+import ml_collections
+
+from stableattn.experiments.config_values import with_variant
+
+
+def _drift_config() -> ml_collections.ConfigDict:
+  """The drift study's default config, read from its file beside this."""
+  path = pathlib.Path(__file__).with_name("training_drift.py")
+  spec = importlib.util.spec_from_file_location("training_drift_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _default() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.scaling = ml_collections.ConfigDict()
+  # Comma list of "w<width>-d<depth>-s<context>". The trend is fitted over
+  # all of them at once (log ratio against log parameters and log
+  # context), so each axis needs three distinct values, and the two axes
+  # should not move together.
+  c.scaling.sizes = "w64-d2-s64,w96-d3-s64,w128-d4-s64,w96-d3-s128,w96-d3-s256"
+  # Training tokens per non-embedding parameter (Kaplan et al. 2020's N),
+  # the same at every size: 0.5 trains the default drift study's model
+  # 384 steps (5x its 75).
+  c.scaling.tokens_per_parameter = 0.5
+  # Tokens per optimizer step at every size: a longer context packs fewer
+  # sequences in a batch.
+  c.scaling.tokens_per_step = 1024
+  c.scaling.head_dim = 32  # heads = width / head_dim
+  c.scaling.logs = 5  # logging steps per run after step 0
+  c.scaling.warmup_fraction = 0.1
+  # The size the fitted trend is extrapolated to, labelled a prediction:
+  # the drift study's `gpu` config (GPT-2-small-like).
+  c.scaling.predict_at = "w768-d12-s1024"
+  c.scaling.metric = "wasserstein"  # the drift metric the ratios divide
+
+  c.drift = _drift_config()
+  c.drift.pairs = "flash_vs_baseline,bf16_vs_fp32,different_seed,other_machine"
+  c.drift.train.grad_error = False
+  return c
+
+
+SMOKE = {
+  "scaling.sizes": "w16-d1-s16,w32-d1-s16,w32-d2-s16,w16-d1-s32,w16-d1-s64",
+  "scaling.tokens_per_step": 256,
+  "scaling.head_dim": 16,
+  "scaling.logs": 2,
+  "drift.data.corpus": "generated",
+  "drift.data.corpus_tokens": 1 << 14,
+  "drift.train.replicates": 2,
+  "drift.train.devices": 1,
+  "drift.pairs": "flash_vs_baseline,bf16_vs_fp32,different_seed",
+}
+
+VARIANTS = {"default": {}, "smoke": SMOKE}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  return with_variant(_default(), arg, VARIANTS)

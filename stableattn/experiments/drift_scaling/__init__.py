@@ -1,0 +1,131 @@
+"""Training drift across model sizes and contexts, with a fitted trend.
+
+Each size is a whole drift study (`stableattn.experiments.training_drift`)
+in its own directory under `<workdir>/sizes/`, so a killed sweep resumes
+from the last checkpoint of the size it was training and retrains nothing
+finished. From every size's rows, Flash vs Baseline's drift is divided by
+each reference pair's per replicate, and the log ratios are fitted against
+log parameters and log context (`trend.py`); the report (`report.py`)
+gives each size's ratios with intervals, the slopes with intervals, the
+verdicts, and the fit's prediction at a larger size.
+"""
+
+from __future__ import annotations
+
+import time
+
+from stableattn.experiments import environment, training_drift
+from stableattn.experiments.config_values import as_tuple
+from stableattn.experiments.drift_scaling.report import write_report
+from stableattn.experiments.drift_scaling.sizes import (
+  ModelSize,
+  drift_config,
+  plan,
+  sizes_of,
+)
+from stableattn.experiments.rundir import opened
+from stableattn.experiments.training_drift.analysis import RATIO_METRICS
+from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
+
+__all__ = ["ModelSize", "run"]
+
+SUBJECT = "flash_vs_baseline"
+# A sweep may grow by sizes; each size's own study binds its own config.
+EXTENDABLE = ("scaling.sizes", "drift.train.stop_at_step")
+
+
+def run(config, workdir, *, restart: bool = False) -> dict:
+  """Trains every size's drift study (resuming), then writes the report."""
+  scaling = config.scaling
+  mlp_ratio = int(config.drift.model.mlp_ratio)
+  plans = [plan(size, scaling) for size in sizes_of(scaling, mlp_ratio)]
+  target = ModelSize.parse(scaling.predict_at, mlp_ratio)
+  if scaling.metric not in RATIO_METRICS:
+    raise ValueError(
+      f"scaling.metric {scaling.metric!r} is not one of {RATIO_METRICS}."
+    )
+  drift = config.drift.copy_and_resolve_references()
+  machine_note = _machine_reference(drift)
+  references = _references(drift.pairs)
+  with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
+    run_dir,
+    _,
+  ):
+    done = {
+      r["size"]: r for r in run_dir.read_metrics() if r.get("kind") == "size"
+    }
+    for p in plans:
+      directory = run_dir.path / "sizes" / p.size.name
+      started = time.time()
+      headline = training_drift.run(
+        drift_config(drift, p, int(scaling.head_dim)),
+        directory,
+        restart=restart,
+      )
+      if "stopped_at_step" in headline:
+        return {"workdir": str(run_dir.path), "stopped_in": p.size.name}
+      if p.size.name not in done:
+        done[p.size.name] = _size_row(p, time.time() - started)
+        run_dir.append_metrics([done[p.size.name]])
+    return write_report(
+      run_dir,
+      plans,
+      [done[p.size.name] for p in plans],
+      references=references,
+      metric=scaling.metric,
+      target=target,
+      notes=[machine_note] if machine_note else [],
+      env=environment.describe(),
+    )
+
+
+def _references(pairs) -> list[str]:
+  names = as_tuple(pairs)
+  if SUBJECT not in names:
+    raise ValueError(
+      f"drift.pairs must include {SUBJECT!r}, the pair whose trend the "
+      f"sweep measures; got {list(names)}."
+    )
+  unknown = [n for n in names if n not in BY_NAME]
+  if unknown:
+    raise ValueError(f"Unknown pairs {unknown}; valid: {list(BY_NAME)}.")
+  references = [n for n in names if BY_NAME[n].role == "reference"]
+  if not references:
+    raise ValueError(
+      "drift.pairs names no reference pair to divide Flash vs Baseline's "
+      "drift by (e.g. bf16_vs_fp32, different_seed, other_machine)."
+    )
+  return references
+
+
+def _machine_reference(drift) -> str:
+  """Drops the other-machine pair where no instruction set changes the
+  program here (it would drift 0), and says so in the report."""
+  names = as_tuple(drift.pairs)
+  if BY_NAME["other_machine"].name not in names:
+    return ""
+  flags, label = environment.other_machine_flags()
+  if flags is not None:
+    return f"`other_machine`: the base run compiled for {label}."
+  drift.pairs = ",".join(n for n in names if n != "other_machine")
+  return (
+    f"`other_machine` left out: {label}, so the base run compiled for "
+    f"another machine ({MACHINE_RUN}) would be the same program."
+  )
+
+
+def _size_row(p, seconds: float) -> dict:
+  size = p.size
+  return {
+    "kind": "size",
+    "size": size.name,
+    "width": size.width,
+    "depth": size.depth,
+    "context": size.context,
+    "parameters": size.parameters,
+    "batch_size": p.batch_size,
+    "steps": p.steps,
+    "tokens": p.tokens,
+    "compute": p.compute,
+    "seconds": round(seconds, 1),
+  }

@@ -1,0 +1,117 @@
+"""The trend of a drift ratio with size and context: a log-log fit.
+
+log10(ratio) = a + b log10(parameters) + c log10(context), fitted by
+least squares to one value per replicate per size (each replicate its own
+initialization and data order, so the values are independent), with
+Student-t intervals on the slopes and on the fitted mean anywhere, the
+prediction included. A slope is judged only from three or more distinct
+values of its axis; no number here is written by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from scipy import stats
+
+AXES = ("parameters", "context")
+MIN_DISTINCT = 3  # distinct values of an axis before its slope is judged
+
+
+@dataclasses.dataclass(frozen=True)
+class Slope:
+  """d log10(ratio) / d log10(axis), with its 95% interval: the ratio
+  changes 10**estimate-fold per 10x of the axis."""
+
+  axis: str
+  estimate: float
+  low: float
+  high: float
+  distinct: int  # distinct values of the axis among the fitted sizes
+
+  @property
+  def verdict(self) -> str:
+    if self.distinct < MIN_DISTINCT:
+      return f"no verdict: {self.distinct} distinct {self.axis} values"
+    if self.low > 0:
+      return "grows"
+    if self.high < 0:
+      return "shrinks"
+    return "no trend told apart"
+
+  def as_dict(self) -> dict:
+    return {**dataclasses.asdict(self), "verdict": self.verdict}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trend:
+  """One reference's fit, and the mean ratio it gives at any size."""
+
+  slopes: dict[str, Slope]
+  observations: int
+  sizes: int
+  df: int
+  coefficients: np.ndarray  # [a, b_axis...] in the order of `slopes`
+  covariance: np.ndarray
+  residual_sd: float
+
+  def at(self, **axes: float) -> tuple[float, float, float]:
+    """(mean, low, high) of the fitted ratio at `axes` (95%, the band of
+    the mean: where the trend's line lies, not where one run falls)."""
+    x = np.array([1.0] + [np.log10(axes[a]) for a in self.slopes])
+    mean = float(x @ self.coefficients)
+    half = float(stats.t.ppf(0.975, self.df) * np.sqrt(x @ self.covariance @ x))
+    return 10**mean, 10 ** (mean - half), 10 ** (mean + half)
+
+  def as_dict(self) -> dict:
+    return {
+      "slopes": {a: s.as_dict() for a, s in self.slopes.items()},
+      "observations": self.observations,
+      "sizes": self.sizes,
+      "df": self.df,
+      "residual_sd_log10": self.residual_sd,
+    }
+
+
+def fit(points: list[dict]) -> Trend | None:
+  """The log-log fit over `points` ({"parameters", "context", "ratio"},
+  one per replicate per size), on every axis with two or more distinct
+  values; None when fewer observations than coefficients + 1 remain."""
+  axes = [a for a in AXES if len({p[a] for p in points}) >= 2]
+  if not points or len(points) <= len(axes) + 1:
+    return None
+  design = np.array(
+    [[1.0] + [np.log10(p[a]) for a in axes] for p in points], np.float64
+  )
+  if np.linalg.matrix_rank(design) < design.shape[1]:
+    raise ValueError(
+      "scaling.sizes moves parameters and context together, so their "
+      "slopes cannot be told apart; add a size that changes one alone."
+    )
+  y = np.log10(np.array([p["ratio"] for p in points], np.float64))
+  coefficients, *_ = np.linalg.lstsq(design, y, rcond=None)
+  df = len(points) - design.shape[1]
+  residual = y - design @ coefficients
+  variance = float(residual @ residual) / df
+  covariance = variance * np.linalg.inv(design.T @ design)
+  t = stats.t.ppf(0.975, df)
+  slopes = {}
+  for i, axis in enumerate(axes, start=1):
+    half = float(t * np.sqrt(covariance[i, i]))
+    slopes[axis] = Slope(
+      axis,
+      float(coefficients[i]),
+      float(coefficients[i] - half),
+      float(coefficients[i] + half),
+      len({p[axis] for p in points}),
+    )
+  return Trend(
+    slopes=slopes,
+    observations=len(points),
+    sizes=len({(p["parameters"], p["context"]) for p in points}),
+    df=df,
+    coefficients=coefficients,
+    covariance=covariance,
+    residual_sd=float(np.sqrt(variance)),
+  )

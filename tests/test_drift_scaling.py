@@ -1,0 +1,164 @@
+"""The drift-scaling sweep: sizes and their plans, the log-log trend and
+its verdicts, and (slow) the smoke sweep end to end, killed and resumed."""
+
+import numpy as np
+import pytest
+
+from configs import drift_scaling as scaling_config
+from stableattn.experiments import drift_scaling
+from stableattn.experiments.drift_scaling import report, trend
+from stableattn.experiments.drift_scaling.sizes import ModelSize, plan
+from stableattn.experiments.training_drift.lockstep import Lockstep
+
+
+def _scaling(**changes):
+  c = scaling_config.get_config().scaling
+  for k, v in changes.items():
+    c[k] = v
+  return c
+
+
+def test_every_size_trains_the_same_tokens_per_parameter_and_per_step():
+  scaling = _scaling()
+  plans = [plan(ModelSize.parse(s), scaling) for s in scaling.sizes.split(",")]
+  for p in plans:
+    assert p.batch_size * p.size.context == scaling.tokens_per_step
+    per_parameter = p.tokens / p.size.parameters
+    step_tokens = scaling.tokens_per_step / p.size.parameters
+    assert 0 <= per_parameter - scaling.tokens_per_parameter < step_tokens
+  computes = [p.compute for p in plans]
+  assert max(computes) / min(computes) >= 30
+  contexts = [p.size.context for p in plans]
+  assert max(contexts) / min(contexts) >= 4
+
+
+def test_the_default_drift_studys_model_has_kaplans_parameter_count():
+  # 4 layers of (4 + 2 * 4) * 128^2: the default drift config's model.
+  assert ModelSize.parse("w128-d4-s64").parameters == 786_432
+
+
+@pytest.mark.parametrize(
+  "size, changes, message",
+  [
+    ("w64-d2", {}, "w<width>-d<depth>-s<context>"),
+    ("w64-d2-s48", {}, "multiple of every size's context"),
+    ("w40-d2-s64", {}, "multiple of scaling.head_dim"),
+    ("w32-d1-s64", {"tokens_per_parameter": 0.01}, "fewer than scaling.logs"),
+  ],
+)
+def test_bad_sizes_are_refused_with_what_is_valid(size, changes, message):
+  with pytest.raises(ValueError, match=message):
+    plan(ModelSize.parse(size), _scaling(**changes))
+
+
+def _points(slope_n, slope_c, noise, sizes, replicates=5, seed=0):
+  rng = np.random.default_rng(seed)
+  return [
+    {
+      "parameters": n,
+      "context": c,
+      "ratio": 0.5
+      * (n / 1e5) ** slope_n
+      * (c / 64) ** slope_c
+      * 10 ** (noise * rng.standard_normal()),
+    }
+    for n, c in sizes
+    for _ in range(replicates)
+  ]
+
+
+GRID = [(1e5, 64), (3e5, 64), (8e5, 64), (3e5, 128), (3e5, 256)]
+
+
+def test_the_fit_recovers_planted_slopes_and_judges_them():
+  fitted = trend.fit(_points(0.3, -0.2, 0.02, GRID))
+  n, c = fitted.slopes["parameters"], fitted.slopes["context"]
+  assert n.low < 0.3 < n.high and n.verdict == "grows"
+  assert c.low < -0.2 < c.high and c.verdict == "shrinks"
+  mean, low, high = fitted.at(parameters=1e7, context=64)
+  assert low < 0.5 * 100**0.3 < high and low < mean < high
+
+
+def test_a_flat_ratio_is_no_trend_and_noise_widens_the_interval():
+  flat = trend.fit(_points(0.0, 0.0, 0.05, GRID))
+  assert {s.verdict for s in flat.slopes.values()} == {"no trend told apart"}
+  noisier = trend.fit(_points(0.0, 0.0, 0.5, GRID))
+  width = {
+    k: s.high - s.low for k, s in noisier.slopes.items()
+  }  # same seed: only the noise's scale differs
+  for axis, slope in flat.slopes.items():
+    assert width[axis] > 5 * (slope.high - slope.low)
+
+
+def test_no_verdict_from_fewer_than_three_values_of_an_axis():
+  two_contexts = [(1e5, 64), (3e5, 64), (8e5, 64), (3e5, 128)]
+  fitted = trend.fit(_points(0.3, 0.5, 0.01, two_contexts))
+  assert fitted.slopes["parameters"].verdict == "grows"
+  assert fitted.slopes["context"].verdict.startswith("no verdict: 2 distinct")
+
+
+def test_axes_that_move_together_are_refused():
+  together = [(1e5, 64), (2e5, 128), (4e5, 256)]
+  with pytest.raises(ValueError, match="moves parameters and context"):
+    trend.fit(_points(0.1, 0.1, 0.01, together))
+
+
+def _drift_rows(subject, reference):
+  """Drift rows of two pairs: {replicate: ([subject], [reference])}."""
+  rows = []
+  for replicate, (a, b) in enumerate(zip(subject, reference)):
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+      for pair, value in (("flash_vs_baseline", x), ("seed", y)):
+        rows.append(
+          {"kind": "drift", "pair": pair, "scope": "model", "step": step,
+           "replicate": replicate, "wasserstein": value}
+        )  # fmt: skip
+  return rows
+
+
+def test_a_reference_identical_in_some_replicates_gives_no_ratio():
+  size = {"size": "w", "parameters": 1, "context": 1, "compute": 1}
+  rows = _drift_rows([[1.0, 2.0], [1.0, 2.0]], [[0.0, 0.0], [4.0, 4.0]])
+  (row,) = report.ratio_rows(size, rows, ["seed"], "wasserstein")
+  assert row["kind"] == "unbounded" and row["replicates"] == [0]
+  rows = _drift_rows([[1.0, 4.0], [2.0, 2.0]], [[4.0, 4.0], [4.0, 4.0]])
+  ratios = report.ratio_rows(size, rows, ["seed"], "wasserstein")
+  assert [r["ratio"] for r in ratios] == pytest.approx([0.5, 0.5])
+
+
+@pytest.mark.slow
+def test_the_smoke_sweep_resumes_after_a_kill_and_judges_from_rows(
+  tmp_path, monkeypatch
+):
+  trained = []  # (size's seq_len, step) of every optimizer step taken
+  original = Lockstep.step
+
+  def counted(self, step):
+    trained.append((self.s.seq_len, self.s.model.width, step))
+    return original(self, step)
+
+  monkeypatch.setattr(Lockstep, "step", counted)
+  config = scaling_config.get_config("smoke")
+  config.drift.train.stop_at_step = 3
+  stopped = drift_scaling.run(config, tmp_path)
+  assert stopped["stopped_in"] == "w16-d1-s16"
+  assert [s for *_, s in trained] == [1, 2, 3]
+  config.drift.train.stop_at_step = 0
+  headline = drift_scaling.run(config, tmp_path)
+  first = [s for c, w, s in trained[3:] if (c, w) == (16, 16)]
+  assert first[0] == 4  # the killed size resumed where it stopped
+  total = sum(r["steps"] for r in headline["sizes"])
+  assert len(trained) == total  # and nothing else was trained twice
+  for ref, fitted in headline["trends"].items():
+    for axis, slope in fitted["slopes"].items():
+      assert slope["low"] <= slope["estimate"] <= slope["high"]
+      assert slope["verdict"] in VERDICTS, (ref, axis)
+    assert fitted["prediction"]["low"] < fitted["prediction"]["high"]
+  text = (tmp_path / "report.md").read_text()
+  assert "## The trend" in text and (tmp_path / "drift_scaling.png").exists()
+  again = drift_scaling.run(config, tmp_path)
+  assert len(trained) == total  # a finished sweep trains nothing
+  assert again["trends"] == headline["trends"]
+
+
+VERDICTS = ("grows", "shrinks", "no trend told apart")
