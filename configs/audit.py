@@ -15,7 +15,11 @@ fn(q, k, v, **features) -> out, layout [batch, length, heads, head_dim];
 it is passed only the features the config names, under jax's names.
 Variants: default (two shapes, FP32 and BF16, causal and not; about two
 minutes on 2 CPU cores for a jitted kernel), `smoke` (one small shape;
-under a minute), `paper` (GQA, ragged lengths, head dim 128, more inputs).
+under a minute), `paper` (GQA, ragged lengths, head dim 128, more inputs),
+`edges` (one small shape, every edge regime and every invariance probe,
+invariance gated), `search` (60 drawn cases, the smallest failure shrunk
+to one reproducing command). `--config.regimes=all` adds the edge regimes to any
+variant.
 
 Expected outcome: XLA's `jax.nn.dot_product_attention`, jax's Pallas `mha`
 and ours pass (10-25 seconds each on 2 CPU cores). With uniform [0, 1)
@@ -66,6 +70,15 @@ def _default() -> ml_collections.ConfigDict:
   # "all" or a comma list of batch, decode, chunked_prefill, padded_cache,
   # splits): see stableattn/auditing/invariance.py.
   c.invariances = ""
+  # Edge regimes, built from every shape (opt-in; "all" or a comma list of
+  # large_logits, small_logits, outlier_channels, tied_maxima, empty_rows,
+  # remainders, single_query, zero_length, mixed_dtypes, head_dims): see
+  # stableattn/auditing/regimes.py. Rows no key may attend must be 0.
+  c.regimes = ""
+  # > 0: instead of the grid, draw this many cases (shapes, a causal mask,
+  # inputs, regimes) and shrink a failure to the smallest failing case,
+  # printed as one launcher command that reproduces it.
+  c.search_budget = 0
   return c
 
 
@@ -87,7 +100,26 @@ PAPER = {
   "precisions": "fp32,fp16-framework,bf16-framework",
 }
 
-VARIANTS = {"default": {}, "smoke": SMOKE, "paper": PAPER}
+# Where kernels break: every edge regime and every invariance probe, the
+# latter gated, at one small shape.
+EDGES = {
+  "shapes": ((1, 64, 2, 32),),
+  "regimes": "all",
+  "invariances": "all",
+  "gate": "flashattention,flexattention,invariance",
+  "repeats": 2,
+}
+
+# A property-based search at BF16 (shapes and gate as drawn and set).
+SEARCH = {"search_budget": 60, "precisions": "bf16-framework"}
+
+VARIANTS = {
+  "default": {},
+  "smoke": SMOKE,
+  "paper": PAPER,
+  "edges": EDGES,
+  "search": SEARCH,
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

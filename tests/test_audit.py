@@ -310,6 +310,10 @@ def test_invariance_and_kernel_option_settings_are_checked_before_running():
     "chunked_prefill",
     "padded_cache",
     "splits",
+    "mixed_batch",
+    "packed",
+    "backward_batch",
+    "causal_leak",
   )
   fn = audit.kernel_fn(s, sa.Precision.from_name("bf16-framework"))
   assert fn.keywords["options"].split_size == 64

@@ -46,6 +46,13 @@ class Shape:
   head_dim: int
 
   @property
+  def label(self) -> str:
+    return (
+      f"B{self.batch} T{self.q_len} S{self.kv_len} "
+      f"H{self.heads}/{self.kv_heads} D{self.head_dim}"
+    )
+
+  @property
   def q_shape(self):
     return (self.batch, self.q_len, self.heads, self.head_dim)
 

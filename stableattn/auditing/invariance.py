@@ -25,6 +25,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from stableattn.auditing.edge_invariance import (
+  EDGE_DESCRIPTIONS,
+  EDGE_INVARIANCES,
+  EdgeProbes,
+  argmax_flips,
+)
 from stableattn.auditing.inputs import Shape, make_inputs, round_to
 from stableattn.contract import arguments
 from stableattn.contract.golden import golden_attention
@@ -34,8 +40,16 @@ from stableattn.ops.dispatch import attention
 from stableattn.ops.paged import paged_attention
 from stableattn.ops.registry import unaccepted_features
 
-INVARIANCES = ("batch", "decode", "chunked_prefill", "padded_cache", "splits")
+INVARIANCES = (
+  "batch",
+  "decode",
+  "chunked_prefill",
+  "padded_cache",
+  "splits",
+  *EDGE_INVARIANCES,
+)
 DESCRIPTIONS = {
+  **EDGE_DESCRIPTIONS,
   "batch": "a row alone vs at a random position among N others",
   "decode": "a query decoded alone over its prefix vs its row of the full "
   "causal pass",
@@ -89,7 +103,7 @@ class _NotApplicable(Exception):
   """The kernel cannot run this probe (the reason is the message)."""
 
 
-class Prober:
+class Prober(EdgeProbes):
   """Runs the probes of one kernel at one policy on one shape."""
 
   def __init__(
@@ -119,11 +133,15 @@ class Prober:
     self.dtype = policy.dtype("inputs")
     self.rng = np.random.default_rng(seed + 1)
 
-  def call(self, q, k, v, fn=None, **features):
-    fn = self.fn if fn is None else fn
+  @staticmethod
+  def require(fn, features: dict) -> None:
     missing = unaccepted_features(fn, features)
     if missing:
       raise _NotApplicable(f"the kernel takes no {missing}")
+
+  def call(self, q, k, v, fn=None, **features):
+    fn = self.fn if fn is None else fn
+    self.require(fn, features)
     args = [jnp.asarray(np.asarray(x).astype(self.dtype)) for x in (q, k, v)]
     try:
       out = fn(*args, **features)
@@ -144,6 +162,7 @@ class Prober:
       "max_abs_diff": gap,
       "diff_ulps": gap / ulp,
       "error_ulps": float(np.max(np.abs(reference - golden))) / ulp,
+      "argmax_flips": argmax_flips(reference, other),
       "reason": "",
     }
 
@@ -156,6 +175,7 @@ class Prober:
       "max_abs_diff": float("nan"),
       "diff_ulps": float("nan"),
       "error_ulps": float("nan"),
+      "argmax_flips": float("nan"),
       "reason": reason,
     }
 

@@ -14,52 +14,27 @@ and FlashAttention's rule.
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from stableattn.auditing import invariance
+from stableattn.auditing import regimes as regimes_lib
 from stableattn.auditing.feature_recipes import FeatureRecipe
 from stableattn.auditing.inputs import (
   DISTRIBUTIONS,
   Shape,
   make_inputs,
-  round_to,
   shape_from_spec,
+)
+from stableattn.auditing.measure import (
+  TENSORS,
+  check_accepts,
+  measure_arrays,
 )
 from stableattn.contract.arguments import names
 from stableattn.contract.features import Features
-from stableattn.contract.golden import golden_attention, golden_attention_vjp
-from stableattn.contract.options import Options
-from stableattn.numerics.metrics import compare
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES
-from stableattn.ops.registry import resolve, unaccepted_features
 
-TENSORS = ("out", "dq", "dk", "dv")
-
-
-def quality(golden, x) -> dict:
-  """What users quote beside the rules: cosine, relative L1, SNR (dB),
-  the signed share of errors (Qiu & Yao), and non-finite counts."""
-  g, d = golden.ravel(), (x - golden).ravel()
-  finite = np.isfinite(x).ravel()
-  norm = np.linalg.norm(g) * np.linalg.norm(x.ravel())
-  cosine = float(np.dot(g, x.ravel()) / norm) if norm else float("nan")
-  noise = float(np.sum(d**2))
-  deviation = compare(golden, x)
-  return {
-    "cosine": cosine,
-    "rel_l1": float(np.sum(np.abs(d)) / max(np.sum(np.abs(g)), 1e-300)),
-    "snr_db": 10 * math.log10(float(np.sum(g**2)) / noise)
-    if noise > 0
-    else float("inf"),
-    "max_abs": deviation.max_abs,
-    "signed_share": deviation.signed_share,
-    "nonfinite": int(np.size(x) - np.count_nonzero(finite)),
-  }
+__all__ = ["TENSORS", "AuditReport", "audit", "check_accepts", "measure_case"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +48,7 @@ class Case:
 
   @property
   def label(self) -> str:
-    s = self.shape
-    return (
-      f"B{s.batch} T{s.q_len} S{s.kv_len} H{s.heads}/{s.kv_heads} D{s.head_dim}"
-    )
+    return self.shape.label
 
   @property
   def features_label(self) -> str:
@@ -95,102 +67,23 @@ def features_label(features) -> str:
   return ",".join(features.kwargs()) or "none"
 
 
-def _call(fn, q, k, v, features: dict):
-  out = fn(q, k, v, **features)
-  if out is None or getattr(out, "shape", None) != q.shape:
-    raise ValueError(
-      f"the kernel returned {None if out is None else out.shape}; the "
-      f"contract is an output shaped like q, {q.shape}."
-    )
-  if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise ValueError(
-      f"the kernel returned dtype {out.dtype}; the contract is a floating "
-      "output (the inputs' dtype or wider)."
-    )
-  return out
-
-
-def _as_f64(arrays) -> list:
-  return [np.asarray(jax.device_get(x)).astype(np.float64) for x in arrays]
-
-
-def _values_and_grads(fn, q, k, v, d_out, features: dict, gradients: bool):
-  """fn's output and, with `gradients`, (dq, dk, dv) for cotangent d_out,
-  as float64 arrays."""
-  if not gradients:
-    return _as_f64([_call(fn, q, k, v, features)])
-  out, vjp = jax.vjp(lambda q, k, v: _call(fn, q, k, v, features), q, k, v)
-  return _as_f64([out, *vjp(jnp.asarray(d_out).astype(out.dtype))])
-
-
-def check_accepts(fn, features: dict, kernel: str = "the kernel") -> None:
-  """One clear line when fn cannot take a feature the audit passes."""
-  missing = unaccepted_features(fn, features)
-  if missing:
-    raise ValueError(
-      f"{kernel} does not accept the feature(s) {missing} that this audit "
-      "passes (the contract is fn(q, k, v, **features), jax's names); "
-      "audit it without them or add them to its signature."
-    )
-
-
 def measure_case(
   fn, policy: Precision, case: Case, repeats, tensors=TENSORS, rules=RULES
 ):
   """Rows (one per tensor) of one case: rules, quality, determinism."""
-  gradients = tensors != ("out",)
-  q, k, v = (
-    round_to(x, policy.inputs)
-    for x in make_inputs(case.distribution, case.seed, case.shape)
-  )
-  d_out = round_to(
-    np.random.default_rng(10_000 + case.seed).standard_normal(q.shape),
-    policy.output,
-  )
-  features = case.built_features().kwargs()
-  check_accepts(fn, features)
-  golden = [golden_attention(q, k, v, **features)]
-  if gradients:
-    golden += golden_attention_vjp(q, k, v, d_out, **features)[:3]
-  dtype = policy.dtype("inputs")
-  args = [jnp.asarray(x.astype(dtype)) for x in (q, k, v)]
-  d_out = d_out.astype(policy.dtype("output"))
-
-  ours = resolve("reference", Options(precision=policy))
-  baseline = _values_and_grads(ours, *args, d_out, features, gradients)
-  runs = [
-    _values_and_grads(fn, *args, d_out, features, gradients)
-    for _ in range(repeats)
-  ]
-  return [
-    _row(
-      case, policy, tensor, golden[i], [r[i] for r in runs], baseline[i], rules
-    )
-    for i, tensor in enumerate(tensors)
-  ]
-
-
-def _row(case, policy, tensor, golden, runs, baseline, rules) -> dict:
-  x = runs[0]
-  gradient = tensor != "out"
-  fmt = policy.output if not gradient else policy.inputs
-  judged = [rule(golden, x, baseline, fmt, gradient) for rule in rules.values()]
-  return {
+  q, k, v = make_inputs(case.distribution, case.seed, case.shape)
+  label = {
     "shape": case.label,
     "distribution": case.distribution,
     "seed": case.seed,
     "features": case.features_label,
-    "tensor": tensor,
-    "policy": policy.name,
-    "deterministic": all(np.array_equal(x, r, equal_nan=True) for r in runs),
-    "repeats": len(runs),
-    **{f"{j.rule}_value": j.value for j in judged},
-    **{f"{j.rule}_limit": j.limit for j in judged},
-    **{f"{j.rule}_passed": j.passed for j in judged},
-    **{f"{j.rule}_applies": j.applies for j in judged},
-    **quality(golden, x),
-    "baseline_max_abs": float(np.max(np.abs(baseline - golden))),
+    "regime": "none",
+    "detail": "",
   }
+  features = case.built_features().kwargs()
+  return measure_arrays(
+    fn, policy, label, (q, k, v), features, repeats, tensors, rules
+  )
 
 
 def cases(shapes, distributions, seeds: int, features=None):
@@ -221,8 +114,20 @@ def failures(rows, rules=tuple(RULES)) -> list[str]:
       f"{r['tensor']} at {r['shape']}, {r['distribution']} inputs, seed "
       f"{r['seed']}, {r['policy']}, features {r['features']}"
     )
+    if r.get("regime", "none") != "none":
+      where += f", regime {r['regime']} ({r['detail']})"
     if r["nonfinite"]:
       out.append(f"{r['nonfinite']} NaN/Inf values in {where}")
+    if r.get("empty_rows_max"):
+      out.append(
+        f"rows no key may attend are not 0 in {where}: largest "
+        f"|value| {r['empty_rows_max']:.3g} (documented: exactly 0)"
+      )
+    if r.get("no_gradient"):
+      out.append(
+        f"the kernel returns no gradient for its {r['tensor'][1:]} in "
+        f"{where}: all zeros where FP64's is not"
+      )
     if not r["deterministic"]:
       out.append(f"{where} differs between {r['repeats']} identical runs")
     for rule in rules:
@@ -254,6 +159,9 @@ class AuditReport:
   rows: tuple[dict, ...]
   gate: tuple[str, ...]
   invariance_rows: tuple[dict, ...] = ()
+  # Edge-regime cases that do not apply to this kernel or policy, each
+  # with its reason ("n/a" in the report).
+  regime_notes: tuple[dict, ...] = ()
 
   @property
   def invariant(self) -> dict:
@@ -334,6 +242,7 @@ def audit(
   tensors=TENSORS,
   rules=None,
   invariances=None,
+  regimes=None,
 ) -> AuditReport:
   """Audits fn(q, k, v, **features): output and gradients under every
   rule, determinism over `repeats` runs, and NaN/Inf.
@@ -362,6 +271,11 @@ def audit(
       inference computes them, at the first shape's length, heads and
       head dim, bitwise or in ulps beside the error against FP64. The
       gate "invariance" fails a kernel that is not bitwise invariant.
+    regimes: names of `stableattn.auditing.regimes.REGIMES`
+      ("large_logits,empty_rows", a sequence or "all"): edge cases built
+      from every shape, judged by the same rules, plus: NaN/Inf anywhere
+      fails, and rows no key may attend must be exactly 0. Cases a kernel
+      cannot run (a feature it does not take) are reported n/a.
 
   Raises:
     ValueError: for bad settings, a feature the kernel does not accept, or
@@ -377,6 +291,7 @@ def audit(
   distributions = names(distributions, "distributions")
   check_gate(gate, rules)
   probes = invariance.parse(invariances)
+  edge_regimes = regimes_lib.parse(regimes)
   if tuple(tensors) not in (TENSORS, ("out",)):
     raise ValueError(f"tensors must be {TENSORS} or ('out',), got {tensors}.")
   recipe = as_recipe(features, causal)
@@ -384,6 +299,14 @@ def audit(
   all_cases = cases(shapes, distributions, seeds, recipe)
   for case in all_cases:
     rows += measure_case(fn, policy, case, repeats, tuple(tensors), rules)
+  notes = []
+  for shape in dict.fromkeys(case.shape for case in all_cases):
+    for regime in edge_regimes:
+      found, skipped = regimes_lib.measure_regime(
+        fn, policy, shape, regime, repeats, tuple(tensors), rules
+      )
+      rows += found
+      notes += skipped
   invariance_rows = ()
   if probes:
     first = all_cases[0]
@@ -392,4 +315,4 @@ def audit(
         fn, policy, first.shape, probes, distribution=first.distribution
       )
     )
-  return AuditReport(tuple(rows), tuple(gate), invariance_rows)
+  return AuditReport(tuple(rows), tuple(gate), invariance_rows, tuple(notes))

@@ -19,8 +19,9 @@ import json
 import jax
 import numpy as np
 
-from stableattn.auditing import invariance
+from stableattn.auditing import invariance, regimes
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
+from stableattn.auditing.inputs import shape_from_spec
 from stableattn.auditing.kernel_audit import (
   INVARIANCE_GATE,
   TENSORS,
@@ -31,7 +32,7 @@ from stableattn.auditing.kernel_audit import (
   measure_case,
 )
 from stableattn.contract.options import Options
-from stableattn.experiments import environment
+from stableattn.experiments import audit_search, environment
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.plotting import bar_plot
 from stableattn.experiments.reporting import num, table
@@ -61,6 +62,11 @@ class Settings:
   gate: tuple[str, ...]  # rules (and "invariance") that decide `passed`
   # probes of `stableattn.auditing.invariance`
   invariances: tuple[str, ...] = ()
+  # edge regimes of `stableattn.auditing.regimes`, built from every shape
+  regimes: tuple[str, ...] = ()
+  # > 0: search this many drawn cases for the smallest failing one instead
+  # of auditing the grid (`audit_search.py`)
+  search_budget: int = 0
   # Why the kernel has no gradients here (judged on `out` alone), or None.
   forward_only: str | None = None
 
@@ -79,6 +85,7 @@ def settings_from_config(c) -> Settings:
   try:
     check_gate(gate, RULES)
     invariances = invariance.parse(c.get("invariances", ""))
+    edge_regimes = regimes.parse(c.get("regimes", ""))
   except ValueError as e:
     raise ValueError(f"config: {e}") from None
   precisions = as_tuple(c.precisions)
@@ -105,6 +112,10 @@ def settings_from_config(c) -> Settings:
     repeats=field(c, "repeats", minimum=2),
     gate=gate,
     invariances=invariances,
+    regimes=edge_regimes,
+    search_budget=field(c, "search_budget", minimum=0)
+    if "search_budget" in c
+    else 0,
     forward_only=forward_only(kernel),
   )
 
@@ -147,6 +158,8 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   """Audits the kernel; the headline says whether it passed and why not."""
   s = settings_from_config(config)
   with opened(workdir, config, restart=restart) as (run_dir, _):
+    if s.search_budget:
+      return audit_search.run(run_dir, s, kernel_fn)
     rows = []
     for name in s.precisions:
       policy = Precision.from_name(name)
@@ -156,6 +169,13 @@ def run(config, workdir, *, restart: bool = False) -> dict:
           new = _measure(fn, policy, case, s)
           run_dir.append_metrics(new)
           rows += new
+    notes = []
+    for name in s.precisions:
+      policy = Precision.from_name(name)
+      new, skipped = _measure_regimes(kernel_fn(s, policy), policy, s)
+      run_dir.append_metrics(new)
+      rows += new
+      notes += skipped
     probes = []
     if s.invariances:
       for name in s.precisions:
@@ -172,7 +192,21 @@ def run(config, workdir, *, restart: bool = False) -> dict:
           )
         ]
       run_dir.write_csv("invariance.csv", probes)
-    return write_report(run_dir, s, rows, probes)
+    return write_report(run_dir, s, rows, probes, notes)
+
+
+def _measure_regimes(fn, policy, s: Settings):
+  """The edge regimes' rows and n/a notes at every shape."""
+  tensors = ("out",) if s.forward_only else TENSORS
+  rows, notes = [], []
+  for spec in dict.fromkeys(s.shapes):
+    for regime in s.regimes:
+      new, skipped = regimes.measure_regime(
+        fn, policy, shape_from_spec(spec), regime, s.repeats, tensors, RULES
+      )
+      rows += [{"kernel": s.kernel, **r} for r in new]
+      notes += skipped
+  return rows, notes
 
 
 def _measure(fn, policy, case, s: Settings) -> list[dict]:
@@ -214,10 +248,13 @@ def headline(s: Settings, rows, probes=()) -> dict:
   }
 
 
-def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
+def write_report(
+  run_dir: RunDir, s: Settings, rows, probes=(), notes=()
+) -> dict:
   if not rows:
     raise ValueError("the audit measured nothing: no verdict from 0 rows.")
   result = headline(s, rows, probes)
+  result["regimes_not_applicable"] = list(notes)
   run_dir.write_text(
     "headline.json", json.dumps(result, indent=2, default=str) + "\n"
   )
@@ -243,6 +280,7 @@ def write_report(run_dir: RunDir, s: Settings, rows, probes=()) -> dict:
     error_table(rows),
     "",
     f"![errors]({figure})",
+    *regime_notes_section(notes),
     *invariance_section(probes),
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
@@ -266,11 +304,30 @@ def verdict_table(rows) -> str:
 
 
 def _groups(rows) -> dict:
-  """Rows by (policy, features, tensor), in the order they first occur."""
+  """Rows by (policy, features, tensor), in the order they first occur;
+  an edge regime's rows apart, under "regime: features"."""
   out: dict = {}
   for r in rows:
-    out.setdefault((r["policy"], r["features"], r["tensor"]), []).append(r)
+    out.setdefault((r["policy"], _features(r), r["tensor"]), []).append(r)
   return out
+
+
+def _features(r) -> str:
+  regime = r.get("regime", "none")
+  return r["features"] if regime == "none" else f"{regime}: {r['features']}"
+
+
+def regime_notes_section(notes) -> list[str]:
+  """The edge cases that did not apply, each with its reason."""
+  if not notes:
+    return []
+  body = [[n["policy"], n["regime"], n["detail"], n["reason"]] for n in notes]
+  return [
+    "",
+    "## Edge cases not run (n/a)",
+    "",
+    table(["policy", "regime", "case", "why"], body),
+  ]
 
 
 def _rule_cell(group, rule: str) -> str:
@@ -349,9 +406,13 @@ def invariance_section(probes) -> list[str]:
     else:
       said = "bitwise" if p["invariant"] else "**differs**"
       diff, error = num(p["diff_ulps"]), num(p["error_ulps"])
-    body.append([p["policy"], p["invariance"], p["detail"], said, diff, error])
+    flips = p.get("argmax_flips", float("nan"))
+    body.append(
+      [p["policy"], p["invariance"], p["detail"], said, diff, error,
+       "" if not np.isfinite(flips) else f"{100 * flips:.3g}%"]
+    )  # fmt: skip
   header = ["policy", "invariance", "probe", "rows", "diff (ulps)"]
-  header.append("error vs FP64 (ulps)")
+  header += ["error vs FP64 (ulps)", "argmax flips"]
   return [
     "",
     "## Invariance: the same rows computed the ways inference does",

@@ -1,0 +1,176 @@
+"""Measuring one kernel on one input: output and gradients against FP64
+and the same-policy Baseline, under every rule, with determinism, NaN
+counts and the checks of edge regimes (rows that must be 0, learned
+features that must get a gradient)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.auditing.inputs import round_to
+from stableattn.contract.golden import golden_attention, golden_attention_vjp
+from stableattn.contract.options import Options
+from stableattn.numerics.metrics import compare
+from stableattn.numerics.precision import Precision
+from stableattn.numerics.rules import RULES
+from stableattn.ops.registry import resolve, unaccepted_features
+
+TENSORS = ("out", "dq", "dk", "dv")
+# Features that are learned, so get a gradient audited like dQ/dK/dV, in
+# the order `golden_attention_vjp` returns them.
+GRADIENT_FEATURES = ("bias", "sink")
+
+
+def quality(golden, x) -> dict:
+  """What users quote beside the rules: cosine, relative L1, SNR (dB),
+  the signed share of errors (Qiu & Yao), and non-finite counts."""
+  g, d = golden.ravel(), (x - golden).ravel()
+  finite = np.isfinite(x).ravel()
+  norm = np.linalg.norm(g) * np.linalg.norm(x.ravel())
+  cosine = float(np.dot(g, x.ravel()) / norm) if norm else float("nan")
+  noise = float(np.sum(d**2))
+  deviation = compare(golden, x)
+  return {
+    "cosine": cosine,
+    "rel_l1": float(np.sum(np.abs(d)) / max(np.sum(np.abs(g)), 1e-300)),
+    "snr_db": 10 * math.log10(float(np.sum(g**2)) / noise)
+    if noise > 0
+    else float("inf"),
+    "max_abs": deviation.max_abs,
+    "signed_share": deviation.signed_share,
+    "nonfinite": int(np.size(x) - np.count_nonzero(finite)),
+  }
+
+
+def _call(fn, q, k, v, features: dict):
+  out = fn(q, k, v, **features)
+  if out is None or getattr(out, "shape", None) != q.shape:
+    raise ValueError(
+      f"the kernel returned {None if out is None else out.shape}; the "
+      f"contract is an output shaped like q, {q.shape}."
+    )
+  if not jnp.issubdtype(out.dtype, jnp.floating):
+    raise ValueError(
+      f"the kernel returned dtype {out.dtype}; the contract is a floating "
+      "output (the inputs' dtype or wider)."
+    )
+  return out
+
+
+def _as_f64(arrays) -> list:
+  return [np.asarray(jax.device_get(x)).astype(np.float64) for x in arrays]
+
+
+def _values_and_grads(fn, q, k, v, d_out, features: dict, gradients: bool):
+  """fn's output and, with `gradients`, (dq, dk, dv) for cotangent d_out,
+  then the gradients of the floating features that take one (bias, sink,
+  in `GRADIENT_FEATURES` order), as float64 arrays."""
+  if not gradients:
+    return _as_f64([_call(fn, q, k, v, features)])
+  extra = [n for n in GRADIENT_FEATURES if n in features]
+
+  def forward(q, k, v, *values):
+    return _call(fn, q, k, v, {**features, **dict(zip(extra, values))})
+
+  arrays = [jnp.asarray(features[n]) for n in extra]
+  out, vjp = jax.vjp(forward, q, k, v, *arrays)
+  return _as_f64([out, *vjp(jnp.asarray(d_out).astype(out.dtype))])
+
+
+def check_accepts(fn, features: dict, kernel: str = "the kernel") -> None:
+  """One clear line when fn cannot take a feature the audit passes."""
+  missing = unaccepted_features(fn, features)
+  if missing:
+    raise ValueError(
+      f"{kernel} does not accept the feature(s) {missing} that this audit "
+      "passes (the contract is fn(q, k, v, **features), jax's names); "
+      "audit it without them or add them to its signature."
+    )
+
+
+def measure_arrays(
+  fn,
+  policy: Precision,
+  label: dict,
+  arrays,
+  features: dict,
+  repeats: int,
+  tensors=TENSORS,
+  rules=RULES,
+  empty_rows=None,
+):
+  """Rows (one per tensor, learned features' gradients after dQ/dK/dV) of
+  fn on float64 `arrays` (q, k, v) rounded to the policy's inputs.
+
+  empty_rows: [batch, q_len] bool, the query rows no key may attend; the
+  kernel's output and dQ there must be exactly 0.
+  """
+  gradients = tensors != ("out",)
+  q, k, v = (round_to(x, policy.inputs) for x in arrays)
+  d_out = round_to(
+    np.random.default_rng(10_000 + label["seed"]).standard_normal(q.shape),
+    policy.output,
+  )
+  check_accepts(fn, features)
+  golden = [golden_attention(q, k, v, **features)]
+  if gradients:
+    golden += golden_attention_vjp(q, k, v, d_out, **features)
+    tensors = tuple(tensors) + tuple(
+      f"d{n}" for n in GRADIENT_FEATURES if n in features
+    )
+  dtype = policy.dtype("inputs")
+  args = [jnp.asarray(x.astype(dtype)) for x in (q, k, v)]
+  d_out = d_out.astype(policy.dtype("output"))
+
+  ours = resolve("reference", Options(precision=policy))
+  baseline = _values_and_grads(ours, *args, d_out, features, gradients)
+  runs = [
+    _values_and_grads(fn, *args, d_out, features, gradients)
+    for _ in range(repeats)
+  ]
+  rows = []
+  for i, tensor in enumerate(tensors):
+    row = _row(
+      label, policy, tensor, golden[i], [r[i] for r in runs], baseline[i],
+      rules,
+    )  # fmt: skip
+    if empty_rows is not None and tensor in ("out", "dq"):
+      at_empty = runs[0][i][np.asarray(empty_rows)]
+      row["empty_rows_max"] = float(np.max(np.abs(at_empty), initial=0.0))
+    rows.append(row)
+  return rows
+
+
+def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:
+  x = runs[0]
+  gradient = tensor != "out"
+  fmt = policy.output if not gradient else policy.inputs
+  # Where the same-policy baseline is exact (one key, one query), a ratio
+  # to its error of 0 would demand exactness of every kernel; the golden
+  # value rounded to the format stands in, the best any kernel can give.
+  baseline_exact = bool(np.array_equal(baseline, golden))
+  if baseline_exact:
+    baseline = round_to(golden, fmt)
+  judged = [rule(golden, x, baseline, fmt, gradient) for rule in rules.values()]
+  return {
+    **label,
+    "tensor": tensor,
+    "policy": policy.name,
+    "deterministic": all(np.array_equal(x, r, equal_nan=True) for r in runs),
+    "repeats": len(runs),
+    **{f"{j.rule}_value": j.value for j in judged},
+    **{f"{j.rule}_limit": j.limit for j in judged},
+    **{f"{j.rule}_passed": j.passed for j in judged},
+    **{f"{j.rule}_applies": j.applies for j in judged},
+    **quality(golden, x),
+    "baseline_max_abs": float(np.max(np.abs(baseline - golden))),
+    "baseline_exact": baseline_exact,
+    # A learned feature whose gradient never reaches the kernel's inputs.
+    "no_gradient": bool(
+      tensor in ("dbias", "dsink") and not np.any(x) and np.any(golden)
+    ),
+  }
