@@ -235,8 +235,18 @@ def _findings(trends, target, plans) -> list[str]:
   findings = [
     f"The sizes span {num(max(parameters) / min(parameters))}x in "
     f"parameters, {num(max(computes) / min(computes))}x in training "
-    f"compute and {num(max(contexts) / min(contexts))}x in context."
+    f"compute and {num(max(contexts) / min(contexts))}x in context.",
   ]
+  steps = [p.steps for p in plans]
+  if max(steps) > min(steps):
+    findings.append(
+      f"Optimizer steps differ from size to size ({min(steps)} to "
+      f"{max(steps)}): the same tokens per parameter take a larger model "
+      "more steps, and two runs drift further apart with every step, so "
+      "the parameters slope holds the effect of the longer run with that "
+      "of the size. The context axis trains the same steps at every "
+      "context."
+    )
   for ref, trend in trends.items():
     if trend is None:
       findings.append(f"Against `{ref}`: too few bounded values to fit.")
