@@ -153,6 +153,7 @@ def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:
   # to its error of 0 would demand exactness of every kernel; the golden
   # value rounded to the format stands in, the best any kernel can give.
   baseline_exact = bool(np.array_equal(baseline, golden))
+  baseline_max_abs = float(np.max(np.abs(baseline - golden)))
   if baseline_exact:
     baseline = round_to(golden, fmt)
   judged = [rule(golden, x, baseline, fmt, gradient) for rule in rules.values()]
@@ -167,7 +168,7 @@ def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:
     **{f"{j.rule}_passed": j.passed for j in judged},
     **{f"{j.rule}_applies": j.applies for j in judged},
     **quality(golden, x),
-    "baseline_max_abs": float(np.max(np.abs(baseline - golden))),
+    "baseline_max_abs": baseline_max_abs,
     "baseline_exact": baseline_exact,
     # A learned feature whose gradient never reaches the kernel's inputs.
     "no_gradient": bool(

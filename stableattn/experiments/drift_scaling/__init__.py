@@ -102,7 +102,7 @@ def _machine_reference(drift) -> str:
   """Drops the other-machine pair where no instruction set changes the
   program here (it would drift 0), and says so in the report."""
   names = as_tuple(drift.pairs)
-  if BY_NAME["other_machine"].name not in names:
+  if "other_machine" not in names:
     return ""
   flags, label = environment.other_machine_flags()
   if flags is not None:
