@@ -65,13 +65,14 @@ def _as_f64(arrays) -> list:
   return [np.asarray(jax.device_get(x)).astype(np.float64) for x in arrays]
 
 
-def _values_and_grads(fn, q, k, v, d_out, features: dict, gradients: bool):
+def _values_and_grads(
+  fn, q, k, v, d_out, features: dict, gradients: bool, extra=()
+):
   """fn's output and, with `gradients`, (dq, dk, dv) for cotangent d_out,
-  then the gradients of the floating features that take one (bias, sink,
-  in `GRADIENT_FEATURES` order), as float64 arrays."""
+  then the gradients of the features named in `extra` (of
+  `GRADIENT_FEATURES`, in its order), as float64 arrays."""
   if not gradients:
     return _as_f64([_call(fn, q, k, v, features)])
-  extra = [n for n in GRADIENT_FEATURES if n in features]
 
   def forward(q, k, v, *values):
     return _call(fn, q, k, v, {**features, **dict(zip(extra, values))})
@@ -127,17 +128,32 @@ def measure_arrays(
   d_out = d_out.astype(policy.dtype("output"))
 
   ours = resolve("reference", Options(precision=policy))
-  baseline = _values_and_grads(ours, *args, d_out, features, gradients)
-  runs = [
-    _values_and_grads(fn, *args, d_out, features, gradients)
-    for _ in range(repeats)
-  ]
+  extra = [n for n in GRADIENT_FEATURES if n in features and gradients]
+  baseline = _values_and_grads(ours, *args, d_out, features, gradients, extra)
+  note = {}
+  try:
+    first = _values_and_grads(fn, *args, d_out, features, gradients, extra)
+  except Exception as e:  # noqa: BLE001 - any kernel's own refusal
+    if not extra:
+      raise
+    # A kernel that takes its features as constants (one run eagerly
+    # outside JAX, e.g. PyTorch's): dQ/dK/dV only, and the reason said.
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    note = {"feature_gradients": f"not taken: {reason}"}
+    tensors = tensors[: len(tensors) - len(extra)]
+    first = _values_and_grads(fn, *args, d_out, features, gradients)
+  runs = [first] + [
+    _values_and_grads(fn, *args, d_out, features, gradients,
+                      extra if not note else ())
+    for _ in range(repeats - 1)
+  ]  # fmt: skip
   rows = []
   for i, tensor in enumerate(tensors):
     row = _row(
       label, policy, tensor, golden[i], [r[i] for r in runs], baseline[i],
       rules,
     )  # fmt: skip
+    row.update(note)
     if empty_rows is not None and tensor in ("out", "dq"):
       at_empty = runs[0][i][np.asarray(empty_rows)]
       row["empty_rows_max"] = float(np.max(np.abs(at_empty), initial=0.0))
