@@ -17,7 +17,8 @@ Default: three sizes at context 64 (width 64 to 128, depth 2 to 4; 8x the
 parameters, 64x the training compute) and the middle size at contexts 128
 and 256; 5 replicates each. About 35 minutes on 2 CPU cores; a killed run
 resumes size by size from the last checkpoint. `smoke`: tiny sizes on a
-generated corpus, for tests (under a minute).
+generated corpus, four sizes (three values of each axis), for tests
+(under a minute).
 """
 
 import importlib.util
@@ -67,7 +68,7 @@ def _default() -> ml_collections.ConfigDict:
 
 
 SMOKE = {
-  "scaling.sizes": "w16-d1-s16,w32-d1-s16,w32-d2-s16,w16-d1-s32,w16-d1-s64",
+  "scaling.sizes": "w16-d1-s16,w32-d1-s32,w32-d2-s64,w16-d1-s64",
   "scaling.tokens_per_step": 256,
   "scaling.head_dim": 16,
   "scaling.logs": 2,

@@ -22,10 +22,12 @@ from stableattn.auditing import invariance, regimes
 from stableattn.auditing.inputs import Shape
 from stableattn.ops.registry import resolve
 
+# Every regime, and the invariances beyond equal-length batches that the
+# six kernels' edges need (the inference probes are tested elsewhere).
 EDGE = {
   "shapes": ((1, 64, 2, 32),),
   "regimes": "all",
-  "invariances": "all",
+  "invariances": "causal_leak,backward_batch",
   "gate": ("flashattention", "flexattention", "invariance"),
   "repeats": 2,
 }
@@ -90,7 +92,7 @@ def test_correct_kernels_pass_every_regime(kernel, precision):
   fn = resolve(kernel, sa.Options(precision=precision))
   report = sa.audit(
     fn, precision=precision, shapes=((1, 64, 2, 32),), regimes="all",
-    invariances="all", repeats=2,
+    invariances="causal_leak", repeats=2,
   )  # fmt: skip
   assert report.passed, report.failures
   assert report.invariant["causal_leak"] is True
@@ -121,7 +123,7 @@ def test_our_kernel_misses_only_where_jax_flash_kernel_misses(fmt):
   fn = resolve("pallas", sa.Options(precision=natural))
   report = sa.audit(
     fn, precision=audited, shapes=((1, 64, 2, 32),), regimes="all",
-    invariances="all", repeats=2,
+    invariances="causal_leak", repeats=2,
   )  # fmt: skip
   assert all("regime " in f for f in report.failures), report.failures
   assert _missed_regimes(report) == FLASH_EDGE_MISSES[fmt]
