@@ -14,8 +14,8 @@ the same tokens per step, so every model is at the same stage of training
 and the context axis changes nothing but the context.
 
 Default: three sizes at context 64 (width 64 to 128, depth 2 to 4; 8x the
-parameters, 64x the training compute) and the middle size at contexts 128
-and 256; 5 replicates each. About 35 minutes on 2 CPU cores; a killed run
+parameters, 62x the training compute) and the middle size at contexts 128
+and 256; 5 replicates each. 36 minutes on 2 CPU cores; a killed run
 resumes size by size from the last checkpoint. `smoke`: tiny sizes on a
 generated corpus, four sizes (three values of each axis), for tests
 (under a minute).
