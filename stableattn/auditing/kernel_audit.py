@@ -193,10 +193,12 @@ class AuditReport:
         for rule in rules
       ]
       lines.append(
-        f"{r['tensor']:>6} {r['policy']:>16} {r['features']:>16} "
+        f"{r['tensor']:>6} {r['policy']:>16} {_features_cell(r):>16} "
         + " ".join(f"{c:>18}" for c in cells)
         + f"  {r['deterministic']}"
       )
+    for n in self.regime_notes:
+      lines.append(f"{n['regime']:>16} {n['detail']:>36}  n/a: {n['reason']}")
     for r in self.invariance_rows:
       if r["invariant"] is None:
         said = f"n/a: {r['reason']}"
@@ -211,6 +213,12 @@ class AuditReport:
     lines += self.failures
     lines.append("PASSED" if self.passed else "FAILED")
     return "\n".join(lines)
+
+
+def _features_cell(r) -> str:
+  """The row's features, and its edge regime when it has one."""
+  regime = r.get("regime", "none")
+  return r["features"] if regime == "none" else f"{regime}: {r['features']}"
 
 
 def as_recipe(features, causal: bool = False):
