@@ -61,15 +61,7 @@ DESCRIPTIONS = {
 
 def parse(value) -> tuple[str, ...]:
   """`value` ("batch,decode", a sequence, "all", "" or None) as names."""
-  names = arguments.names(value, "invariances")
-  if names == ("all",):
-    return INVARIANCES
-  unknown = [n for n in names if n not in INVARIANCES]
-  if unknown:
-    raise ValueError(
-      f"Unknown invariances {unknown}; valid: {list(INVARIANCES)} or 'all'."
-    )
-  return tuple(dict.fromkeys(names))
+  return arguments.chosen(value, "invariances", INVARIANCES)
 
 
 @dataclasses.dataclass(frozen=True)

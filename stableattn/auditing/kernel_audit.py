@@ -236,6 +236,19 @@ def as_recipe(features, causal: bool = False):
   return features
 
 
+def _regime_rows(fn, policy, all_cases, edge_regimes, repeats, tensors, rules):
+  """The edge regimes' rows and n/a notes at every distinct shape."""
+  rows, notes = [], []
+  for shape in dict.fromkeys(case.shape for case in all_cases):
+    for regime in edge_regimes:
+      found, skipped = regimes_lib.measure_regime(
+        fn, policy, shape, regime, repeats, tensors, rules
+      )
+      rows += found
+      notes += skipped
+  return rows, notes
+
+
 def audit(
   fn,
   *,
@@ -307,14 +320,10 @@ def audit(
   all_cases = cases(shapes, distributions, seeds, recipe)
   for case in all_cases:
     rows += measure_case(fn, policy, case, repeats, tuple(tensors), rules)
-  notes = []
-  for shape in dict.fromkeys(case.shape for case in all_cases):
-    for regime in edge_regimes:
-      found, skipped = regimes_lib.measure_regime(
-        fn, policy, shape, regime, repeats, tuple(tensors), rules
-      )
-      rows += found
-      notes += skipped
+  found, notes = _regime_rows(
+    fn, policy, all_cases, edge_regimes, repeats, tuple(tensors), rules
+  )
+  rows += found
   invariance_rows = ()
   if probes:
     first = all_cases[0]

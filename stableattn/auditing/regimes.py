@@ -79,15 +79,7 @@ class EdgeCase:
 
 def parse(value) -> tuple[str, ...]:
   """`value` ("large_logits,remainders", a sequence, "all", "" or None)."""
-  names = arguments.names(value, "regimes")
-  if names == ("all",):
-    return REGIMES
-  unknown = [n for n in names if n not in REGIMES]
-  if unknown:
-    raise ValueError(
-      f"Unknown regimes {unknown}; valid: {list(REGIMES)} or 'all'."
-    )
-  return tuple(dict.fromkeys(names))
+  return arguments.chosen(value, "regimes", REGIMES)
 
 
 def _normal(rng, b, t, s, h, hkv, d):

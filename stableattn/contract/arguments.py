@@ -24,3 +24,20 @@ def names(value, what: str) -> tuple[str, ...]:
   if bad:
     raise ValueError(f"{what} must be strings, got {bad!r} in {value!r}.")
   return tuple(v.strip() for v in value if v.strip())
+
+
+def chosen(value, what: str, valid: tuple[str, ...]) -> tuple[str, ...]:
+  """`value` (names as `names` takes them, "all", "" or None) as a subset
+  of `valid`, each once, in the given order; "all" is every valid name.
+
+  Raises a ValueError naming the unknown ones and the valid ones.
+  """
+  found = names(value, what)
+  if found == ("all",):
+    return tuple(valid)
+  unknown = [n for n in found if n not in valid]
+  if unknown:
+    raise ValueError(
+      f"Unknown {what} {unknown}; valid: {list(valid)} or 'all'."
+    )
+  return tuple(dict.fromkeys(found))
