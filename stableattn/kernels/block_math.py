@@ -104,6 +104,25 @@ def stored_lse(m, l_sum, ar: PolicyArithmetic, base2: bool = False):
   return stats(lse2 * jnp.asarray(math.log(2.0), lse2.dtype))
 
 
+def recomputed_probs(s_BqxBk, stats_Bq, ar: PolicyArithmetic):
+  """P from the scores and the forward's softmax residuals: (lse,) gives
+  exp(s - lse); (m, l) gives exp(s - m) * (1 / l) (the policy option
+  softmax_residuals=max_sum), as the forward normalized it. In
+  `softmax_stats`."""
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  if len(stats_Bq) == 1:
+    (lse_Bq,) = stats_Bq
+    return stats_exp(stats(s_BqxBk - stats(lse_Bq)[:, None]), ar)
+  m_Bq, l_Bq = (stats(x) for x in stats_Bq)
+  inverse_Bq = stats(1.0 / l_Bq)
+  return stats(
+    stats_exp(stats(s_BqxBk - m_Bq[:, None]), ar) * inverse_Bq[:, None]
+  )
+
+
 def row_sum(x_BqxBk, ar: PolicyArithmetic):
   """Row sum within one block, accumulated like a dot product."""
   return ar.round(ar.sum(x_BqxBk, "matmul_accum"), "softmax_stats")

@@ -115,7 +115,11 @@ def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
   )
 
 
-def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None):
+def _forward(
+  q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None, residuals=True
+):
+  """(out, residuals of the backward): the padded q, k, v, operands and
+  output, the lse, and {name: extra residual} (`residual_names`)."""
   q_len_padded, kv_len_padded = cfg.padded_lengths
   head_dim_padded = padded_head_dim(cfg.head_dim, cfg.interpret)
   q_p = pad_to(q, q_len_padded, head_dim_padded)
@@ -124,11 +128,18 @@ def _forward(q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None):
   ops_p = pad_operands(ops, cfg)
   ranges = tile_ranges(ops_p, cfg, cfg.block_q, cfg.block_k)
   key_ranges = None if ranges is None else ranges[0]
-  out_p, lse = flash_forward(
-    q_p, k_p, v_p, ops_p, key_ranges, cfg, _pad_scales(scales, cfg)
+  out_p, lse, *extra = flash_forward(
+    q_p,
+    k_p,
+    v_p,
+    ops_p,
+    key_ranges,
+    cfg,
+    _pad_scales(scales, cfg),
+    residuals=residuals,
   )
   out = out_p[:, : cfg.q_len, :, : cfg.head_dim]
-  return out, (q_p, k_p, v_p, ops_p, out_p, lse)
+  return out, (q_p, k_p, v_p, ops_p, out_p, lse, *extra)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -143,7 +154,7 @@ def flash_attention_with_lse(
 ):
   """Forward only; also returns the log-sum-exp [B, H, T] (no gradient;
   +inf for a row no key attends, as FlashAttention)."""
-  out, residuals = _forward(q, k, v, ops, cfg, scales)
+  out, residuals = _forward(q, k, v, ops, cfg, scales, residuals=False)
   return out, residuals[-1][:, :, : cfg.q_len]
 
 
@@ -165,11 +176,11 @@ def _quantized_fwd(q, k, v, ops, scales, cfg):
 
 
 def _quantized_bwd(cfg, saved, d_out):
-  (q_p, k_p, v_p, ops_p, out_p, lse), ops, scales = saved
+  (q_p, k_p, v_p, ops_p, out_p, lse, extra), ops, scales = saved
   policy, dequantized = straight_through(
     cfg.policy, (q_p, k_p, v_p), _pad_scales(scales, cfg)
   )
-  residuals = (*dequantized, ops_p, out_p, lse)
+  residuals = (*dequantized, ops_p, out_p, lse, extra)
   bwd_cfg = cfg.with_policy(policy)
   dq, dk, dv, d_ops = _gradients(bwd_cfg, residuals, ops, d_out)
   # Rotated q and k are FP32; their cotangents must be too.
@@ -195,11 +206,11 @@ def _flash_bwd(cfg: KernelConfig, saved, d_out):
 
 def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   """(dq, dk, dv, d_ops) from the padded forward residuals."""
-  q_p, k_p, v_p, ops_p, out_p, lse = residuals
+  q_p, k_p, v_p, ops_p, out_p, lse, extra = residuals
   d_out_p = pad_to(d_out.astype(out_p.dtype), out_p.shape[1], out_p.shape[3])
   ranges = tile_ranges(ops_p, cfg, cfg.bwd_block_q, cfg.bwd_block_k)
   dq_p, dk_p, dv_p, delta, dbias_p = flash_backward(
-    q_p, k_p, v_p, out_p, lse, d_out_p, ops_p, ranges, cfg
+    q_p, k_p, v_p, (out_p, lse, extra), d_out_p, ops_p, ranges, cfg
   )
   batch, kv_len_padded, kv_heads, head_dim_padded = k_p.shape
   group = q_p.shape[2] // kv_heads

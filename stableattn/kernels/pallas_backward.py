@@ -35,41 +35,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from stableattn.contract.masking import MaskOperands, softcap_slope
+from stableattn.kernels.backward_delta import (
+  delta_operands,
+  output_delta,
+  probs_delta_kernel,
+)
 from stableattn.kernels.block_math import (
   NN_DIMS,
   NT_DIMS,
   TN_DIMS,
   block_scores,
+  recomputed_probs,
   scaled_dot,
-  stats_exp,
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
+from stableattn.kernels.residuals import softmax_stats_of, stats_count
 from stableattn.numerics.rounding import PolicyArithmetic
 
 
-def _row_delta(o_BqxD, do_BqxD, ar: PolicyArithmetic):
-  """rowsum(dO * O) of a tile, each operation rounded to `delta`."""
-  products_BqxD = ar.round(
-    ar.round(o_BqxD, "delta") * ar.round(do_BqxD, "delta"), "delta"
-  )
-  return ar.sum(products_BqxD, "delta")
-
-
-def _delta_kernel(o_ref, do_ref, delta_ref, *, ar: PolicyArithmetic):
-  delta_ref[...] = _row_delta(o_ref[...], do_ref[...], ar).astype(
-    delta_ref.dtype
-  )
-
-
 def _probs_and_dscores(
-  q_BqxD, k_BkxD, v_BkxD, do_BqxD, lse_Bq, delta_Bq, mask, bias, *, cfg
+  q_BqxD, k_BkxD, v_BkxD, do_BqxD, stats_Bq, delta_Bq, mask, bias, *, cfg
 ):
   """Recomputes P and returns (P, dS, dS of the biased scores).
 
-  P and dS are rounded to `probs` (matmul operands); dS includes the
-  softcap's slope. The third, in `softmax_stats`, is the gradient of the
-  bias (the bias is added after the softcap).
+  P is rounded to `probs` (a matmul operand), dS is in `softmax_stats`
+  (each matmul rounds it to `probs`); dS includes the softcap's slope.
+  The third, in `softmax_stats`, is the gradient of the bias (the bias is
+  added after the softcap).
   """
   ar = cfg.arithmetic
 
@@ -79,24 +72,37 @@ def _probs_and_dscores(
   s_BqxBk, tanh_BqxBk = block_scores(
     q_BqxD, k_BkxD, ar=ar, spec=cfg.mask, mask=mask, bias=bias
   )
-  p_BqxBk = stats_exp(stats(s_BqxBk - stats(lse_Bq)[:, None]), ar)
+  p_BqxBk = recomputed_probs(s_BqxBk, stats_Bq, ar)
   dp_BqxBk = stats(ar.dot(do_BqxD, v_BkxD, NT_DIMS))
   ds_BqxBk = stats(p_BqxBk * stats(dp_BqxBk - stats(delta_Bq)[:, None]))
   ds_logits_BqxBk = ds_BqxBk
   if tanh_BqxBk is not None:
     ds_BqxBk = stats(ds_BqxBk * softcap_slope(tanh_BqxBk, ar))
-  return (
-    ar.round(p_BqxBk, "probs"),
-    ar.round(ds_BqxBk, "probs"),
-    ds_logits_BqxBk,
-  )
+  return ar.round(p_BqxBk, "probs"), ds_BqxBk, ds_logits_BqxBk
+
+
+def _dq_step(ds_BqxBk, k_BkxD, cfg: KernelConfig):
+  """dS K * scale of one tile in `matmul_accum`: dS rounded to `probs`,
+  or with the policy option ds_for_dq=hi_lo as dS_hi + dS_lo, both in
+  `probs` (two matmuls): dQ sums dS over keys, whose tied entries cancel,
+  and one rounding of dS leaves what they cancel to."""
+  ar = cfg.arithmetic
+  hi_BqxBk = ar.round(ds_BqxBk, "probs")
+  step = scaled_dot(hi_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum")
+  if cfg.policy.ds_for_dq != "hi_lo":
+    return step
+  lo_BqxBk = ar.round(ds_BqxBk - hi_BqxBk, "probs")
+  low = scaled_dot(lo_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum")
+  return ar.round(step + low, "matmul_accum")
 
 
 def _dkdv_kernel(
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, names, with_dq
+  q_ref, k_ref, v_ref, do_ref, delta_ref, *refs, cfg, names, with_dq
 ):
   """One program: one key block of one (batch, query head); `with_dq`:
-  also this key block's dQ contribution to every query block."""
+  also this key block's dQ contribution to every query block. `refs`:
+  the softmax residuals (`_stats_count`), the features, the outputs."""
+  stats_refs, refs = refs[: stats_count(cfg)], refs[stats_count(cfg) :]
   if with_dq:
     *feature_refs, dk_ref, dv_ref, dq_ref = refs
     dq_ref[...] = jnp.zeros(dq_ref.shape, dq_ref.dtype)
@@ -123,7 +129,7 @@ def _dkdv_kernel(
       k_BkxD,
       v_BkxD,
       do_BqxD,
-      lse_ref[rows],
+      tuple(r[rows] for r in stats_refs),
       delta_ref[rows],
       mask,
       tiles.bias(q_start, k_start, block_q, block_k),
@@ -131,14 +137,17 @@ def _dkdv_kernel(
     )
     dv_step = ar.round(ar.dot(p_BqxBk, do_BqxD, TN_DIMS), "grad_accum")
     dk_step = scaled_dot(
-      ds_BqxBk, q_BqxD, TN_DIMS, ar, cfg.scale, "matmul_accum"
+      ar.round(ds_BqxBk, "probs"),
+      q_BqxD,
+      TN_DIMS,
+      ar,
+      cfg.scale,
+      "matmul_accum",
     )
     dk_BkxD = ar.round(dk_BkxD + ar.round(dk_step, "grad_accum"), "grad_accum")
     dv_BkxD = ar.round(dv_BkxD + dv_step, "grad_accum")
     if with_dq:
-      dq_step = scaled_dot(
-        ds_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum"
-      )
+      dq_step = _dq_step(ds_BqxBk, k_BkxD, cfg)
       dq_ref[rows, :] = ar.round(dq_step, "grad_accum").astype(dq_ref.dtype)
     return dk_BkxD, dv_BkxD
 
@@ -152,14 +161,13 @@ def _dkdv_kernel(
   dv_ref[...] = dv_BkxD.astype(dv_ref.dtype)
 
 
-def _dq_kernel(
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, cfg, names
-):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, delta_ref, *refs, cfg, names):
   """One program: one query block of one (batch, query head).
 
   With a bias it also writes the bias gradient of its rows (zeros in the
   key blocks it skips).
   """
+  stats_refs, refs = refs[: stats_count(cfg)], refs[stats_count(cfg) :]
   with_bias = cfg.mask.bias is not None
   if with_bias:
     *feature_refs, dq_ref, dbias_ref = refs
@@ -173,7 +181,7 @@ def _dq_kernel(
   q_start = pl.program_id(0) * block_q
   q_BqxD = q_ref[...]
   do_BqxD = do_ref[...]
-  lse_Bq = lse_ref[...]
+  stats_Bq = tuple(r[...] for r in stats_refs)
   delta_Bq = delta_ref[...]
 
   def body(k_index, dq_BqxD):
@@ -186,7 +194,7 @@ def _dq_kernel(
       k_BkxD,
       v_ref[cols, :],
       do_BqxD,
-      lse_Bq,
+      stats_Bq,
       delta_Bq,
       mask,
       tiles.bias(q_start, k_start, block_q, block_k),
@@ -194,9 +202,7 @@ def _dq_kernel(
     )
     if with_bias:
       dbias_ref[:, cols] = ar.stored(ds_logits_BqxBk, "grad_accum")
-    dq_step = scaled_dot(
-      ds_BqxBk, k_BkxD, NN_DIMS, ar, cfg.scale, "matmul_accum"
-    )
+    dq_step = _dq_step(ds_BqxBk, k_BkxD, cfg)
     return ar.round(dq_BqxD + ar.round(dq_step, "grad_accum"), "grad_accum")
 
   num_k_blocks = kv_len_padded // block_k
@@ -214,34 +220,6 @@ def _dq_kernel(
 
     lax.fori_loop(0, first, clear, 0)
     lax.fori_loop(end, num_k_blocks, clear, 0)
-
-
-def _delta(out, d_out, cfg: KernelConfig):
-  """delta = rowsum(dO * O) [batch, heads, q_len_padded], in `delta`.
-
-  In interpret mode plain XLA computes the same operations (a kernel's
-  programs would only add per-program overhead there)."""
-  batch, q_len_padded, heads, head_dim_padded = out.shape
-  if cfg.interpret:
-    ar = PolicyArithmetic(cfg.policy)
-    delta = _row_delta(out.astype(ar.carrier), d_out.astype(ar.carrier), ar)
-    return delta.transpose(0, 2, 1).astype(cfg.policy.dtype("delta"))
-  block_q = cfg.bwd_block_q
-  rows = pl.BlockSpec(
-    (None, block_q, None, head_dim_padded), lambda i, b, h: (b, i, h, 0)
-  )
-  return pl.pallas_call(
-    functools.partial(_delta_kernel, ar=cfg.arithmetic),
-    grid=(q_len_padded // block_q, batch, heads),
-    in_specs=[rows, rows],
-    out_specs=pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
-    out_shape=jax.ShapeDtypeStruct(
-      (batch, heads, q_len_padded), cfg.policy.dtype("delta")
-    ),
-    compiler_params=cfg.compiler_params(block_q * head_dim_padded),
-    interpret=cfg.interpret,
-    name="stableattn_flash_backward_delta",
-  )(out, d_out)
 
 
 # Largest dQ-contribution buffer (one dQ per key block) the fused backward
@@ -273,13 +251,16 @@ def _sum_dq_parts(parts, cfg: KernelConfig):
 
 
 def flash_backward(
-  q, k, v, out, lse, d_out, ops: MaskOperands, ranges, cfg: KernelConfig
+  q, k, v, saved, d_out, ops: MaskOperands, ranges, cfg: KernelConfig
 ):
   """Gradients of the padded forward pass.
 
   Args:
-    q, k, v, out, d_out: padded, layout [batch, seq, heads, head_dim].
-    lse: [batch, heads, q_len_padded] from the forward kernel.
+    q, k, v, d_out: padded, layout [batch, seq, heads, head_dim].
+    saved: the forward's (out, lse [batch, heads, q_len_padded], {name:
+      extra residual}) (`pallas_forward.residual_names`): O and the lse
+      as the forward returned them, and what the policy's stability
+      options keep besides.
     ops: the padded feature operands.
     ranges: (key blocks per query block, query blocks per key block) at the
       backward tiles, or None.
@@ -293,8 +274,15 @@ def flash_backward(
     gradient [batch, heads, q_len_padded, kv_len_padded] or None).
   """
   key_ranges, query_ranges = ranges if ranges is not None else (None, None)
-  delta = _delta(out, d_out, cfg)
-  operands = (q, k, v, d_out, lse, delta)
+  out, lse, extra = saved
+  softmax_stats = softmax_stats_of(lse, extra)
+  if cfg.policy.delta_source == "probs":
+    delta = _probs_delta_call(
+      (q, k, v, d_out, *softmax_stats), ops, key_ranges, cfg
+    )
+  else:
+    delta = output_delta(delta_operands(out, extra), d_out, cfg)
+  operands = (q, k, v, d_out, delta, *softmax_stats)
   fused = _fuses_dq(
     cfg,
     q.shape,
@@ -376,8 +364,7 @@ def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
       key_block,
       key_block,
       whole_q,
-      whole_vec,
-      whole_vec,
+      *[whole_vec] * (1 + stats_count(cfg)),  # delta, softmax residuals
       *specs,
     ],
     out_specs=out_specs,
@@ -428,8 +415,8 @@ def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
       whole_kv,
       whole_kv,
       query_block,
-      _vec_spec(block_q, lambda i, b, h: (b, h, i)),
-      _vec_spec(block_q, lambda i, b, h: (b, h, i)),
+      *[_vec_spec(block_q, lambda i, b, h: (b, h, i))]
+      * (1 + stats_count(cfg)),  # delta, softmax residuals
       *specs,
     ],
     out_specs=out_specs,
@@ -439,3 +426,45 @@ def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
     name="stableattn_flash_backward_dq",
   )(*operands, *arrays)
   return dq, (dbias[0] if dbias else None)
+
+
+def _probs_delta_call(operands, ops, key_ranges, cfg: KernelConfig):
+  """delta = rowsum(P * dP) [batch, heads, q_len_padded] (policy option
+  delta_source=probs), one program per query block; `operands` are q, k,
+  v, dO and the softmax residuals."""
+  q, k = operands[:2]
+  batch, q_len_padded, heads, head_dim_padded = q.shape
+  kv_len_padded, kv_heads = k.shape[1], k.shape[2]
+  group = heads // kv_heads
+  block_q = cfg.bwd_block_q
+  whole_kv = _rows_spec(
+    kv_len_padded, head_dim_padded, lambda i, b, h: (b, 0, h // group, 0)
+  )
+  query_block = _rows_spec(
+    block_q, head_dim_padded, lambda i, b, h: (b, i, h, 0)
+  )
+  row = _vec_spec(block_q, lambda i, b, h: (b, h, i))
+  names, arrays, specs = _feature_specs(
+    cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
+  )
+  return pl.pallas_call(
+    functools.partial(
+      probs_delta_kernel, cfg=cfg, names=names, count=stats_count(cfg)
+    ),
+    grid=(q_len_padded // block_q, batch, heads),
+    in_specs=[
+      query_block,
+      whole_kv,
+      whole_kv,
+      query_block,
+      *[row] * stats_count(cfg),
+      *specs,
+    ],
+    out_specs=row,
+    out_shape=jax.ShapeDtypeStruct(
+      (batch, heads, q_len_padded), cfg.policy.dtype("delta")
+    ),
+    compiler_params=cfg.compiler_params(block_q * cfg.bwd_block_k),
+    interpret=cfg.interpret,
+    name="stableattn_flash_backward_delta_probs",
+  )(*operands, *arrays)

@@ -36,10 +36,17 @@ from stableattn.kernels.block_math import (
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
+from stableattn.kernels.residuals import (
+  residual_names,
+  residual_specs,
+  store_residuals,
+)
 from stableattn.kernels.split_merge import merge_splits
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
+def _forward_kernel(
+  q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names, residuals=()
+):
   """One program: one query block of one (batch, head), its key blocks
   (with split-KV, those of one split).
 
@@ -51,7 +58,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   page_table_ref = None
   if cfg.page_size is not None:
     page_table_ref, *refs = refs
-  *feature_refs, o_ref, lse_ref = refs
+  residual_refs = dict(zip(residuals, refs[len(refs) - len(residuals) :]))
+  *feature_refs, o_ref, lse_ref = refs[: len(refs) - len(residuals)]
   tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
@@ -122,7 +130,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, cfg: KernelConfig, names):
   if mma:
     acc_BqxD = _promote(ar, acc_BqxD, mma)
   carry = acc_BqxD, m_Bq, l_Bq
-  _store(carry, cfg, ar, o_ref, lse_ref, partial=split is not None)
+  _store(
+    carry, cfg, ar, (o_ref, lse_ref, residual_refs), partial=split is not None
+  )
 
 
 def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):
@@ -141,7 +151,7 @@ def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):
     return ar.round(x, "out_accum")
 
   p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar, base2)
-  l_new_Bq = stats(stats(alpha_Bq * l_Bq) + row_sum(p_BqxBk, ar))
+  l_new_Bq = stats(stats(alpha_Bq * l_Bq) + summed_probs(p_BqxBk, ar))
   if mma:
     acc_BqxD, mma = _two_level_update(
       ar,
@@ -193,6 +203,16 @@ def _promote(ar, acc_BqxD, mma):
   return ar.round(acc_BqxD + pv, "out_accum")
 
 
+def summed_probs(p_BqxBk, ar):
+  """A tile's share of the softmax sum: rowsum(P), or with the policy
+  option softmax_sum=rounded_probs the sum of P as rounded to `probs`,
+  the P that multiplies V (flash-attention #2721), so O = P V / l is a
+  weighted mean of V."""
+  if ar.policy.softmax_sum == "rounded_probs":
+    p_BqxBk = ar.round(p_BqxBk, "probs")
+  return row_sum(p_BqxBk, ar)
+
+
 def _key_blocks(cfg: KernelConfig, tiles):
   """The key blocks [first, end) this program visits (with split-KV, those
   of its split) and its split index, or None without split-KV."""
@@ -234,7 +254,7 @@ def _fa1_update(ar, base2, s_BqxBk, stats_Bq, acc_BqxD, times_values):
   p_BqxBk = stats_exp(stats(s_BqxBk - m_ref_Bq[:, None]), ar, base2)
   beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar, base2)
   old_sum_Bq = stats(alpha_Bq * l_Bq)
-  l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * row_sum(p_BqxBk, ar)))
+  l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * summed_probs(p_BqxBk, ar)))
   pv_BqxD = times_values(p_BqxBk)
   l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
   old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
@@ -274,11 +294,13 @@ def _initial_state(tiles, ar, block_q: int, head_dim_padded: int, split):
   return acc, m_init, l_init, mma
 
 
-def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref, partial: bool):
+def _store(carry, cfg: KernelConfig, ar, out_refs, partial: bool):
   """Normalizes (fa2) and stores the output and the log-sum-exp; a split's
   partial output goes to `partials`, and its lse is -inf where no key of
-  the split attends, so the merge gives it weight 0."""
+  the split attends, so the merge gives it weight 0. `out_refs` are O's,
+  the lse's and the backward's residuals by name (`residual_names`)."""
   acc_BqxD, m_Bq, l_Bq = carry
+  o_ref, lse_ref, residual_refs = out_refs
 
   def stats(x):
     return ar.round(x, "softmax_stats")
@@ -289,6 +311,7 @@ def _store(carry, cfg: KernelConfig, ar, o_ref, lse_ref, partial: bool):
     inverse_Bq = ar.round(stats(1.0 / l_safe_Bq), "out_accum")
     acc_BqxD = ar.round(acc_BqxD * inverse_Bq[:, None], "out_accum")
   o_ref[...] = ar.stored(acc_BqxD, "partials" if partial else "output")
+  store_residuals(residual_refs, ar, acc_BqxD, (m_Bq, l_safe_Bq))
   lse_Bq = jnp.where(
     empty_Bq,
     jnp.full_like(l_Bq, -jnp.inf if partial else jnp.inf),
@@ -307,6 +330,7 @@ def flash_forward(
   scales=None,
   page_table=None,
   merge: bool = True,
+  residuals: bool = False,
 ):
   """Runs the forward kernel on padded inputs.
 
@@ -333,6 +357,9 @@ def flash_forward(
      no key attends). With split-KV the kernel writes one output (in
      `partials`) and lse (-inf where the split is empty) per split, and
      `merge_splits` returns them merged, in the same formats as above.
+    With `residuals`, a third element: {name: array} of the backward's
+    extra residuals (`residual_names`), empty under the default policy;
+    split-KV has none.
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
   kv_heads, pool_len = k.shape[2], k.shape[1]
@@ -354,18 +381,28 @@ def flash_forward(
     cfg, q_len_padded, ops, ranges, scales, group, page_table
   )
   o_spec, lse_spec, out_shape = _output_specs(cfg, q, q_spec, splits)
-  out, lse = pl.pallas_call(
-    functools.partial(_forward_kernel, cfg=cfg, names=names),
+  extra = residual_names(cfg) if residuals else ()
+  if extra and split_kv:
+    raise ValueError(
+      f"precision {cfg.policy.name!r} keeps residuals for a stable "
+      "backward, which split-KV (num_splits, split_size) does not "
+      "produce: drop the split options or the stability options."
+    )
+  extra_specs, extra_shapes = residual_specs(cfg, q, (q_spec, lse_spec), extra)
+  out, lse, *extra_out = pl.pallas_call(
+    functools.partial(_forward_kernel, cfg=cfg, names=names, residuals=extra),
     grid=grid,
     in_specs=[q_spec, kv_spec, kv_spec, *specs],
-    out_specs=[o_spec, lse_spec],
-    out_shape=out_shape,
+    out_specs=[o_spec, lse_spec, *extra_specs],
+    out_shape=[*out_shape, *extra_shapes],
     compiler_params=cfg.compiler_params(cfg.block_q * cfg.block_k),
     interpret=cfg.interpret,
     name=f"stableattn_flash_forward_{cfg.scheme}",
   )(q, k, v, *arrays)
   if split_kv and merge:
-    return merge_splits(out, lse, cfg)
+    out, lse = merge_splits(out, lse, cfg)
+  if residuals:
+    return out, lse, dict(zip(extra, extra_out))
   return out, lse
 
 

@@ -99,6 +99,10 @@ class Precision:
   mma_rounding: str = "nearest"
   promote_every: int = 1
   kv_cache: str = "none"
+  delta_source: str = "output"
+  softmax_residuals: str = "lse"
+  softmax_sum: str = "stats"
+  ds_for_dq: str = "rounded"
 
   def __post_init__(self):
     for stage in STAGES:
@@ -247,7 +251,33 @@ def _build_presets() -> dict[str, Precision]:
   kv_cache = dataclasses.replace(
     wide["bf16-fa2"], name="bf16-fp8-kv-cache", kv_cache="fp8_e4m3"
   )
-  return {**wide, **_low_presets(), kv_cache.name: kv_cache}
+  return {
+    **wide,
+    **_stable_presets(wide),
+    **_low_presets(),
+    kv_cache.name: kv_cache,
+  }
+
+
+# The cheapest set of stability options (`quant_options.STABILITY_OPTIONS`)
+# with which our kernel passes every edge regime of the audit at its format
+# (docs/audit.md, "A kernel that does not break"): FP32 misses at large
+# logits by recomputing P from one log-sum-exp; BF16 and FP16 at tied
+# maxima by delta from O rounded to the format and by dS rounded once.
+STABLE_OPTIONS = {
+  "fp32": {"softmax_residuals": "max_sum"},
+  "bf16-fa2": {"delta_source": "hi_lo", "ds_for_dq": "hi_lo"},
+  "fp16-fa2": {"delta_source": "hi_lo", "ds_for_dq": "hi_lo"},
+}
+
+
+def _stable_presets(wide: dict) -> dict:
+  return {
+    f"{base}-stable": dataclasses.replace(
+      wide[base], name=f"{base}-stable", **options
+    )
+    for base, options in STABLE_OPTIONS.items()
+  }
 
 
 def _wide_presets() -> dict[str, Precision]:

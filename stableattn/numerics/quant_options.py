@@ -74,6 +74,29 @@ QUANT_OPTIONS = {
   # stored as round(x / s) in e4m3 with one scale per tensor (amax / 448)
   # and dequantized to the `inputs` format before any math; Q untouched.
   "kv_cache": ("none", "fp8_e4m3"),
+  # The flash backward's residuals (any policy; see docs/precision.md,
+  # "Stable presets"). Where delta = rowsum(dO * O) takes O from:
+  # "output", O as stored in `output` (FlashAttention-2/3, cuDNN, jax's
+  # `mha`); "fp32", the normalized accumulator kept in `out_accum` as an
+  # extra residual; "hi_lo", O's rounding residual O - round(O) stored
+  # in `output` beside it and added back (O_hi + O_lo); "probs",
+  # rowsum(P * dP) recomputed in the backward from its own P and dP
+  # (eager attention's delta; two more matmuls per tile).
+  "delta_source": ("output", "fp32", "hi_lo", "probs"),
+  # What the backward recomputes P from: "lse", one log-sum-exp per row,
+  # P = exp(s - lse) (FlashAttention-2/3/4, cuDNN); "max_sum", the row's
+  # max and sum apart, P = exp(s - m) * (1 / l) (tokamax), as the forward
+  # normalized it.
+  "softmax_residuals": ("lse", "max_sum"),
+  # The forward's softmax sum l: "stats", the sum of P in
+  # `softmax_stats`; "rounded_probs", the sum of P rounded to `probs`,
+  # the P that multiplies V (Dao-AILab/flash-attention #2721).
+  "softmax_sum": ("stats", "rounded_probs"),
+  # How dS enters the backward's dQ = dS K: "rounded", rounded to `probs`
+  # once (FlashAttention-2/3); "hi_lo", as dS_hi + dS_lo, both in `probs`
+  # (two matmuls): where a row's largest scores tie, their dS cancel in
+  # dQ and one rounding of each leaves what they cancel to.
+  "ds_for_dq": ("rounded", "hi_lo"),
 }
 # Values per shared scale of each microscaling.
 MICRO_GROUPS = {"mx": 32, "nvfp4": 16}
@@ -88,7 +111,19 @@ DEFAULT_OPTIONS = {
   "mma_rounding": "nearest",
   "promote_every": 1,
   "kv_cache": "none",
+  "delta_source": "output",
+  "softmax_residuals": "lse",
+  "softmax_sum": "stats",
+  "ds_for_dq": "rounded",
 }
+# Options that change what the flash kernel saves for, or how it
+# normalizes before, its backward.
+STABILITY_OPTIONS = (
+  "delta_source",
+  "softmax_residuals",
+  "softmax_sum",
+  "ds_for_dq",
+)
 
 
 def option_text(value) -> str:
@@ -129,6 +164,7 @@ def parse_option(option: str, text: str, name: str):
 def check_quant_options(policy: Precision) -> None:
   """Raises ValueError for options that are unknown or meaningless."""
   _check_accumulator(policy)
+  _check_stability(policy)
   for option in ("scaling", "key_order", "kv_cache"):
     valid = QUANT_OPTIONS[option]
     if getattr(policy, option) not in valid:
@@ -183,6 +219,55 @@ def check_quant_options(policy: Precision) -> None:
           f"bits (fp8_e4m3, fp8_e5m2, fp4_e2m1, int8); this policy's are "
           f"{policy.matmul_operands}."
         )
+
+
+def _check_stability(policy: Precision) -> None:
+  """The stability options: valid, and meaningful under this policy."""
+  for option in STABILITY_OPTIONS:
+    valid = QUANT_OPTIONS[option]
+    if getattr(policy, option) not in valid:
+      raise ValueError(
+        f"Unknown {option} {getattr(policy, option)!r}; valid: {list(valid)}."
+      )
+  if policy.delta_source in ("fp32", "hi_lo") and (
+    policy.output == policy.out_accum
+  ):
+    raise ValueError(
+      f"delta_source={policy.delta_source} keeps more of O than its "
+      f"stored format for the backward's delta; this policy stores O in "
+      f"{policy.output}, its accumulator's format, already. Use it where "
+      "the output is narrower (bf16-fa2, fp16-fa2)."
+    )
+  if policy.softmax_sum != "stats" and policy.probs == policy.softmax_stats:
+    raise ValueError(
+      f"softmax_sum={policy.softmax_sum} sums P as rounded to `probs` "
+      f"({policy.probs}), which is its statistics format already: the "
+      "option changes nothing here. Use it where P is rounded narrower."
+    )
+  if policy.ds_for_dq != "rounded" and policy.probs == policy.softmax_stats:
+    raise ValueError(
+      f"ds_for_dq={policy.ds_for_dq} splits dS into two {policy.probs} "
+      "parts, the format dS is computed in already. Use it where `probs` "
+      "is narrower (bf16-fa2, fp16-fa2)."
+    )
+  if policy.softmax_residuals == "max_sum" and policy.exp2:
+    raise ValueError(
+      "softmax_residuals=max_sum stores the forward's running max, which "
+      "exp2=on keeps in base 2; the backward recomputes P in natural "
+      "log. Use one of them."
+    )
+  changed = [
+    f"{option}={getattr(policy, option)}"
+    for option in STABILITY_OPTIONS
+    if getattr(policy, option) != DEFAULT_OPTIONS[option]
+  ]
+  if changed and policy.quantizes:
+    raise ValueError(
+      f"{', '.join(changed)}: options of a 16-bit flash kernel's "
+      "residuals; "
+      f"this policy's operands are {policy.matmul_operands}, whose "
+      "backward is straight-through (documented in docs/precision.md)."
+    )
 
 
 # Formats with FP32's exponent, whose FP32 bit pattern truncates.

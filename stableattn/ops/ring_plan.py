@@ -16,6 +16,7 @@ from stableattn.contract.features import Features
 from stableattn.contract.options import Options
 from stableattn.contract.tiling import check_flag
 from stableattn.kernels.kernel_config import KernelConfig
+from stableattn.numerics.quant_options import DEFAULT_OPTIONS, STABILITY_OPTIONS
 from stableattn.ops import dispatch
 
 MERGES = ("online", "final")
@@ -134,6 +135,18 @@ def check_arguments(
       f"ring_attention cannot run precision {policy.name!r}: operands "
       "below 16 bits need scales that travel with the shards, which are "
       "not implemented; use a 16- or 32-bit policy."
+    )
+  stable = [
+    f"{o}={getattr(policy, o)}"
+    for o in STABILITY_OPTIONS
+    if getattr(policy, o) != DEFAULT_OPTIONS[o]
+  ]
+  if stable:
+    raise ValueError(
+      f"ring_attention cannot run {', '.join(stable)} (precision "
+      f"{policy.name!r}): its steps merge partial outputs by their lse, "
+      "and the residuals of a stable backward are not merged; use the "
+      "base preset (e.g. bf16-fa2 for bf16-fa2-stable)."
     )
   unsupported = [
     name

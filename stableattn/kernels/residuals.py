@@ -1,0 +1,93 @@
+"""What the flash forward keeps for its backward, by the policy's
+stability options (`quant_options.STABILITY_OPTIONS`).
+
+FlashAttention-2/3 and cuDNN keep O as stored and one FP32 log-sum-exp
+per query row. The options keep more, or compute from it differently:
+  * softmax_residuals=max_sum: the row's max m and sum l apart (tokamax's
+    residuals), so the backward's P = exp(s - m) * (1 / l) is normalized
+    as the forward normalized it, instead of exp(s - lse) with the lse's
+    rounding (an ulp of a score near 100 is 8e-6: a relative error of P).
+  * delta_source=fp32: O in `out_accum` for delta = rowsum(dO * O);
+    delta_source=hi_lo: O's rounding residual O - round(O) in `output`
+    beside O (O_hi + O_lo, about twice O's bits); delta_source=probs:
+    nothing kept, delta = rowsum(P * dP) recomputed in the backward from
+    its own P, as eager attention's backward has it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from stableattn.kernels.block_math import no_key_safe
+from stableattn.kernels.kernel_config import KernelConfig
+
+
+def residual_names(cfg: KernelConfig) -> tuple[str, ...]:
+  """The outputs the forward writes for the backward beyond O and the
+  log-sum-exp: the row max and sum ("m", "l") with
+  softmax_residuals=max_sum; O in `out_accum` ("o_fp32") or O's rounding
+  residual in `output` ("o_lo") with delta_source=fp32 or hi_lo."""
+  policy = cfg.policy
+  found = ()
+  if policy.softmax_residuals == "max_sum":
+    found += ("m", "l")
+  if policy.delta_source == "fp32":
+    found += ("o_fp32",)
+  elif policy.delta_source == "hi_lo":
+    found += ("o_lo",)
+  return found
+
+
+def store_residuals(refs: dict, ar, acc_BqxD, stats_Bq) -> None:
+  """Writes the extra residuals of one query block: the row max (0 where
+  no key attends) and sum (1 there), O in `out_accum`, or O - round(O)
+  in `output` (exact in the carrier: round(O) is O's nearest
+  neighbour). `acc_BqxD` is the normalized output accumulator."""
+  m_Bq, l_safe_Bq = stats_Bq
+  if "m" in refs:
+    refs["m"][...] = ar.stored(no_key_safe(m_Bq), "softmax_stats")
+    refs["l"][...] = ar.stored(l_safe_Bq, "softmax_stats")
+  if "o_fp32" in refs:
+    refs["o_fp32"][...] = ar.stored(acc_BqxD, "out_accum")
+  if "o_lo" in refs:
+    o_hi = ar.round(acc_BqxD, "output")
+    refs["o_lo"][...] = ar.stored(acc_BqxD - o_hi, "output")
+
+
+def residual_specs(cfg: KernelConfig, q, specs, extra):
+  """BlockSpecs and shapes of the extra residuals `extra`: rows like the
+  lse (m, l), tiles like O (o_fp32, o_lo). `specs`: O's and the lse's."""
+  q_spec, lse_spec = specs
+  batch, q_len_padded, heads, _ = q.shape
+  dtype = cfg.policy.dtype
+  rows = (batch, heads, q_len_padded)
+  shapes = {
+    "m": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("softmax_stats"))),
+    "l": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("softmax_stats"))),
+    "o_fp32": (q_spec, jax.ShapeDtypeStruct(q.shape, dtype("out_accum"))),
+    "o_lo": (q_spec, jax.ShapeDtypeStruct(q.shape, dtype("output"))),
+  }
+  return [shapes[n][0] for n in extra], [shapes[n][1] for n in extra]
+
+
+def softmax_stats_of(lse, extra: dict) -> tuple:
+  """The row vectors the backward recomputes P from: (lse,) or (m, l)."""
+  return (extra["m"], extra["l"]) if "m" in extra else (lse,)
+
+
+def stats_count(cfg: KernelConfig) -> int:
+  """How many row vectors the softmax residuals are: lse, or m and l."""
+  return 2 if cfg.policy.softmax_residuals == "max_sum" else 1
+
+
+def residual_bytes_per_row(cfg: KernelConfig, head_dim: int) -> dict:
+  """Bytes the backward keeps per query row and head beyond the base
+  kernel's (O and one lse): {name: bytes}."""
+  dtype = cfg.policy.dtype
+  sizes = {
+    "m": dtype("softmax_stats").itemsize,
+    "l": 0,  # m and l replace the lse: one more row vector
+    "o_fp32": head_dim * dtype("out_accum").itemsize,
+    "o_lo": head_dim * dtype("output").itemsize,
+  }
+  return {name: sizes[name] for name in residual_names(cfg)}
