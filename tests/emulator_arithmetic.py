@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from emulator_kv_cache import read_from_cache
 from emulator_mma import mma_dot
+from emulator_stability import STABILITY_DEFAULTS
 
 FORMATS = {
   "bf16": ml_dtypes.bfloat16,
@@ -100,6 +101,7 @@ class Emulator:
       mma_rounding="nearest",
       promote_every=1,
       kv_cache="none",
+      **STABILITY_DEFAULTS,
     )
     self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32

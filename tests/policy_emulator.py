@@ -39,6 +39,14 @@ from emulator_arithmetic import (
 from emulator_mma import promote, two_level_step
 from emulator_mma import raw_probs_times_values as mma_pv
 from emulator_reference import reference
+from emulator_stability import (
+  delta_rows,
+  dq_step,
+  probs_delta,
+  probs_in_sum,
+  recomputed_probs,
+  row_residuals,
+)
 
 # What the tests call: the algorithms, and the formats they round to.
 __all__ = ["FORMATS", "backward", "cast", "forward", "reference"]
@@ -58,12 +66,15 @@ def forward(
   options=None,
   num_splits=None,
   split_size=None,
+  residuals=False,
   **kw,
 ):
   """Flash forward (fa1 or fa2). Returns (out float64, lse float64 [B,H,T]);
   `options` are the policy's quantization options, `kw` the features.
   With `num_splits` or `split_size`, split-KV: each split's keys give a
-  partial output (in `partials`) and lse, merged in split order."""
+  partial output (in `partials`) and lse, merged in split order. With
+  `residuals`, also {"acc": the normalized accumulator [B, Tp, H, D], "m",
+  "l": [B, H, Tp]} for the backward's stability options."""
   em, (q, k, v), scales = prepared_inputs(
     stages, options, (q, k, v), block_q, block_k
   )
@@ -74,6 +85,8 @@ def forward(
   sp = math.ceil(s_len / block_k) * block_k
   out = np.zeros((batch, tp, heads, d))
   lse = np.zeros((batch, heads, tp))
+  kept = dict(acc=np.zeros(out.shape), m=np.zeros(lse.shape))
+  kept["l"] = np.zeros(lse.shape)
   for b in range(batch):
     for h, hk in head_pairs(q, k):
       qh, kh = pad(q[b, :, h], tp), pad(k[b, :, hk], sp)
@@ -119,9 +132,15 @@ def forward(
         if num_splits is None and split_size is None:
           ((o, lse_rows),) = parts
           out[b, rows, h] = em.r(o, "output")
+          kept["acc"][b, rows, h] = o
+          kept["m"][b, h, rows], kept["l"][b, h, rows] = row_residuals(
+            em, m, l_
+          )
           lse[b, h, rows] = np.where(lse_rows == -np.inf, np.inf, lse_rows)
         else:
           out[b, rows, h], lse[b, h, rows] = merge_splits(em, parts)
+  if residuals:
+    return out[:, :t], lse, kept
   return out[:, :t], lse
 
 
@@ -176,7 +195,7 @@ def _forward_rows(
     m_new = np.maximum(m, m_block)
     m_use = np.where(m_new == -np.inf, c(0), m_new)
     alpha = exp(st(m - m_use))
-    row_sum = lambda p: st(em.total(p, "matmul_accum"))  # noqa: E731
+    row_sum = lambda p: st(em.total(probs_in_sum(em, p), "matmul_accum"))  # noqa: E731
     if scheme == "fa2":
       p = exp(st(s - m_use[:, None]))
       l_ = st(st(alpha * l_) + row_sum(p))
@@ -249,15 +268,27 @@ def _probs_and_ds(em, x, f, qs, ks, block_q, block_k):
   s, tanh = em.scores(
     x["q"][rows], x["k"][cols], f, x["allowed"][rows, cols], bias
   )
-  with np.errstate(invalid="ignore"):
-    p = em.exp(st(s - st(x["lse"][rows])[:, None]))
-  p = np.where(np.isnan(p), 0, p)  # a row no key attends: lse = +inf
+  p = recomputed_probs(em, s, x, rows)
   dp = st(em.dot(x["do"][rows], x["v"][cols].T))
   ds_logits = st(p * st(dp - st(x["delta"][rows])[:, None]))
   ds = ds_logits
   if tanh is not None:
     ds = st(ds * st(1.0 - st(tanh * tanh)))
-  return em.r(p, "probs"), em.r(ds, "probs"), ds_logits
+  return em.r(p, "probs"), ds, ds_logits
+
+
+def _scores_of(em, f, x, tiles):
+  """A tile's scores (qs, ks) -> S, for delta_source=probs."""
+  block_q, block_k = tiles[:2]
+
+  def scores(qs, ks):
+    rows, cols = slice(qs, qs + block_q), slice(ks, ks + block_k)
+    bias = None if x["bias"] is None else x["bias"][rows, cols]
+    return em.scores(
+      x["q"][rows], x["k"][cols], f, x["allowed"][rows, cols], bias
+    )[0]
+
+  return scores
 
 
 def straight_through(q, k, v, stages, options, block_q, block_k):
@@ -303,7 +334,8 @@ def _dk_dv(em, f, rows_of, tiles, scale):
       p, ds, _ = _probs_and_ds(em, rows_of, f, qs, ks, block_q, block_k)
       dv_step = g(em.dot(p.T, rows_of["do"][qs : qs + block_q]))
       dk_step = em.r(
-        em.dot(ds.T, rows_of["q"][qs : qs + block_q]) * scale, "matmul_accum"
+        em.dot(em.r(ds, "probs").T, rows_of["q"][qs : qs + block_q]) * scale,
+        "matmul_accum",
       )
       dk_acc = g(dk_acc + g(dk_step))
       dv_acc = g(dv_acc + dv_step)
@@ -326,10 +358,8 @@ def _dq(em, f, rows_of, tiles, scale, t, d_bias_h):
         continue
       _, ds, ds_logits = _probs_and_ds(em, rows_of, f, qs, ks, block_q, block_k)
       d_bias_h[qs : qs + block_q, ks : ks + block_k] = ds_logits
-      dq_step = em.r(
-        em.dot(ds, rows_of["k"][ks : ks + block_k]) * scale, "matmul_accum"
-      )
-      dq_acc = g(dq_acc + g(dq_step))
+      step = dq_step(em, ds, rows_of["k"][ks : ks + block_k], scale)
+      dq_acc = g(dq_acc + g(step))
     rows = slice(qs, min(qs + block_q, t))
     dq[rows] = dq_acc[: rows.stop - qs]
   return dq
@@ -381,7 +411,7 @@ def backward(
   d bias (per example and head, [B, H, T, S]) if a bias is given and
   d sink if a sink is given. With operands below 16 bits, the forward is
   quantized (`options`) and the passes are straight-through."""
-  out, lse = forward(
+  out, lse, kept = forward(
     q,
     k,
     v,
@@ -391,15 +421,17 @@ def backward(
     scheme=scheme,
     causal=causal,
     options=options,
+    residuals=True,
     **kw,
   )
   if Emulator(stages).quantizes:
     (q, k, v), stages = straight_through(
       q, k, v, stages, options, block_q, block_k
     )
+    em = Emulator(stages)
   else:
-    q, k, v = (Emulator(stages).r(x, "inputs") for x in (q, k, v))
-  em = Emulator(stages)
+    em = Emulator(stages, options)
+    q, k, v = (em.r(x, "inputs") for x in (q, k, v))
   d_out = em.r(d_out, "output")
   batch, t, heads, d = q.shape
   s_len = k.shape[1]
@@ -417,14 +449,8 @@ def backward(
       qh, doh = pad(q[b, :, h], tp), pad(d_out[b, :, h], tp)
       oh = pad(out[b, :, h], tp)
       kh, vh = pad(k[b, :, hk], sp), pad(v[b, :, hk], sp)
-      delta = em.total(
-        em.r(em.r(oh, "delta") * em.r(doh, "delta"), "delta"), "delta"
-      )
+      delta = delta_rows(em, oh, kept["acc"][b, :, h], doh)
       lse_h = lse[b, h]
-      if f.sink is not None:
-        p_sink = np.exp(np.float64(f.sink[h]) - lse_h[:t])
-        d_sink[h] -= np.sum(p_sink * delta[:t])
-
       rows_of = dict(
         q=qh,
         k=kh,
@@ -434,8 +460,18 @@ def backward(
         delta=delta,
         allowed=f.allowed(b, h, t, s_len, tp, sp),
         bias=f.bias_of(b, h, tp, sp),
+        m=kept["m"][b, h],
+        l=kept["l"][b, h],
       )
       tiles = (block_q, block_k, tp, sp)
+      if em.options["delta_source"] == "probs":
+        rows_of["delta"] = probs_delta(
+          em, rows_of, _scores_of(em, f, rows_of, tiles), tiles
+        )
+        delta = rows_of["delta"]
+      if f.sink is not None:
+        p_sink = np.exp(np.float64(f.sink[h]) - lse_h[:t])
+        d_sink[h] -= np.sum(p_sink * delta[:t])
       dk_h, dv_h = _dk_dv(em, f, rows_of, tiles, scale)
       dk_per_head[b, :, h], dv_per_head[b, :, h] = dk_h, dv_h
       dq[b, :, h] = _dq(em, f, rows_of, tiles, scale, t, d_bias[b, h])

@@ -1,0 +1,91 @@
+"""The emulator's side of the stability options (policy options
+delta_source, softmax_residuals, softmax_sum, ds_for_dq): what the
+forward keeps for the backward, the P it recomputes, delta and dS K.
+Written from their documented semantics (stableattn/kernels/
+residuals.py, backward_delta.py), as the rest of the emulator."""
+
+from __future__ import annotations
+
+import numpy as np
+
+STABILITY_DEFAULTS = dict(
+  delta_source="output",
+  softmax_residuals="lse",
+  softmax_sum="stats",
+  ds_for_dq="rounded",
+)
+
+
+def probs_in_sum(em, p):
+  """The P a tile adds to the softmax sum (softmax_sum=rounded_probs: P
+  as rounded to `probs`)."""
+  if em.options["softmax_sum"] == "rounded_probs":
+    return em.r(p, "probs")
+  return p
+
+
+def row_residuals(em, m, l_):
+  """(m, l) kept for the backward: 0 and 1 where no key attends."""
+  c = em.carrier
+  return np.where(m == -np.inf, c(0), m), np.where(l_ == 0, c(1), l_)
+
+
+def recomputed_probs(em, s, x, rows):
+  """P of one tile from the forward's residuals: exp(s - lse), or
+  exp(s - m) * (1 / l) with softmax_residuals=max_sum."""
+  st = lambda y: em.r(y, "softmax_stats")  # noqa: E731
+  with np.errstate(invalid="ignore"):
+    if em.options["softmax_residuals"] != "max_sum":
+      p = em.exp(st(s - st(x["lse"][rows])[:, None]))
+    else:
+      inverse = st(em.carrier(1.0) / st(x["l"][rows]))
+      p = st(em.exp(st(s - st(x["m"][rows])[:, None])) * inverse[:, None])
+  return np.where(np.isnan(p), 0, p)  # a row no key attends: lse = +inf
+
+
+def delta_rows(em, out_h, acc_h, d_out_h):
+  """delta = rowsum(dO * O) of one head from O as delta_source says
+  (output: O as stored; fp32: the accumulator in `out_accum`; hi_lo:
+  round(O) + round(O - round(O)), both in `output`)."""
+  source = em.options["delta_source"]
+  o = out_h
+  if source == "fp32":
+    o = em.r(acc_h, "out_accum")
+  elif source == "hi_lo":
+    hi = em.r(acc_h, "output")
+    o = hi + em.r(acc_h - hi, "output")
+  r = lambda y: em.r(y, "delta")  # noqa: E731
+  return em.total(r(r(o) * r(d_out_h)), "delta")
+
+
+def probs_delta(em, x, scores_of, tiles):
+  """delta_source=probs: rowsum(P * dP) over the key tiles in order, each
+  product and each tile's sum rounded to `delta`; `scores_of(qs, ks)`
+  gives a tile's scores."""
+  block_q, block_k, tp, sp = tiles
+  st = lambda y: em.r(y, "softmax_stats")  # noqa: E731
+  delta = np.zeros(tp, em.carrier)
+  for qs in range(0, tp, block_q):
+    rows = slice(qs, qs + block_q)
+    acc = np.zeros(block_q, em.carrier)
+    for ks in range(0, sp, block_k):
+      if not x["allowed"][rows, ks : ks + block_k].any():
+        continue
+      p = recomputed_probs(em, scores_of(qs, ks), x, rows)
+      dp = st(em.dot(x["do"][rows], x["v"][ks : ks + block_k].T))
+      products = em.r(em.r(p, "delta") * dp, "delta")
+      acc = em.r(acc + em.total(products, "delta"), "delta")
+    delta[rows] = acc
+  return delta
+
+
+def dq_step(em, ds, k_tile, scale):
+  """dS K * scale in `matmul_accum`: dS rounded to `probs`, or with
+  ds_for_dq=hi_lo as dS_hi K + dS_lo K."""
+  hi = em.r(ds, "probs")
+  step = em.r(em.dot(hi, k_tile) * scale, "matmul_accum")
+  if em.options["ds_for_dq"] != "hi_lo":
+    return step
+  lo = em.r(ds - hi, "probs")
+  low = em.r(em.dot(lo, k_tile) * scale, "matmul_accum")
+  return em.r(step + low, "matmul_accum")
