@@ -10,8 +10,10 @@ import policy_emulator as emu
 import pytest
 from emulator_checks import SHAPES, check_against_emulator, emulator_inputs
 from helpers import sampled
+from jax.extend.core import jaxprs_in_params
 
 import stableattn as sa
+from stableattn.kernels.residuals import residual_bytes_per_row
 
 STABILITY = ("delta_source", "softmax_residuals", "softmax_sum", "ds_for_dq")
 # Each option alone on its base, and the stable presets (the cases the
@@ -122,3 +124,70 @@ def test_split_kv_and_ring_refuse_stable_residuals():
         .sum()
       )
     )(q)
+
+
+def _pallas_calls(precision, shape=(1, 128, 2, 64)):
+  """{kernel name: (output bytes, dot_generals in its body)} of one
+  forward and backward under `precision`."""
+  dtype = sa.Precision.from_name(precision).dtype("inputs")
+  q = jnp.zeros(shape, dtype)
+
+  def loss(q, k, v):
+    out = sa.attention(q, k, v, precision=precision, block_q=64, block_k=64)
+    return out.astype(jnp.float32).sum()
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q)
+  found = {}
+
+  def count_dots(jaxpr):
+    total = 0
+    for eqn in jaxpr.eqns:
+      total += eqn.primitive.name == "dot_general"
+      for sub in jaxprs_in_params(eqn.params):
+        total += count_dots(sub)
+    return total
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        name = str(eqn.params["name"])
+        size = sum(v.aval.size * v.aval.dtype.itemsize for v in eqn.outvars)
+        found[name] = (size, count_dots(eqn.params["jaxpr"]))
+      for sub in jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+@pytest.mark.parametrize(
+  "precision, extra_bytes_per_row, extra_dots",
+  [
+    # m and l beside the lse: two FP32 row vectors more.
+    ("fp32-stable", 8, {}),
+    # O_lo in BF16 (2 bytes x 64); dS_lo K in the dQ step.
+    ("bf16-fa2-stable", 128, {"dkdvdq": 1}),
+    ("bf16-fa2+delta_source=fp32", 256, {}),
+    # rowsum(P dP): Q K^T and dO V^T again, in a kernel of its own.
+    ("bf16-fa2+delta_source=probs", 0, {"delta_probs": 2}),
+    ("bf16-fa2+softmax_sum=rounded_probs", 0, {}),
+  ],
+)
+def test_residual_bytes_and_matmuls_of_the_lowered_kernels(
+  precision, extra_bytes_per_row, extra_dots
+):
+  """The costs docs/audit.md states, read off the traced kernels: bytes
+  the forward writes beyond the base preset's, per query row and head,
+  and matmuls per tile beyond the base backward's (interpret mode fuses
+  the dQ step into the dK/dV kernel)."""
+  base = precision.split("+")[0].removesuffix("-stable")
+  ours, theirs = _pallas_calls(precision), _pallas_calls(base)
+  forward = "stableattn_flash_forward_fa2"
+  rows = 1 * 2 * 128
+  assert ours[forward][0] - theirs[forward][0] == extra_bytes_per_row * rows
+  stated = residual_bytes_per_row(sa.Precision.from_name(precision), 64)
+  assert sum(stated.values()) == extra_bytes_per_row
+  for name, (_, dots) in ours.items():
+    short = name.removeprefix("stableattn_flash_backward_")
+    base_dots = theirs.get(name, (0, 0))[1]
+    assert dots - base_dots == extra_dots.get(short, 0), name

@@ -73,6 +73,35 @@ def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
+# Each stability option alone (the stable presets are in GPU_PRESETS).
+STABILITY_POLICIES = [
+  "bf16-fa2+delta_source=fp32",
+  "bf16-fa2+delta_source=hi_lo",
+  "bf16-fa2+delta_source=probs",
+  "bf16-fa2+softmax_residuals=max_sum",
+  "fp16-fa2+softmax_sum=rounded_probs",
+  "bf16-fa2+ds_for_dq=hi_lo",
+  "bf16-fa2-stable",
+  "fp32-stable",
+]
+
+
+@pytest.mark.parametrize("precision", sampled(STABILITY_POLICIES, 2))
+def test_stability_options_lower_for_cuda(precision):
+  """The forward's extra residual outputs, the backward reading m and l,
+  delta from two O parts or from P dP, and dQ from dS_hi and dS_lo all
+  lower to Triton, causal and not."""
+  dtype = sa.Precision.from_name(precision).dtype("inputs")
+  q = jax.ShapeDtypeStruct((2, 200, 4, 64), dtype)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
+  for causal in (False, True):
+    fn = _loss_and_grads(precision, (64, 64), causal, interpret=False)
+    text = (
+      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 4
+
+
 @pytest.mark.parametrize(
   "schedule", [{"num_splits": 3}, {"split_size": 128}], ids=str
 )

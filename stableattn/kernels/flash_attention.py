@@ -146,7 +146,7 @@ def _forward(
 def flash_attention(q, k, v, ops: MaskOperands, cfg: KernelConfig):
   """Flash attention of unpadded q [B, T, H, D], k and v [B, S, Hkv, D]
   with the features `ops` (see `masking.py`); bias and sink get gradients."""
-  return _forward(q, k, v, ops, cfg)[0]
+  return _forward(q, k, v, ops, cfg, residuals=False)[0]
 
 
 def flash_attention_with_lse(
@@ -167,7 +167,7 @@ def quantized_flash_attention(q, k, v, ops, scales, cfg: KernelConfig):
   the kernel backward of the operands the forward's matmuls saw,
   dequantized, under the policy's wide stages.
   """
-  return _forward(q, k, v, ops, cfg, scales)[0]
+  return _forward(q, k, v, ops, cfg, scales, residuals=False)[0]
 
 
 def _quantized_fwd(q, k, v, ops, scales, cfg):

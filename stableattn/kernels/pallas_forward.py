@@ -381,7 +381,7 @@ def flash_forward(
     cfg, q_len_padded, ops, ranges, scales, group, page_table
   )
   o_spec, lse_spec, out_shape = _output_specs(cfg, q, q_spec, splits)
-  extra = residual_names(cfg) if residuals else ()
+  extra = residual_names(cfg.policy) if residuals else ()
   if extra and split_kv:
     raise ValueError(
       f"precision {cfg.policy.name!r} keeps residuals for a stable "

@@ -20,14 +20,14 @@ import jax
 
 from stableattn.kernels.block_math import no_key_safe
 from stableattn.kernels.kernel_config import KernelConfig
+from stableattn.numerics.precision import Precision
 
 
-def residual_names(cfg: KernelConfig) -> tuple[str, ...]:
+def residual_names(policy: Precision) -> tuple[str, ...]:
   """The outputs the forward writes for the backward beyond O and the
   log-sum-exp: the row max and sum ("m", "l") with
   softmax_residuals=max_sum; O in `out_accum` ("o_fp32") or O's rounding
   residual in `output` ("o_lo") with delta_source=fp32 or hi_lo."""
-  policy = cfg.policy
   found = ()
   if policy.softmax_residuals == "max_sum":
     found += ("m", "l")
@@ -80,14 +80,15 @@ def stats_count(cfg: KernelConfig) -> int:
   return 2 if cfg.policy.softmax_residuals == "max_sum" else 1
 
 
-def residual_bytes_per_row(cfg: KernelConfig, head_dim: int) -> dict:
-  """Bytes the backward keeps per query row and head beyond the base
-  kernel's (O and one lse): {name: bytes}."""
-  dtype = cfg.policy.dtype
+def residual_bytes_per_row(policy: Precision, head_dim: int) -> dict:
+  """Bytes the forward writes and the backward keeps per query row and
+  head beyond the base kernel's (O and one lse): {name: bytes}."""
+  dtype = policy.dtype
   sizes = {
+    # Beside the lse, which the sink's gradient and return_lse still read.
     "m": dtype("softmax_stats").itemsize,
-    "l": 0,  # m and l replace the lse: one more row vector
+    "l": dtype("softmax_stats").itemsize,
     "o_fp32": head_dim * dtype("out_accum").itemsize,
     "o_lo": head_dim * dtype("output").itemsize,
   }
-  return {name: sizes[name] for name in residual_names(cfg)}
+  return {name: sizes[name] for name in residual_names(policy)}

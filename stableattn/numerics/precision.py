@@ -429,6 +429,19 @@ def natural_policy(fmt: str, kernel: str) -> str:
   return f"{fmt}-fa2" if kernel == "flash" else f"{fmt}-framework"
 
 
+def stable_policy(fmt: str) -> str:
+  """Our flash kernel's stable preset at a training format (its natural
+  policy plus `STABLE_OPTIONS`): fp32-stable, bf16-fa2-stable,
+  fp16-fa2-stable."""
+  base = natural_policy(fmt, "flash")
+  if base not in STABLE_OPTIONS:
+    raise ValueError(
+      f"No stable preset at {fmt}: there are "
+      f"{[f'{b}-stable' for b in STABLE_OPTIONS]}."
+    )
+  return f"{base}-stable"
+
+
 def preset_names() -> list[str]:
   """Names accepted by `Precision.from_name`."""
   return list(_PRESETS)

@@ -138,7 +138,19 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD):
     "max_logit": jnp.max(s),
     "entropy": jnp.mean(entropy),
     "tied_max_share": tied,
+    "near_tied_share": _near_tied_share(s, q_BxTxHxD.dtype),
   }
+
+
+def _near_tied_share(s, dtype):
+  """The share of rows (with two keys or more) whose two largest logits
+  lie within one ulp of the input format (`dtype`) at the larger: the
+  rows where a flash backward's delta and dS cancel (docs/audit.md)."""
+  top_two = jax.lax.top_k(s, 2)[0]
+  gap = top_two[..., 0] - top_two[..., 1]
+  magnitude = jnp.maximum(jnp.abs(top_two[..., 0]), jnp.float32(2.0**-100))
+  ulp = jnp.exp2(jnp.floor(jnp.log2(magnitude)) - jnp.finfo(dtype).nmant)
+  return jnp.mean((gap[..., 1:] <= ulp[..., 1:]).astype(jnp.float32))
 
 
 class RMSNorm(nnx.Module):

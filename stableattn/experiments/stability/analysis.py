@@ -24,6 +24,7 @@ PROBES = (
   "max_logit_max",
   "log_z_max",
   "tied_max_share_max",
+  "near_tied_share_max",
   "wq_spectral_max",
   "delta_signed_share",
 )

@@ -379,6 +379,9 @@ def _probe_lines(numbers) -> list[str]:
     "",
     "Largest attention logit and output log-partition (max over logged "
     "steps; Wortsman et al.), share of rows whose largest logit is tied, "
+    "largest share (over layers and logged steps) of rows whose two "
+    "largest logits lie within one ulp of the training format (where a "
+    "flash backward's delta and dS cancel; docs/audit.md), "
     "largest spectral norm of a head's W_Q (max over logged steps), and "
     "the signed share of the error of delta = rowsum(dO * O) against FP32 "
     "attention's O at the last logged step (+1: every error points away "
@@ -392,6 +395,7 @@ def _probe_lines(numbers) -> list[str]:
         "max logit",
         "max log Z",
         "tied-max share",
+        "near-tied share",
         "W_Q spectral norm",
         "delta signed share",
       ],

@@ -26,7 +26,11 @@ from stableattn.experiments.sections import (
   ModelSection,
   TileSection,
 )
-from stableattn.numerics.precision import Precision, natural_policy
+from stableattn.numerics.precision import (
+  Precision,
+  natural_policy,
+  stable_policy,
+)
 from stableattn.ops.registry import resolve
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
@@ -38,6 +42,8 @@ VARIANTS = {
   "flash": ("pallas", "natural"),
   # Flash with every stage in BF16 (the paper's emulation).
   "flash_bf16": ("pallas", "bf16"),
+  # Flash under its stable preset at the format (docs/precision.md).
+  "flash_stable": ("pallas", "stable"),
 }
 # Mitigations (Wortsman et al. 2023; Qiu & Yao 2025): these three, or any
 # field of `stableattn.Features` (e.g. softcap, every kernel) or of
@@ -252,6 +258,8 @@ def _run(
   if policy == "natural":
     role = "flash" if kind == "pallas" else "baseline"
     policy = natural_policy(arm.precision, role)
+  elif policy == "stable":
+    policy = stable_policy(arm.precision)
   m = arm.mitigation
   options = Options(
     precision=policy,

@@ -59,6 +59,7 @@ def _log_row(trainer, state, eval_batch, heads: int) -> dict:
     "eval_loss": float(loss),
     "max_logit": max(float(x["max_logit"]) for x in stats),
     "tied_max_share": float(np.mean([x["tied_max_share"] for x in stats])),
+    "near_tied_share": max(float(x["near_tied_share"]) for x in stats),
     "log_z_mean": float(np.mean(log_z)),
     "log_z_max": float(np.max(log_z)),
     "wq_spectral": spectral,
@@ -126,6 +127,9 @@ def train_cell(
       "log_z_max": max((r["log_z_max"] for r in logs), default=None),
       "tied_max_share_max": max(
         (r["tied_max_share"] for r in logs), default=None
+      ),
+      "near_tied_share_max": max(
+        (r["near_tied_share"] for r in logs), default=None
       ),
       "wq_spectral_max": max(
         (r["wq_spectral_max"] for r in logs), default=None

@@ -73,6 +73,10 @@ PAIRS = (
   Pair("other_machine", "base", MACHINE_RUN, "reference"),
   Pair("identical_rerun", "base", "rerun", "control"),
   Pair("flash_fix_vs_flash", "flash", "flash_fixed", "subject"),
+  # Our kernel under its stable preset (docs/precision.md, "Stable
+  # presets"): against the Baseline, and against Flash without the fixes.
+  Pair("stable_vs_baseline", "base", "flash_stable", "subject"),
+  Pair("stable_vs_flash", "flash", "flash_stable", "subject"),
   # A user's kernel in training: --config.attention.candidate=pkg.mod:fn.
   Pair(
     "candidate_vs_baseline",

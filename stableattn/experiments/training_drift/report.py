@@ -21,6 +21,10 @@ from stableattn.experiments.training_drift.analysis import (
   ratio_summary,
   replicates_of,
 )
+from stableattn.experiments.training_drift.edges import (
+  edge_section,
+  stable_finding,
+)
 from stableattn.experiments.training_drift.pairs import with_role
 from stableattn.experiments.training_drift.plots import (
   replicate_series,
@@ -68,6 +72,8 @@ def write_report(
     findings.append(control_finding(rows, control.name, steps, headline))
   if "flash_fix_vs_flash" in pairs:
     findings.append(fix_finding(rows, headline))
+  if "stable_vs_flash" in pairs:
+    findings.append(stable_finding(rows, headline))
   parts = [
     "# Training drift: does Flash attention's deviation matter?",
     "",
@@ -80,6 +86,7 @@ def write_report(
     *finding_lines(findings),
     *grad_error_section(rows, headline),
     "",
+    *edge_section(rows, headline),
     "## Plots",
     "",
   ]

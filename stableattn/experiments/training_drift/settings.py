@@ -25,6 +25,7 @@ from stableattn.numerics.precision import (
   Precision,
   natural_policy,
   preset_names,
+  stable_policy,
 )
 from stableattn.ops.dispatch import xla_unsupported_reason
 from stableattn.ops.registry import IMPLEMENTATIONS, resolve
@@ -292,6 +293,8 @@ def _run_spec(
   flash_policy = _policy(a.flash_precision, "pallas", precision)
   if variant.low_precision:
     flash_policy = a.low_precision
+  if variant.stable:
+    flash_policy = stable_policy(precision)
   baseline = _policy(a.baseline_precision, "reference", precision, a.compare)
   tiles = Options(
     precision=baseline, block_q=a.block_q, block_k=a.block_k, scheme=a.scheme

@@ -33,6 +33,8 @@ class Variant:
     single_device: train on one device instead of `config.train.devices`.
     context_parallel: the flash kernel runs as ring attention over
       `config.attention.context_parallel` devices (no data parallelism).
+    stable: the flash kernel runs its policy's stable preset
+      (`stableattn.numerics.precision.stable_policy`).
   """
 
   attention: str = "baseline"
@@ -44,12 +46,14 @@ class Variant:
   replica: int = 0
   single_device: bool = False
   context_parallel: bool = False
+  stable: bool = False
 
 
 VARIANTS = {
   "base": Variant(),
   "flash": Variant(attention="flash", options="flash"),
   "flash_fixed": Variant(attention="flash", options="fix"),
+  "flash_stable": Variant(attention="flash", options="flash", stable=True),
   "seed": Variant(init_seed=1),
   "rerun": Variant(replica=1),
   "fp32": Variant(precision="fp32"),

@@ -1,0 +1,88 @@
+"""How often training meets the edges where flash kernels break, and
+whether the stable preset changed what a run computed.
+
+The edge audit (docs/audit.md) finds our kernel's BF16/FP16 backward off
+the rules where a row's largest logits tie, and its FP32 backward where
+logits are large. Each logging step records, per layer, the share of
+rows whose two largest logits lie within one ulp of the training format
+(`near_tied_share`), exact FP32 ties (`tied_max_share`) and the largest
+logit; this section gives their largest values per run.
+"""
+
+from __future__ import annotations
+
+from stableattn.experiments.reporting import num, table
+from stableattn.experiments.training_drift.analysis import (
+  model_drift,
+  ratio_summary,
+  replicates_of,
+)
+from stableattn.experiments.training_drift.ratio_report import below_text
+
+EDGE_STATS = ("near_tied_share", "tied_max_share", "max_logit")
+
+
+def edge_stats(rows) -> dict[str, dict[str, float]]:
+  """{run: {statistic: largest over replicates, steps and layers}}."""
+  found: dict[str, dict[str, float]] = {}
+  for r in rows:
+    if r.get("kind") != "attention" or "near_tied_share" not in r:
+      continue
+    run = found.setdefault(r["run"], {s: float("-inf") for s in EDGE_STATS})
+    for stat in EDGE_STATS:
+      run[stat] = max(run[stat], float(r[stat]))
+  return found
+
+
+def edge_section(rows, headline) -> list[str]:
+  """The edge statistics per run, as a table (none if no run logged
+  them)."""
+  stats = edge_stats(rows)
+  if not stats:
+    return []
+  headline["edges"] = stats
+  body = [
+    [run, *(num(s[stat]) for stat in EDGE_STATS)]
+    for run, s in sorted(stats.items())
+  ]
+  return [
+    "## Edges in training",
+    "",
+    "Largest over replicates, logging steps and layers (evaluation batch, "
+    "causal rows with two keys or more): the share of rows whose two "
+    "largest logits lie within one ulp of the training format, where our "
+    "BF16/FP16 flash backward misses the rules (docs/audit.md), the share "
+    "with exact FP32 ties, and the largest logit (FP32 backward misses "
+    "from standard deviation 100).",
+    "",
+    table(["run", "near-tied share", "tied share", "max logit"], body),
+    "",
+  ]
+
+
+def stable_finding(rows, headline) -> str:
+  """Did the stable preset change what the flash run computed, and by how
+  much against Flash vs Baseline?"""
+  worst = max(
+    (
+      v
+      for r in replicates_of(rows)
+      for v in model_drift(rows, "stable_vs_flash", "max_abs", r).values()
+    ),
+    default=0.0,
+  )
+  headline["stable_vs_flash_max_abs"] = worst
+  if worst == 0:
+    return (
+      "Flash under its stable preset vs Flash: the weights are identical "
+      "at every logging step, so the fixes never changed a computation."
+    )
+  text = f"Flash under its stable preset vs Flash: max |Δw| {num(worst)}"
+  for pair in ("stable_vs_flash", "stable_vs_baseline"):
+    summary = ratio_summary(rows, pair, "flash_vs_baseline")
+    if summary is not None and summary.bounded:
+      text += (
+        f"; {pair}'s Wasserstein drift over flash_vs_baseline's is "
+        + below_text(summary.over_replicates)
+      )
+  return text + "."
