@@ -36,7 +36,11 @@ CONFIGS = [
     GPU_PRESETS, [(64, 64), (128, 64)], [64, 128]
   )
   # FP32 operands at head dim 128 fit a 64-row tile only (H100, measured).
-  if not (precision == "fp32" and head_dim == 128 and max(tiles) > 64)
+  if not (
+    sa.Precision.from_name(precision).matmul_operands == "fp32"
+    and head_dim == 128
+    and max(tiles) > 64
+  )
 ]
 
 

@@ -84,7 +84,7 @@ def output_delta(o_parts, d_out, cfg: KernelConfig):
   )(*o_parts, d_out)
 
 
-def probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
+def _probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
   """One program: delta = rowsum(P * dP) of one query block over its key
   blocks, P recomputed from the `count` softmax residual refs and dP =
   dO V^T, each product and each tile's sum rounded to `delta`."""
@@ -119,3 +119,35 @@ def probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
   first, end = tiles.block_range(k_ref.shape[0] // block_k)
   init = jnp.zeros((block_q,), ar.carrier)
   delta_ref[...] = lax.fori_loop(first, end, body, init).astype(delta_ref.dtype)
+
+
+def probs_delta(operands, features, specs, cfg: KernelConfig):
+  """delta = rowsum(P * dP) [batch, heads, q_len_padded] (policy option
+  delta_source=probs), one program per query block. `operands`: q, k, v,
+  dO and the softmax residuals; `features`: the feature operands' (names,
+  arrays, BlockSpecs); `specs`: the query block's, the whole keys' and
+  the row vector's BlockSpecs."""
+  q = operands[0]
+  batch, q_len_padded, heads, _ = q.shape
+  names, arrays, feature_specs = features
+  query_block, whole_kv, row = specs
+  count = len(operands) - 4
+  return pl.pallas_call(
+    functools.partial(_probs_delta_kernel, cfg=cfg, names=names, count=count),
+    grid=(q_len_padded // cfg.bwd_block_q, batch, heads),
+    in_specs=[
+      query_block,
+      whole_kv,
+      whole_kv,
+      query_block,
+      *[row] * count,
+      *feature_specs,
+    ],
+    out_specs=row,
+    out_shape=jax.ShapeDtypeStruct(
+      (batch, heads, q_len_padded), cfg.policy.dtype("delta")
+    ),
+    compiler_params=cfg.compiler_params(cfg.bwd_block_q * cfg.bwd_block_k),
+    interpret=cfg.interpret,
+    name="stableattn_flash_backward_delta_probs",
+  )(*operands, *arrays)

@@ -128,6 +128,16 @@ def row_sum(x_BqxBk, ar: PolicyArithmetic):
   return ar.round(ar.sum(x_BqxBk, "matmul_accum"), "softmax_stats")
 
 
+def summed_probs(p_BqxBk, ar):
+  """A tile's share of the softmax sum: rowsum(P), or with the policy
+  option softmax_sum=rounded_probs the sum of P as rounded to `probs`,
+  the P that multiplies V (flash-attention #2721), so O = P V / l is a
+  weighted mean of V."""
+  if ar.policy.softmax_sum == "rounded_probs":
+    p_BqxBk = ar.round(p_BqxBk, "probs")
+  return row_sum(p_BqxBk, ar)
+
+
 def tie_cap(ar: PolicyArithmetic) -> float:
   """The largest shift of the maximum that keeps exp of the tie normal.
 

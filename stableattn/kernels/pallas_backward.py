@@ -38,7 +38,7 @@ from stableattn.contract.masking import MaskOperands, softcap_slope
 from stableattn.kernels.backward_delta import (
   delta_operands,
   output_delta,
-  probs_delta_kernel,
+  probs_delta,
 )
 from stableattn.kernels.block_math import (
   NN_DIMS,
@@ -277,9 +277,13 @@ def flash_backward(
   out, lse, extra = saved
   softmax_stats = softmax_stats_of(lse, extra)
   if cfg.policy.delta_source == "probs":
-    delta = _probs_delta_call(
-      (q, k, v, d_out, *softmax_stats), ops, key_ranges, cfg
+    q_len_padded, kv_len_padded = q.shape[1], k.shape[1]
+    features = _feature_specs(
+      cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
     )
+    specs = _query_major_specs(q, k, cfg)
+    operands = (q, k, v, d_out, *softmax_stats)
+    delta = probs_delta(operands, features, specs, cfg)
   else:
     delta = output_delta(delta_operands(out, extra), d_out, cfg)
   operands = (q, k, v, d_out, delta, *softmax_stats)
@@ -377,20 +381,30 @@ def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
   )(*operands, *arrays)
 
 
-def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
-  """(dQ, the bias gradient or None), one program per query block."""
-  q, k = operands[:2]
-  batch, q_len_padded, heads, head_dim_padded = q.shape
-  kv_len_padded, kv_heads = k.shape[1], k.shape[2]
-  group = heads // kv_heads
+def _query_major_specs(q, k, cfg: KernelConfig):
+  """BlockSpecs of a query-major backward kernel (grid: query blocks,
+  batch, heads): a query block, all keys (or values) of its head's group,
+  and the block's row vector."""
+  head_dim_padded, kv_len_padded = q.shape[-1], k.shape[1]
+  group = q.shape[2] // k.shape[2]
   block_q = cfg.bwd_block_q
-  grad_dtype = cfg.policy.dtype("grad_accum")
   whole_kv = _rows_spec(
     kv_len_padded, head_dim_padded, lambda i, b, h: (b, 0, h // group, 0)
   )
   query_block = _rows_spec(
     block_q, head_dim_padded, lambda i, b, h: (b, i, h, 0)
   )
+  return query_block, whole_kv, _vec_spec(block_q, lambda i, b, h: (b, h, i))
+
+
+def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
+  """(dQ, the bias gradient or None), one program per query block."""
+  q, k = operands[:2]
+  batch, q_len_padded, heads, _ = q.shape
+  kv_len_padded = k.shape[1]
+  block_q = cfg.bwd_block_q
+  grad_dtype = cfg.policy.dtype("grad_accum")
+  query_block, whole_kv, row = _query_major_specs(q, k, cfg)
   out_specs = [query_block]
   out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype)]
   if cfg.mask.bias is not None:
@@ -415,8 +429,7 @@ def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
       whole_kv,
       whole_kv,
       query_block,
-      *[_vec_spec(block_q, lambda i, b, h: (b, h, i))]
-      * (1 + stats_count(cfg)),  # delta, softmax residuals
+      *[row] * (1 + stats_count(cfg)),  # delta, softmax residuals
       *specs,
     ],
     out_specs=out_specs,
@@ -426,45 +439,3 @@ def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
     name="stableattn_flash_backward_dq",
   )(*operands, *arrays)
   return dq, (dbias[0] if dbias else None)
-
-
-def _probs_delta_call(operands, ops, key_ranges, cfg: KernelConfig):
-  """delta = rowsum(P * dP) [batch, heads, q_len_padded] (policy option
-  delta_source=probs), one program per query block; `operands` are q, k,
-  v, dO and the softmax residuals."""
-  q, k = operands[:2]
-  batch, q_len_padded, heads, head_dim_padded = q.shape
-  kv_len_padded, kv_heads = k.shape[1], k.shape[2]
-  group = heads // kv_heads
-  block_q = cfg.bwd_block_q
-  whole_kv = _rows_spec(
-    kv_len_padded, head_dim_padded, lambda i, b, h: (b, 0, h // group, 0)
-  )
-  query_block = _rows_spec(
-    block_q, head_dim_padded, lambda i, b, h: (b, i, h, 0)
-  )
-  row = _vec_spec(block_q, lambda i, b, h: (b, h, i))
-  names, arrays, specs = _feature_specs(
-    cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
-  )
-  return pl.pallas_call(
-    functools.partial(
-      probs_delta_kernel, cfg=cfg, names=names, count=stats_count(cfg)
-    ),
-    grid=(q_len_padded // block_q, batch, heads),
-    in_specs=[
-      query_block,
-      whole_kv,
-      whole_kv,
-      query_block,
-      *[row] * stats_count(cfg),
-      *specs,
-    ],
-    out_specs=row,
-    out_shape=jax.ShapeDtypeStruct(
-      (batch, heads, q_len_padded), cfg.policy.dtype("delta")
-    ),
-    compiler_params=cfg.compiler_params(block_q * cfg.bwd_block_k),
-    interpret=cfg.interpret,
-    name="stableattn_flash_backward_delta_probs",
-  )(*operands, *arrays)

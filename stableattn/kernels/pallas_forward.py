@@ -29,13 +29,14 @@ from stableattn.kernels.block_math import (
   descaled,
   no_key_safe,
   probs_times_values,
-  row_sum,
   stats_exp,
   stored_lse,
+  summed_probs,
   tie_safe_max,
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
+from stableattn.kernels.mma_accumulator import promote, two_level_update
 from stableattn.kernels.residuals import (
   residual_names,
   residual_specs,
@@ -128,7 +129,7 @@ def _forward_kernel(
   init = _initial_state(tiles, ar, block_q, head_dim_padded, split)
   acc_BqxD, m_Bq, l_Bq, mma = lax.fori_loop(first, end, body, init)
   if mma:
-    acc_BqxD = _promote(ar, acc_BqxD, mma)
+    acc_BqxD = promote(ar, acc_BqxD, mma)
   carry = acc_BqxD, m_Bq, l_Bq
   _store(
     carry, cfg, ar, (o_ref, lse_ref, residual_refs), partial=split is not None
@@ -153,7 +154,7 @@ def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):
   p_BqxBk = stats_exp(stats(s_BqxBk - m_use_Bq[:, None]), ar, base2)
   l_new_Bq = stats(stats(alpha_Bq * l_Bq) + summed_probs(p_BqxBk, ar))
   if mma:
-    acc_BqxD, mma = _two_level_update(
+    acc_BqxD, mma = two_level_update(
       ar,
       cfg.policy.promote_every,
       visited,
@@ -165,52 +166,6 @@ def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):
   pv_BqxD = descaled(ar, *pv(p_BqxBk))
   acc_BqxD = accum(accum(accum(alpha_Bq)[:, None] * acc_BqxD) + pv_BqxD)
   return acc_BqxD, l_new_Bq, mma
-
-
-def _two_level_update(ar, every: int, visited, o_state, mma, raw_pv):
-  """One key tile with the running P V in the MMA accumulator (policy
-  options mma_chunk, promote_every != 1): both accumulators rescaled by
-  alpha in FP32, P V added into the MMA one chunk by chunk, and every
-  `every` tiles (never if 0) the MMA accumulator, descaled, added into
-  the FP32 output accumulator and restarted from zero."""
-  acc_BqxD, alpha_Bq = o_state
-  t_BqxD, _ = mma
-
-  def accum(x):
-    return ar.round(x, "out_accum")
-
-  alpha = accum(alpha_Bq)[:, None]
-  t_BqxD, descale = raw_pv(acc=accum(alpha * t_BqxD))
-  descale_Bq = jnp.broadcast_to(
-    jnp.ones((), t_BqxD.dtype) if descale is None else descale,
-    alpha_Bq.shape,
-  )
-  acc_BqxD = accum(alpha * acc_BqxD)
-  if every == 0:
-    return acc_BqxD, (t_BqxD, descale_Bq)
-  count = jnp.asarray(visited, jnp.int32) + jnp.int32(1)
-  promote = lax.rem(count, jnp.int32(every)) == jnp.int32(0)
-  promoted = _promote(ar, acc_BqxD, (t_BqxD, descale_Bq))
-  acc_BqxD = jnp.where(promote, promoted, acc_BqxD)
-  t_BqxD = jnp.where(promote, jnp.zeros_like(t_BqxD), t_BqxD)
-  return acc_BqxD, (t_BqxD, descale_Bq)
-
-
-def _promote(ar, acc_BqxD, mma):
-  """The output accumulator plus the MMA accumulator, descaled, in FP32."""
-  t_BqxD, descale_Bq = mma
-  pv = ar.round(t_BqxD * descale_Bq[:, None], "out_accum")
-  return ar.round(acc_BqxD + pv, "out_accum")
-
-
-def summed_probs(p_BqxBk, ar):
-  """A tile's share of the softmax sum: rowsum(P), or with the policy
-  option softmax_sum=rounded_probs the sum of P as rounded to `probs`,
-  the P that multiplies V (flash-attention #2721), so O = P V / l is a
-  weighted mean of V."""
-  if ar.policy.softmax_sum == "rounded_probs":
-    p_BqxBk = ar.round(p_BqxBk, "probs")
-  return row_sum(p_BqxBk, ar)
 
 
 def _key_blocks(cfg: KernelConfig, tiles):

@@ -254,10 +254,6 @@ def _check_implementation_options(
     for text, used in (
       ("exp2=on", cfg.policy.exp2 and implementation == "xla"),
       (f"mma_chunk={cfg.policy.mma_chunk}", cfg.policy.mma_chunk),
-      (
-        f"softmax_sum={cfg.policy.softmax_sum}",
-        cfg.policy.softmax_sum != "stats",
-      ),
     )
     if used
   ]
@@ -266,9 +262,8 @@ def _check_implementation_options(
       f"{', '.join(changed)} in precision {cfg.policy.name!r} describes "
       f"how a flash kernel computes; implementation={implementation!r} "
       "cannot: use 'pallas' (the Baseline follows exp2, not the MMA "
-      "accumulator, nor the sum of an unnormalized P; it ignores the "
-      "residual options delta_source, softmax_residuals and ds_for_dq, "
-      "as its backward differentiates its own P)."
+      "accumulator; it ignores the stability options, having no "
+      "unnormalized P to sum and differentiating its own P)."
     )
   if cfg.policy.smooth_k and cfg.mask.softcap is not None:
     raise ValueError(
