@@ -120,10 +120,12 @@ class ModelSpec:
   qk_norm: bool = False  # RMSNorm of each head's q and k (Wortsman et al.)
 
 
-def attention_statistics(q_BxTxHxD, k_BxTxHxD):
+def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None):
   """Largest logit, mean row entropy and the share of rows (with two keys
   or more) whose largest logit is tied, of causal attention; logits in
-  FP32 from q and k as given (a flash kernel's FP32 scores)."""
+  FP32 from q and k as given (a flash kernel's FP32 scores). The share of
+  near ties counts in ulps of `input_dtype` (the attention's input
+  format; None: q's dtype)."""
   q = jax.lax.stop_gradient(q_BxTxHxD).astype(jnp.float32)
   k = jax.lax.stop_gradient(k_BxTxHxD).astype(jnp.float32)
   s = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
@@ -138,7 +140,7 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD):
     "max_logit": jnp.max(s),
     "entropy": jnp.mean(entropy),
     "tied_max_share": tied,
-    "near_tied_share": _near_tied_share(s, q_BxTxHxD.dtype),
+    "near_tied_share": _near_tied_share(s, input_dtype or q_BxTxHxD.dtype),
   }
 
 
@@ -243,7 +245,8 @@ class SelfAttention(nnx.Module):
     else:
       out = spec.call(q, k, v)
     if collect_stats:
-      stats.update(attention_statistics(q, k))
+      inputs = spec.options.precision.dtype("inputs")
+      stats.update(attention_statistics(q, k, inputs))
     if probe_tap is not None:
       stats["out"] = out
       stats["out_fp32"] = spec.call(q, k, v, "reference", FP32)
