@@ -99,9 +99,7 @@ class Emulator:
       exp2=False,
       mma_chunk=0,
       mma_rounding="nearest",
-      promote_every=1,
-      kv_cache="none",
-      **STABILITY_DEFAULTS,
+      **dict(promote_every=1, kv_cache="none", **STABILITY_DEFAULTS),
     )
     self.options.update(options or {})
     self.carrier = np.float64 if "fp64" in self.stages.values() else np.float32

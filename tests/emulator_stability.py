@@ -89,3 +89,35 @@ def dq_step(em, ds, k_tile, scale):
   lo = em.r(ds - hi, "probs")
   low = em.r(em.dot(lo, k_tile) * scale, "matmul_accum")
   return em.r(step + low, "matmul_accum")
+
+
+def residual_arrays(out_shape, rows_shape) -> dict:
+  """Zeros for what `keep_residuals` records: acc [B, Tp, H, D], m and l
+  [B, H, Tp]."""
+  return dict(
+    acc=np.zeros(out_shape), m=np.zeros(rows_shape), l=np.zeros(rows_shape)
+  )
+
+
+def keep_residuals(em, kept, where, acc, stats):
+  """Records one query block's normalized accumulator and (m, l) at
+  `where` = (batch, rows, head) for the backward."""
+  b, rows, h = where
+  kept["acc"][b, rows, h] = acc
+  kept["m"][b, h, rows], kept["l"][b, h, rows] = row_residuals(em, *stats)
+
+
+def backward_delta(em, f, x, tiles):
+  """delta of one head: `x["delta"]` (from O), or with delta_source=probs
+  rowsum(P * dP) over the key tiles."""
+  if em.options["delta_source"] != "probs":
+    return x["delta"]
+  block_q, block_k = tiles[:2]
+
+  def scores(qs, ks):
+    rows, cols = slice(qs, qs + block_q), slice(ks, ks + block_k)
+    bias = None if x["bias"] is None else x["bias"][rows, cols]
+    allowed = x["allowed"][rows, cols]
+    return em.scores(x["q"][rows], x["k"][cols], f, allowed, bias)[0]
+
+  return probs_delta(em, x, scores, tiles)

@@ -21,7 +21,6 @@ import math
 import numpy as np
 from emulator_arithmetic import (
   FORMATS,
-  LARGEST,
   Emulator,
   Features,
   cast,
@@ -32,7 +31,6 @@ from emulator_arithmetic import (
   per_channel,
   prepared_inputs,
   probs_times_values,
-  quantize_inputs,
   split_ranges,
   tie_safe_max,
 )
@@ -40,13 +38,15 @@ from emulator_mma import promote, two_level_step
 from emulator_mma import raw_probs_times_values as mma_pv
 from emulator_reference import reference
 from emulator_stability import (
+  backward_delta,
   delta_rows,
   dq_step,
-  probs_delta,
+  keep_residuals,
   probs_in_sum,
   recomputed_probs,
-  row_residuals,
+  residual_arrays,
 )
+from emulator_straight_through import straight_through
 
 # What the tests call: the algorithms, and the formats they round to.
 __all__ = ["FORMATS", "backward", "cast", "forward", "reference"]
@@ -85,8 +85,7 @@ def forward(
   sp = math.ceil(s_len / block_k) * block_k
   out = np.zeros((batch, tp, heads, d))
   lse = np.zeros((batch, heads, tp))
-  kept = dict(acc=np.zeros(out.shape), m=np.zeros(lse.shape))
-  kept["l"] = np.zeros(lse.shape)
+  kept = residual_arrays(out.shape, lse.shape)
   for b in range(batch):
     for h, hk in head_pairs(q, k):
       qh, kh = pad(q[b, :, h], tp), pad(k[b, :, hk], sp)
@@ -132,10 +131,7 @@ def forward(
         if num_splits is None and split_size is None:
           ((o, lse_rows),) = parts
           out[b, rows, h] = em.r(o, "output")
-          kept["acc"][b, rows, h] = o
-          kept["m"][b, h, rows], kept["l"][b, h, rows] = row_residuals(
-            em, m, l_
-          )
+          keep_residuals(em, kept, (b, rows, h), o, (m, l_))
           lse[b, h, rows] = np.where(lse_rows == -np.inf, np.inf, lse_rows)
         else:
           out[b, rows, h], lse[b, h, rows] = merge_splits(em, parts)
@@ -275,46 +271,6 @@ def _probs_and_ds(em, x, f, qs, ks, block_q, block_k):
   if tanh is not None:
     ds = st(ds * st(1.0 - st(tanh * tanh)))
   return em.r(p, "probs"), ds, ds_logits
-
-
-def _scores_of(em, f, x, tiles):
-  """A tile's scores (qs, ks) -> S, for delta_source=probs."""
-  block_q, block_k = tiles[:2]
-
-  def scores(qs, ks):
-    rows, cols = slice(qs, qs + block_q), slice(ks, ks + block_k)
-    bias = None if x["bias"] is None else x["bias"][rows, cols]
-    return em.scores(
-      x["q"][rows], x["k"][cols], f, x["allowed"][rows, cols], bias
-    )[0]
-
-  return scores
-
-
-def straight_through(q, k, v, stages, options, block_q, block_k):
-  """The operands a quantizing forward's matmuls saw, round(x / s) * s in
-  FP32 (after the rotation), and the backward's stages: every stage below
-  16 bits but `inputs` in FP32 (documented straight-through backward)."""
-  em = Emulator(stages, options)
-  q, k, v = (em.r(x, "inputs") for x in (q, k, v))
-  q, k, v, scales = quantize_inputs(em, q, k, v, block_q, block_k)
-  if em.micro:
-    seen = [q, k, v]
-    scales = ()
-  else:
-    seen = []
-  for name, x, s in zip("qkv", (q, k, v), scales):
-    if name == "v" and per_channel(em):
-      s = s[:, None]  # [B, 1, heads, D]
-    else:
-      s = s.transpose(0, 2, 1)[..., None]  # [B, T, heads, 1]
-    scaled = (x * (np.float32(1) / s)).astype(np.float32)
-    seen.append(em.r(scaled, "matmul_operands") * s)
-  wide = {
-    stage: "fp32" if fmt in LARGEST and stage != "inputs" else fmt
-    for stage, fmt in stages.items()
-  }
-  return seen, wide
 
 
 def _dk_dv(em, f, rows_of, tiles, scale):
@@ -464,11 +420,7 @@ def backward(
         l=kept["l"][b, h],
       )
       tiles = (block_q, block_k, tp, sp)
-      if em.options["delta_source"] == "probs":
-        rows_of["delta"] = probs_delta(
-          em, rows_of, _scores_of(em, f, rows_of, tiles), tiles
-        )
-        delta = rows_of["delta"]
+      delta = rows_of["delta"] = backward_delta(em, f, rows_of, tiles)
       if f.sink is not None:
         p_sink = np.exp(np.float64(f.sink[h]) - lse_h[:t])
         d_sink[h] -= np.sum(p_sink * delta[:t])

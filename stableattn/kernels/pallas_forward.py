@@ -117,12 +117,7 @@ def _forward_kernel(
       )
     else:
       acc_BqxD, l_new_Bq = _fa1_update(
-        ar,
-        base2,
-        s_BqxBk,
-        stats_Bq,
-        acc_BqxD,
-        lambda p: descaled(ar, *times_values(p)),
+        ar, base2, s_BqxBk, stats_Bq, acc_BqxD, times_values
       )
     return acc_BqxD, m_new_Bq, l_new_Bq, mma
 
@@ -210,7 +205,7 @@ def _fa1_update(ar, base2, s_BqxBk, stats_Bq, acc_BqxD, times_values):
   beta_Bq = stats_exp(stats(m_ref_Bq - m_use_Bq), ar, base2)
   old_sum_Bq = stats(alpha_Bq * l_Bq)
   l_new_Bq = stats(old_sum_Bq + stats(beta_Bq * summed_probs(p_BqxBk, ar)))
-  pv_BqxD = times_values(p_BqxBk)
+  pv_BqxD = descaled(ar, *times_values(p_BqxBk))
   l_safe_Bq = jnp.where(l_new_Bq == 0, jnp.ones_like(l_new_Bq), l_new_Bq)
   old_weight_Bq = accum(stats(old_sum_Bq / l_safe_Bq))
   new_weight_Bq = accum(stats(beta_Bq / l_safe_Bq))

@@ -82,12 +82,14 @@ def passes_fa_rule(
 # two correct FP32 kernels differ from FP64 by independent errors of a few
 # ulps at the tensor's largest value, and the ratio of their maxima
 # exceeds 2 wherever the Baseline's happens to be small. Measured over
-# every edge regime at the audit's default and paper shapes (340 cases
-# each, docs/audit.md): jax.nn.dot_product_attention exceeds 2x the
-# Baseline's error + FA3's floor by at most 1.81 ulps, our kernel by at
-# most 2.81 (one case in 260 above 2). The floor adds 4; a broken kernel
-# (a wrong scale, a dropped tile, a 1.5x gradient) misses by thousands.
-WIDE_FORMAT_ORDER_ULPS = 8.0
+# every edge regime at the audit's default and paper shapes (docs/audit.md):
+# jax.nn.dot_product_attention exceeds 2x the Baseline's error + FA3's
+# floor by up to 11.7 ulps at the largest value, our kernel (fp32-stable)
+# by up to 9.7, both at a single query over 100-1,024 keys at head dim
+# 128, where the output is small beside V. The floor adds 16; a broken
+# kernel (a wrong scale, a dropped tile, a 1.5x gradient) misses by
+# thousands.
+WIDE_FORMAT_ORDER_ULPS = 16.0
 
 
 def order_floor(golden, fmt: str) -> float:
