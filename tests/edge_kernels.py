@@ -98,7 +98,12 @@ def _batch_rounded_dk(q, k, v, causal):
 def _batch_bwd(causal, vjp, d_out):
   dq, dk, dv = vjp(d_out)
   if dk.shape[0] > 1:  # batched: dK through FP16 first (double rounding)
-    dk = dk.astype(jnp.float32).astype(jnp.float16).astype(dk.dtype)
+    # reduce_precision, not casts: XLA may fold a convert chain away.
+    wide = dk.astype(jnp.float32)
+    through_fp16 = jax.lax.reduce_precision(
+      wide, exponent_bits=5, mantissa_bits=10
+    )
+    dk = through_fp16.astype(dk.dtype)
   return dq, dk, dv
 
 
