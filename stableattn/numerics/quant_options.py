@@ -221,6 +221,16 @@ def check_quant_options(policy: Precision) -> None:
         )
 
 
+def changed_stability_options(policy: Precision) -> list[str]:
+  """The policy's stability options that differ from the defaults, as
+  'option=value'."""
+  return [
+    f"{option}={getattr(policy, option)}"
+    for option in STABILITY_OPTIONS
+    if getattr(policy, option) != DEFAULT_OPTIONS[option]
+  ]
+
+
 def _check_stability(policy: Precision) -> None:
   """The stability options: valid, and meaningful under this policy."""
   for option in STABILITY_OPTIONS:
@@ -256,11 +266,7 @@ def _check_stability(policy: Precision) -> None:
       "exp2=on keeps in base 2; the backward recomputes P in natural "
       "log. Use one of them."
     )
-  changed = [
-    f"{option}={getattr(policy, option)}"
-    for option in STABILITY_OPTIONS
-    if getattr(policy, option) != DEFAULT_OPTIONS[option]
-  ]
+  changed = changed_stability_options(policy)
   if changed and policy.quantizes:
     raise ValueError(
       f"{', '.join(changed)}: options of a 16-bit flash kernel's "

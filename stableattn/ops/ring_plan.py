@@ -16,7 +16,7 @@ from stableattn.contract.features import Features
 from stableattn.contract.options import Options
 from stableattn.contract.tiling import check_flag
 from stableattn.kernels.kernel_config import KernelConfig
-from stableattn.numerics.quant_options import DEFAULT_OPTIONS, STABILITY_OPTIONS
+from stableattn.numerics.quant_options import changed_stability_options
 from stableattn.ops import dispatch
 
 MERGES = ("online", "final")
@@ -136,11 +136,7 @@ def check_arguments(
       "below 16 bits need scales that travel with the shards, which are "
       "not implemented; use a 16- or 32-bit policy."
     )
-  stable = [
-    f"{o}={getattr(policy, o)}"
-    for o in STABILITY_OPTIONS
-    if getattr(policy, o) != DEFAULT_OPTIONS[o]
-  ]
+  stable = changed_stability_options(policy)
   if stable:
     raise ValueError(
       f"ring_attention cannot run {', '.join(stable)} (precision "
