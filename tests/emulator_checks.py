@@ -55,6 +55,11 @@ def stages_of(preset):
   return sa.Precision.from_name(preset).stages()
 
 
+def options_of(preset):
+  """The preset's options (its stability options among them)."""
+  return sa.Precision.from_name(preset).options()
+
+
 def identical_share(expected, actual):
   expected, actual = np.asarray(expected), np.asarray(actual)
   same = (expected == actual) | (np.isnan(expected) & np.isnan(actual))

@@ -163,7 +163,12 @@ def test_report_ratios_are_recomputed_from_metrics(smoke_run):
   # Every subject that drifted is judged against every reference with a
   # claim (the fix never changes a computation at this size: no ratio).
   assert result["flash_fix_vs_flash_max_abs"] == 0
-  assert set(verdicts) == {"flash_vs_baseline", "context_parallel_vs_single"}
+  assert set(verdicts) == {
+    "flash_vs_baseline",
+    "context_parallel_vs_single",
+    "stable_vs_baseline",
+    "stable_vs_flash",
+  }
   for subject, by_reference in verdicts.items():
     assert set(by_reference) == {
       "fp16_vs_fp32",
