@@ -3,7 +3,8 @@
 Three `pallas_call`s, each reading top to bottom like the forward file:
   1. `delta = rowsum(dO * O)`, rounded to the policy's `delta` format; Qiu &
      Yao (arXiv 2510.04212) trace biased low-precision training to this
-     quantity.
+     quantity (`backward_delta.py`; O as the policy option delta_source
+     says).
   2. dK and dV: one program per key block, looping over query blocks,
      recomputing P from Q, K and the saved log-sum-exp.
   3. dQ: one program per query block, looping over key blocks.
@@ -101,7 +102,8 @@ def _dkdv_kernel(
 ):
   """One program: one key block of one (batch, query head); `with_dq`:
   also this key block's dQ contribution to every query block. `refs`:
-  the softmax residuals (`_stats_count`), the features, the outputs."""
+  the softmax residuals (`residuals.stats_count`), the features, the
+  outputs."""
   stats_refs, refs = refs[: stats_count(cfg)], refs[stats_count(cfg) :]
   if with_dq:
     *feature_refs, dk_ref, dv_ref, dq_ref = refs
