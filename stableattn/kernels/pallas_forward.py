@@ -332,12 +332,6 @@ def flash_forward(
   )
   o_spec, lse_spec, out_shape = _output_specs(cfg, q, q_spec, splits)
   extra = residual_names(cfg.policy) if residuals else ()
-  if extra and split_kv:
-    raise ValueError(
-      f"precision {cfg.policy.name!r} keeps residuals for a stable "
-      "backward, which split-KV (num_splits, split_size) does not "
-      "produce: drop the split options or the stability options."
-    )
   extra_specs, extra_shapes = residual_specs(cfg, q, (q_spec, lse_spec), extra)
   out, lse, *extra_out = pl.pallas_call(
     functools.partial(_forward_kernel, cfg=cfg, names=names, residuals=extra),

@@ -56,7 +56,14 @@ def store_residuals(refs: dict, ar, acc_BqxD, stats_Bq) -> None:
 
 def residual_specs(cfg: KernelConfig, q, specs, extra):
   """BlockSpecs and shapes of the extra residuals `extra`: rows like the
-  lse (m, l), tiles like O (o_fp32, o_lo). `specs`: O's and the lse's."""
+  lse (m, l), tiles like O (o_fp32, o_lo). `specs`: O's and the lse's.
+  Split-KV writes none: its partial outputs are merged by lse only."""
+  if extra and cfg.blocks_per_split is not None:
+    raise ValueError(
+      f"precision {cfg.policy.name!r} keeps residuals for a stable "
+      "backward, which split-KV (num_splits, split_size) does not "
+      "produce: drop the split options or the stability options."
+    )
   q_spec, lse_spec = specs
   batch, q_len_padded, heads, _ = q.shape
   dtype = cfg.policy.dtype

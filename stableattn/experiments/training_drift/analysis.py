@@ -98,6 +98,19 @@ def unbounded_replicates(
   return found
 
 
+def worst_max_abs(rows, pair: str) -> float:
+  """The largest max |Δw| of a pair over replicates and steps (0 if it
+  never drifted)."""
+  return max(
+    (
+      v
+      for r in replicates_of(rows)
+      for v in model_drift(rows, pair, "max_abs", r).values()
+    ),
+    default=0.0,
+  )
+
+
 def ratio_summary(
   rows, numerator: str, denominator: str, metric: str = "wasserstein"
 ) -> RatioSummary | None:

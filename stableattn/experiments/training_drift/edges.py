@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.training_drift.analysis import (
-  model_drift,
   ratio_summary,
-  replicates_of,
+  worst_max_abs,
 )
 from stableattn.experiments.training_drift.ratio_report import below_text
 
@@ -63,14 +62,7 @@ def edge_section(rows, headline) -> list[str]:
 def stable_finding(rows, headline) -> str:
   """Did the stable preset change what the flash run computed, and by how
   much against Flash vs Baseline?"""
-  worst = max(
-    (
-      v
-      for r in replicates_of(rows)
-      for v in model_drift(rows, "stable_vs_flash", "max_abs", r).values()
-    ),
-    default=0.0,
-  )
+  worst = worst_max_abs(rows, "stable_vs_flash")
   headline["stable_vs_flash_max_abs"] = worst
   if worst == 0:
     return (

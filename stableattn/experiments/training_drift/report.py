@@ -20,6 +20,7 @@ from stableattn.experiments.training_drift.analysis import (
   model_drift,
   ratio_summary,
   replicates_of,
+  worst_max_abs,
 )
 from stableattn.experiments.training_drift.edges import (
   edge_section,
@@ -243,14 +244,7 @@ def control_finding(rows, pair: str, steps, headline) -> str:
 
 def fix_finding(rows, headline) -> str:
   """Did Qiu & Yao's fix change what the flash run computed?"""
-  worst = max(
-    (
-      v
-      for r in replicates_of(rows)
-      for v in model_drift(rows, "flash_fix_vs_flash", "max_abs", r).values()
-    ),
-    default=0.0,
-  )
+  worst = worst_max_abs(rows, "flash_fix_vs_flash")
   headline["flash_fix_vs_flash_max_abs"] = worst
   if worst == 0:
     return (
