@@ -141,3 +141,35 @@ def decode_differs(
     causal_alignment=causal_alignment,
     key_value_seq_lengths=key_value_seq_lengths,
   ).astype(q.dtype)
+
+
+def raises_on_causal(q, k, v, *, causal=False):
+  """A kernel that cannot mask (Keras's soft cap off a TPU, say): it
+  raises on the causal cases and is right on the others."""
+  if causal:
+    raise NotImplementedError("causal masking is not implemented here")
+  return correct(q, k, v)
+
+
+def raises_on_bf16(q, k, v, *, causal=False):
+  """A kernel that takes no BF16 inputs and raises a TypeError on them."""
+  if q.dtype == jnp.bfloat16:
+    raise TypeError(f"unsupported input dtype {q.dtype}")
+  return correct(q, k, v, causal=causal)
+
+
+def no_vjp(q, k, v, *, causal=False):
+  """A right forward outside JAX's tracing (a host callback): no VJP, as
+  decode kernels have none."""
+  out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+
+  def host(q, k, v):
+    return np.asarray(correct(q, k, v, causal=causal))
+
+  return jax.pure_callback(host, out, q, k, v)
+
+
+def bhsd_correct(q, k, v, *, causal=False):
+  """`correct` in torch's layout, [batch, heads, length, head_dim]."""
+  swap = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+  return swap(correct(swap(q), swap(k), swap(v), causal=causal))

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import audit_kernels
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import stableattn as sa
 from configs import audit as audit_config
 from stableattn.experiments import audit_grid as audit
+from stableattn.experiments import audit_report
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -95,7 +97,65 @@ def test_launcher_exit_code_gates_ci(tmp_path):
     "--config.precisions=fp32",
   )
   assert bad.returncode == 1, bad.stderr[-2000:]
-  assert json.loads(bad.stdout)["passed"] is False
+  headline = json.loads((tmp_path / "bad" / "headline.json").read_text())
+  assert headline["passed"] is False and headline["verdict"] == "FAILED"
+  # A person reads a summary: the verdict, the worst ratio per rule and
+  # tensor, the first failures and the report's path.
+  lines = bad.stdout.splitlines()
+  assert lines[0] == "audit_kernels:wrong_scale: FAILED", bad.stdout
+  worst = headline["worst_ratio"]["flashattention"]["out"]
+  assert worst > 1 and f"out {worst:.3g}" in bad.stdout
+  assert "flashattention rule fails on out" in bad.stdout
+  assert lines[-1].endswith("report.md")
+
+
+def test_a_kernel_that_raises_on_some_cases_is_judged_on_the_rest(tmp_path):
+  config = _config(
+    "audit_kernels:raises_on_causal",
+    precisions="fp32,bf16-framework",
+    features="none;causal",
+  )
+  result = audit.run(config, tmp_path)
+  assert result["passed"] is False and result["verdict"] == "ERRORS"
+  assert result["failures"] == []  # the cases that ran are right
+  assert {e["policy"] for e in result["errors"]} == {"fp32", "bf16-framework"}
+  for e in result["errors"]:
+    assert e["features"] == "causal"
+    assert e["error"].startswith("NotImplementedError: causal masking")
+    assert "--config.features=causal" in e["command"]
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").open()]
+  assert {r["features"] for r in rows} == {"none"} and len(rows) == 8
+  report = (tmp_path / "report.md").read_text()
+  assert report.startswith(
+    "# Audit of `audit_kernels:raises_on_causal`: **ERRORS**"
+  )
+  assert "## Errors: cases the kernel raised on" in report
+
+
+def test_a_kernel_without_a_vjp_is_judged_on_its_output():
+  report = sa.audit(
+    audit_kernels.no_vjp, precision="fp32", shapes=[(1, 32, 1, 16)],
+    repeats=2,
+  )  # fmt: skip
+  assert report.passed, str(report)
+  assert [r["tensor"] for r in report.rows] == ["out"]
+  assert report.rows[0]["gradients"].startswith("n/a: the kernel has no VJP")
+  wrong = sa.audit(
+    lambda q, k, v: audit_kernels.no_vjp(q * 2, k, v), precision="fp32",
+    shapes=[(1, 32, 1, 16)], repeats=2,
+  )  # fmt: skip
+  assert not wrong.passed
+
+
+def test_a_kernel_in_torch_layout_gives_the_transposed_kernels_report():
+  audited = dict(precision="bf16-framework", shapes=[(1, 48, 2, 16)],
+                 causal=True, repeats=2)  # fmt: skip
+  ours = sa.audit(audit_kernels.correct, **audited)
+  theirs = sa.audit(audit_kernels.bhsd_correct, layout="bhsd", **audited)
+  assert theirs.rows == ours.rows and theirs.passed
+  assert "layout bhsd" in str(theirs)
+  with pytest.raises(ValueError, match="layout must be one of"):
+    sa.audit(audit_kernels.correct, layout="bsdh", **audited)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +196,7 @@ def _row(tensor, passed=True, deterministic=True, nonfinite=0):
     "snr_db": 50.0,
     "signed_share": 0.1,
   }
-  for rule in audit.RULES:
+  for rule in audit_report.RULES:
     ok = passed or rule != "flashattention"
     row.update(
       {
@@ -152,10 +212,10 @@ def _row(tensor, passed=True, deterministic=True, nonfinite=0):
 def test_verdict_and_headline_from_synthetic_rows():
   settings = audit.settings_from_config(_config("xla"))
   rows = [_row("out"), _row("dq", passed=False), _row("dk"), _row("dv")]
-  table = audit.verdict_table(rows)
+  table = audit_report.verdict_table(rows)
   assert "| bf16-framework | none | dq | FAIL 0/1 | pass 1/1 |" in table
   assert "| bf16-framework | none | dk | pass 1/1 | n/a |" in table
-  result = audit.headline(settings, rows)
+  result = audit_report.headline(settings, rows)
   assert result["passed"] is False
   assert result["rules"]["flashattention"] is False
   assert result["rules"]["flexattention"] is True
@@ -163,17 +223,14 @@ def test_verdict_and_headline_from_synthetic_rows():
   assert failure.startswith("flashattention rule fails on dq at B1 T8 S8")
   assert "3 > limit 2" in failure
   rows = [_row("out", deterministic=False), _row("dq", nonfinite=2)]
-  result = audit.headline(settings, rows)
+  result = audit_report.headline(settings, rows)
   assert not result["passed"]
   assert not result["deterministic"] and not result["finite"]
   assert len(result["failures"]) == 2
+  assert result["worst_ratio"]["flashattention"] == {"out": 0.5, "dq": 0.5}
 
 
 def test_python_api_audits_gradients_too():
-  import audit_kernels
-
-  import stableattn as sa
-
   report = sa.audit(audit_kernels.correct, precision="bf16-framework")
   assert report.passed, str(report)
   assert {r["tensor"] for r in report.rows} == {"out", "dq", "dk", "dv"}

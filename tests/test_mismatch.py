@@ -244,6 +244,7 @@ def test_a_killed_run_restarts_to_the_same_rows(tmp_path):
     str(repo / "launch" / "mismatch.py"),
     f"--workdir={killed}",
     f"--config={repo / 'configs' / 'mismatch.py'}:smoke",
+    "--json",
     *overrides,
   ]
   process = subprocess.Popen(

@@ -95,6 +95,7 @@ def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
     f"--workdir={tmp_path}",
     f"--config={REPO / 'configs' / 'training_drift.py'}:smoke",
     "--config.pairs=one_vs_n_devices",
+    "--json",
     "--config.train.devices=0",
     "--config.train.total_steps=2",
     "--config.train.warmup_steps=1",

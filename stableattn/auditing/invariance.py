@@ -32,6 +32,7 @@ from stableattn.auditing.edge_invariance import (
   argmax_flips,
 )
 from stableattn.auditing.inputs import Shape, make_inputs, round_to
+from stableattn.auditing.measure import first_line
 from stableattn.contract import arguments
 from stableattn.contract.golden import golden_attention
 from stableattn.numerics.formats import to_dtype
@@ -179,7 +180,10 @@ class Prober(EdgeProbes):
           rows.append(self.row(name, detail, *probe()))
         except _NotApplicable as e:
           rows.append(self.not_applicable(name, detail, str(e)))
-    return rows
+        except Exception as e:  # noqa: BLE001 - the kernel broke: go on
+          row = self.not_applicable(name, detail, f"raised {first_line(e)}")
+          rows.append({**row, "error": first_line(e)})
+    return [{"error": "", **r} for r in rows]
 
   # Each probe: (detail, thunk -> (reference, other, golden)) pairs.
 
@@ -362,11 +366,13 @@ def verdicts(rows) -> dict:
 
 
 def failures(rows) -> list[str]:
-  """Every probe that was not bitwise invariant, in words."""
+  """Every probe that was not bitwise invariant or raised, in words."""
   return [
-    f"not {r['invariance']}-invariant ({r['detail']}): rows differ by "
+    f"{r['invariance']} probe ({r['detail']}) raised {r['error']}"
+    if r.get("error")
+    else f"not {r['invariance']}-invariant ({r['detail']}): rows differ by "
     f"{r['diff_ulps']:.3g} ulps (its error against FP64: "
     f"{r['error_ulps']:.3g} ulps)"
     for r in rows
-    if r["invariant"] is False
+    if r["invariant"] is False or r.get("error")
   ]

@@ -26,13 +26,16 @@ from stableattn.auditing.inputs import (
 )
 from stableattn.auditing.measure import (
   TENSORS,
+  ContractError,
   check_accepts,
+  first_line,
   measure_arrays,
 )
 from stableattn.contract.arguments import names
 from stableattn.contract.features import Features
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES
+from stableattn.ops.registry import in_layout
 
 __all__ = ["TENSORS", "AuditReport", "audit", "check_accepts", "measure_case"]
 
@@ -67,12 +70,9 @@ def features_label(features) -> str:
   return ",".join(features.kwargs()) or "none"
 
 
-def measure_case(
-  fn, policy: Precision, case: Case, repeats, tensors=TENSORS, rules=RULES
-):
-  """Rows (one per tensor) of one case: rules, quality, determinism."""
-  q, k, v = make_inputs(case.distribution, case.seed, case.shape)
-  label = {
+def case_label(case: Case) -> dict:
+  """The columns that name a grid case in every row of it."""
+  return {
     "shape": case.label,
     "distribution": case.distribution,
     "seed": case.seed,
@@ -80,6 +80,40 @@ def measure_case(
     "regime": "none",
     "detail": "",
   }
+
+
+def measured_or_error(measure, label: dict, policy: Precision):
+  """(rows, errors) of `measure()`: its rows, or, where the kernel raised
+  (not a broken contract, which stops the audit), one error row naming
+  the case and the error's type and first line."""
+  try:
+    return measure(), []
+  except ContractError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the kernel's own error: go on
+    return [], [{**label, "policy": policy.name, "error": first_line(e)}]
+
+
+def error_lines(errors) -> list[str]:
+  """Each case the kernel raised on, in words."""
+  out = []
+  for e in errors:
+    where = (
+      f"{e['shape']}, {e['distribution']} inputs, seed {e['seed']}, "
+      f"{e['policy']}, features {e['features']}"
+    )
+    if e.get("regime", "none") != "none":
+      where += f", regime {e['regime']} ({e['detail']})"
+    out.append(f"the kernel raised on {where}: {e['error']}")
+  return out
+
+
+def measure_case(
+  fn, policy: Precision, case: Case, repeats, tensors=TENSORS, rules=RULES
+):
+  """Rows (one per tensor) of one case: rules, quality, determinism."""
+  q, k, v = make_inputs(case.distribution, case.seed, case.shape)
+  label = case_label(case)
   features = case.built_features().kwargs()
   return measure_arrays(
     fn, policy, label, (q, k, v), features, repeats, tensors, rules
@@ -162,6 +196,11 @@ class AuditReport:
   # Edge-regime cases that do not apply to this kernel or policy, each
   # with its reason ("n/a" in the report).
   regime_notes: tuple[dict, ...] = ()
+  # Cases the kernel raised on: the case and the error's first line. Any
+  # fails the audit; every other case is still judged.
+  errors: tuple[dict, ...] = ()
+  # The kernel's layout: "bhsd" kernels were called on transposed inputs.
+  layout: str = "bshd"
 
   @property
   def invariant(self) -> dict:
@@ -171,6 +210,7 @@ class AuditReport:
   @property
   def failures(self) -> list[str]:
     found = failures(self.rows, [g for g in self.gate if g in RULES])
+    found += error_lines(self.errors)
     if INVARIANCE_GATE in self.gate:
       found += invariance.failures(self.invariance_rows)
     return found
@@ -180,8 +220,15 @@ class AuditReport:
     return not self.failures
 
   def __str__(self) -> str:
-    rules = [r for r in RULES if f"{r}_passed" in self.rows[0]]
-    lines = [
+    rules = [r for r in RULES if self.rows and f"{r}_passed" in self.rows[0]]
+    lines = (
+      []
+      if self.layout == "bshd"
+      else [
+        f"layout {self.layout}: inputs and output transposed around the kernel"
+      ]
+    )
+    lines += [
       f"{'tensor':>6} {'policy':>16} {'features':>16} "
       + " ".join(f"{rule:>18}" for rule in rules)
       + "  deterministic"
@@ -236,17 +283,19 @@ def as_recipe(features, causal: bool = False):
   return features
 
 
-def _regime_rows(fn, policy, all_cases, edge_regimes, repeats, tensors, rules):
-  """The edge regimes' rows and n/a notes at every distinct shape."""
-  rows, notes = [], []
-  for shape in dict.fromkeys(case.shape for case in all_cases):
+def regime_rows(fn, policy, shapes, edge_regimes, repeats, tensors, rules):
+  """The edge regimes' rows, n/a notes and errors at every distinct shape
+  of `shapes` (specs, as the audit takes them)."""
+  rows, notes, errors = [], [], []
+  for shape in dict.fromkeys(shape_from_spec(s) for s in shapes):
     for regime in edge_regimes:
-      found, skipped = regimes_lib.measure_regime(
+      found, skipped, raised = regimes_lib.measure_regime(
         fn, policy, shape, regime, repeats, tensors, rules
       )
       rows += found
       notes += skipped
-  return rows, notes
+      errors += raised
+  return rows, notes, errors
 
 
 def audit(
@@ -264,6 +313,7 @@ def audit(
   rules=None,
   invariances=None,
   regimes=None,
+  layout: str = "bshd",
 ) -> AuditReport:
   """Audits fn(q, k, v, **features): output and gradients under every
   rule, determinism over `repeats` runs, and NaN/Inf.
@@ -297,13 +347,20 @@ def audit(
       from every shape, judged by the same rules, plus: NaN/Inf anywhere
       fails, and rows no key may attend must be exactly 0. Cases a kernel
       cannot run (a feature it does not take) are reported n/a.
+    layout: "bshd" (ours: [batch, length, heads, head_dim]) or "bhsd"
+      (torch's and the TPU kernels': [batch, heads, length, head_dim]);
+      the audit transposes around a "bhsd" kernel, inputs and output.
+
+  A case the kernel raises on is an error row (`AuditReport.errors`,
+  which fail the audit); every other case is still judged.
 
   Raises:
     ValueError: for bad settings, a feature the kernel does not accept, or
-      a kernel that raises or breaks the contract (the message says which
-      case and why).
+      a kernel that breaks the contract (the message says which case and
+      why).
   """
   policy = Precision.from_name(precision)
+  fn = in_layout(fn, layout)
   if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
     raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}.")
   rules = RULES if rules is None else rules
@@ -316,14 +373,23 @@ def audit(
   if tuple(tensors) not in (TENSORS, ("out",)):
     raise ValueError(f"tensors must be {TENSORS} or ('out',), got {tensors}.")
   recipe = as_recipe(features, causal)
-  rows = []
+  rows, errors = [], []
   all_cases = cases(shapes, distributions, seeds, recipe)
   for case in all_cases:
-    rows += measure_case(fn, policy, case, repeats, tuple(tensors), rules)
-  found, notes = _regime_rows(
-    fn, policy, all_cases, edge_regimes, repeats, tuple(tensors), rules
+    found, raised = measured_or_error(
+      lambda case=case: measure_case(
+        fn, policy, case, repeats, tuple(tensors), rules
+      ),
+      case_label(case),
+      policy,
+    )
+    rows += found
+    errors += raised
+  found, notes, raised = regime_rows(
+    fn, policy, shapes, edge_regimes, repeats, tuple(tensors), rules
   )
   rows += found
+  errors += raised
   invariance_rows = ()
   if probes:
     first = all_cases[0]
@@ -332,4 +398,11 @@ def audit(
         fn, policy, first.shape, probes, distribution=first.distribution
       )
     )
-  return AuditReport(tuple(rows), tuple(gate), invariance_rows, tuple(notes))
+  return AuditReport(
+    tuple(rows),
+    tuple(gate),
+    invariance_rows,
+    tuple(notes),
+    tuple(errors),
+    layout,
+  )

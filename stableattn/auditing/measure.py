@@ -46,15 +46,28 @@ def quality(golden, x) -> dict:
   }
 
 
+class ContractError(ValueError):
+  """The kernel breaks the calling contract (an output of the wrong shape
+  or dtype, a feature its signature cannot take): no case can be judged,
+  so the audit stops, where a kernel's own error on one case is a row."""
+
+
+def first_line(error: BaseException) -> str:
+  """ "TypeName: the message's first line", as a report quotes an error."""
+  text = str(error).strip()
+  first = text.splitlines()[0][:300] if text else ""
+  return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
 def _call(fn, q, k, v, features: dict):
   out = fn(q, k, v, **features)
   if out is None or getattr(out, "shape", None) != q.shape:
-    raise ValueError(
+    raise ContractError(
       f"the kernel returned {None if out is None else out.shape}; the "
       f"contract is an output shaped like q, {q.shape}."
     )
   if not jnp.issubdtype(out.dtype, jnp.floating):
-    raise ValueError(
+    raise ContractError(
       f"the kernel returned dtype {out.dtype}; the contract is a floating "
       "output (the inputs' dtype or wider)."
     )
@@ -86,7 +99,7 @@ def check_accepts(fn, features: dict, kernel: str = "the kernel") -> None:
   """One clear line when fn cannot take a feature the audit passes."""
   missing = unaccepted_features(fn, features)
   if missing:
-    raise ValueError(
+    raise ContractError(
       f"{kernel} does not accept the feature(s) {missing} that this audit "
       "passes (the contract is fn(q, k, v, **features), jax's names); "
       "audit it without them or add them to its signature."
@@ -130,23 +143,15 @@ def measure_arrays(
   ours = resolve("reference", Options(precision=policy))
   extra = [n for n in GRADIENT_FEATURES if n in features and gradients]
   baseline = _values_and_grads(ours, *args, d_out, features, gradients, extra)
-  note = {}
-  try:
-    first = _values_and_grads(fn, *args, d_out, features, gradients, extra)
-  except Exception as e:  # noqa: BLE001 - any kernel's own refusal
-    if not extra:
-      raise
-    # A kernel that takes its features as constants (one run eagerly
-    # outside JAX, e.g. PyTorch's): dQ/dK/dV only, and the reason said.
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-    note = {"feature_gradients": f"not taken: {reason}"}
-    tensors = tensors[: len(tensors) - len(extra)]
-    first = _values_and_grads(fn, *args, d_out, features, gradients)
+  wanted = len(extra)
+  first, extra, note = _first_run(fn, args, d_out, features, gradients, extra)
+  tensors = tensors[: len(tensors) - (wanted - len(extra))]
+  if "gradients" in note:
+    tensors, gradients = ("out",), False
   runs = [first] + [
-    _values_and_grads(fn, *args, d_out, features, gradients,
-                      extra if not note else ())
+    _values_and_grads(fn, *args, d_out, features, gradients, extra)
     for _ in range(repeats - 1)
-  ]  # fmt: skip
+  ]
   rows = []
   for i, tensor in enumerate(tensors):
     row = _row(
@@ -159,6 +164,37 @@ def measure_arrays(
       row["empty_rows_max"] = float(np.max(np.abs(at_empty), initial=0.0))
     rows.append(row)
   return rows
+
+
+def _first_run(fn, args, d_out, features, gradients, extra):
+  """(values, the feature gradients taken, a note) of fn's first run.
+
+  A kernel that takes its features as constants (one run eagerly outside
+  JAX, e.g. PyTorch's) is judged on dQ/dK/dV only; one with no VJP (a
+  decode kernel) on its output alone. Each says why in the note; a
+  forward that raises raises.
+  """
+  try:
+    values = _values_and_grads(fn, *args, d_out, features, gradients, extra)
+    return values, extra, {}
+  except ContractError:
+    raise
+  except Exception as e:  # noqa: BLE001 - any kernel's own refusal
+    error = e
+  if extra:
+    try:
+      values = _values_and_grads(fn, *args, d_out, features, gradients)
+      taken = f"not taken: {first_line(error)}"
+      return values, (), {"feature_gradients": taken}
+    except ContractError:
+      raise
+    except Exception as e:  # noqa: BLE001
+      error = e
+  if not gradients:
+    raise error
+  values = _values_and_grads(fn, *args, d_out, features, False)
+  why = f"n/a: the kernel has no VJP ({first_line(error)})"
+  return values, (), {"gradients": why}
 
 
 def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:

@@ -18,7 +18,11 @@ import dataclasses
 import numpy as np
 
 from stableattn.auditing.inputs import Shape, TiedMaximaSpec, make_inputs
-from stableattn.auditing.measure import measure_arrays
+from stableattn.auditing.measure import (
+  ContractError,
+  first_line,
+  measure_arrays,
+)
 from stableattn.contract import arguments
 from stableattn.ops.registry import unaccepted_features
 
@@ -233,11 +237,13 @@ def _features_label(features: dict) -> str:
 
 def measure_regime(
   fn, policy, shape: Shape, regime: str, repeats: int, tensors, rules
-) -> tuple[list[dict], list[dict]]:
-  """(rows, notes) of one regime at one audit shape: a row per tensor per
-  case, judged like any audit row; a note per case that does not apply
-  (the regime's reason, or a feature the kernel does not take)."""
-  rows, notes = [], []
+) -> tuple[list[dict], list[dict], list[dict]]:
+  """(rows, notes, errors) of one regime at one audit shape: a row per
+  tensor per case, judged like any audit row; a note per case that does
+  not apply (the regime's reason, a feature the kernel does not take, or
+  its ValueError refusing the case); an error per case it raised on
+  otherwise (the error's type and first line)."""
+  rows, notes, errors = [], [], []
   for case in edge_cases(regime, shape, policy.inputs):
     note = {"regime": regime, "detail": case.detail, "policy": policy.name}
     if case.not_applicable is None:
@@ -269,7 +275,10 @@ def measure_regime(
         rules,
         empty_rows=case.empty_rows,
       )
+    except ContractError:
+      raise
     except ValueError as e:  # a kernel that refuses the case says why
-      first = str(e).splitlines()[0]
-      notes.append({**note, "reason": f"refused with ValueError: {first}"})
-  return rows, notes
+      notes.append({**note, "reason": f"refused with {first_line(e)}"})
+    except Exception as e:  # noqa: BLE001 - the kernel broke: a row, go on
+      errors.append({**label, "policy": policy.name, "error": first_line(e)})
+  return rows, notes, errors

@@ -8,9 +8,18 @@ import sys
 
 
 def run_and_print(
-  run, config, workdir, *, restart: bool = False, failed=None
+  run,
+  config,
+  workdir,
+  *,
+  restart: bool = False,
+  failed=None,
+  as_json: bool = False,
+  summarize=None,
 ) -> int:
-  """Runs an experiment and prints its result as JSON.
+  """Runs an experiment and prints its result: a short summary for a
+  person (`summarize(result)`, or `summary`), or with `as_json` the
+  result as JSON, for a program.
 
   A bad config, a busy or mismatched run directory, or a NaN result prints
   one line saying what was wrong and what is valid, and exits with 2 (no
@@ -22,8 +31,28 @@ def run_and_print(
   except (ValueError, RuntimeError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(json.dumps(result, indent=2, default=str))
+  if as_json:
+    print(json.dumps(result, indent=2, default=str))
+  else:
+    print((summarize or summary)(result))
   return 1 if failed is not None and failed(result) else 0
+
+
+def summary(result: dict, most: int = 12) -> str:
+  """A result's scalar entries, one per line, and where its report is
+  (the full result is the run directory's; `--json` prints it)."""
+  lines = []
+  for key, value in result.items():
+    if key != "workdir" and isinstance(value, (str, int, float, bool)):
+      lines.append(f"  {key}: {value}")
+  shown = lines[:most]
+  if len(lines) > most:
+    shown.append(f"  ... {len(lines) - most} more (--json)")
+  where = pathlib.Path(str(result.get("workdir", ".")))
+  report = where / "report.md"
+  return "\n".join(
+    [*shown, f"  report: {report if report.exists() else where}"]
+  )
 
 
 def launch(
@@ -35,6 +64,7 @@ def launch(
   workdir_holds: str,
   before_run=None,
   failed=None,
+  summarize=None,
 ) -> None:
   """Defines a launcher's flags and runs it under absl.
 
@@ -43,7 +73,8 @@ def launch(
   `workdir`; it holds `workdir_holds`) and --restart.
   `before_run(config)` runs after the flags are parsed and before the
   experiment (e.g. to simulate CPU devices before JAX starts); `failed`
-  is `run_and_print`'s.
+  and `summarize` are `run_and_print`'s. --json prints the whole result
+  as JSON instead of the summary.
   """
   from absl import app, flags
   from ml_collections import config_flags
@@ -60,6 +91,11 @@ def launch(
     False,
     "Delete the results of an earlier run in --workdir before running.",
   )
+  flags.DEFINE_bool(
+    "json",
+    False,
+    "Print the whole result as JSON on stdout instead of a short summary.",
+  )
 
   def main(argv):
     del argv
@@ -72,6 +108,8 @@ def launch(
       flags.FLAGS.workdir,
       restart=flags.FLAGS.restart,
       failed=failed,
+      as_json=flags.FLAGS.json,
+      summarize=summarize,
     )
 
   app.run(main)

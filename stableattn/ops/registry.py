@@ -112,6 +112,33 @@ def resolve(
   return import_attention(name)
 
 
+# A kernel's tensor layout: ours (and jax.nn's) or torch's and the TPU
+# kernels' with heads before length.
+LAYOUTS = ("bshd", "bhsd")
+
+
+def in_layout(fn: AttentionFn, layout: str) -> AttentionFn:
+  """fn on the contract's [batch, length, heads, head_dim] layout, for a
+  kernel written in `layout`: "bshd" is fn itself; "bhsd" transposes q,
+  k and v in and the output out. The wrapper keeps fn's signature, so
+  the features it takes are read as before."""
+  if layout not in LAYOUTS:
+    raise ValueError(
+      f"layout must be one of {LAYOUTS} ('bshd': [batch, length, heads, "
+      f"head_dim], ours; 'bhsd': heads before length, torch's), got "
+      f"{layout!r}."
+    )
+  if layout == "bshd":
+    return fn
+
+  @functools.wraps(fn)
+  def transposed(q, k, v, **features):
+    out = fn(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), **features)
+    return out.swapaxes(1, 2)
+
+  return transposed
+
+
 def unaccepted_features(fn, features: dict) -> list[str]:
   """The names in `features` that fn's signature cannot take."""
   try:

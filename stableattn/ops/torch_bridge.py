@@ -48,8 +48,8 @@ import numpy as np
 
 from stableattn.contract.features import Features
 from stableattn.contract.masking import allowed_pairs
+from stableattn.ops.registry import LAYOUTS
 
-LAYOUTS = ("bshd", "bhsd")
 INSTALL = (
   "PyTorch is not installed: pip install 'stableattn[torch]' (on a CPU "
   "machine, pip install torch==2.13.0 first takes the CPU build) to audit "
