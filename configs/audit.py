@@ -18,7 +18,8 @@ minutes on 2 CPU cores for a jitted kernel), `smoke` (one small shape;
 under a minute), `paper` (GQA, ragged lengths, head dim 128, more inputs),
 `edges` (one small shape, every edge regime and every invariance probe,
 invariance gated), `search` (60 drawn cases, the smallest failure shrunk
-to one reproducing command). `--config.regimes=all` adds the edge regimes to any
+to one reproducing command), `decode` (single-query shapes for decode and
+paged kernels). `--config.regimes=all` adds the edge regimes to any
 variant.
 
 Expected outcome: XLA's `jax.nn.dot_product_attention`, jax's Pallas `mha`
@@ -38,9 +39,14 @@ from stableattn.experiments.config_values import with_variant
 
 def _default() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  # A registry name (pallas, reference, xla, cudnn, jax_mha, tokamax_xla,
-  # ...) or an import path "package.module:function".
+  # A registry name (pallas, reference, xla, cudnn, jax_mha, jax_splash,
+  # keras_dpa, tokamax_xla, ...) or an import path
+  # "package.module:function".
   c.kernel = "xla"
+  # The kernel's tensor layout: "bshd" ([batch, length, heads, head_dim],
+  # ours and jax.nn's) or "bhsd" (torch's and the TPU kernels'); the audit
+  # transposes around a "bhsd" kernel and says so.
+  c.layout = "bshd"
   # Our implementations' own policy; "auto": Flash's natural policy for
   # pallas, eager attention's for reference/xla, at each input format.
   c.kernel_precision = "auto"
@@ -110,6 +116,16 @@ EDGES = {
   "repeats": 2,
 }
 
+# Decode kernels (jax_decode, jax_paged): one query per sequence over
+# caches of lengths that are not whole blocks, GQA and MHA, with and
+# without per-sequence valid lengths; their invariance probes (a decode
+# step batched, caches padded, decode rows of mixed cache lengths).
+DECODE = {
+  "shapes": ((4, 1, 256, 8, 2, 64), (2, 1, 1000, 4, 4, 128)),
+  "features": "none;lengths",
+  "invariances": "batch,padded_cache,mixed_batch,splits",
+}
+
 # A property-based search at BF16 (shapes and gate as drawn and set).
 SEARCH = {"search_budget": 60, "precisions": "bf16-framework"}
 
@@ -119,6 +135,7 @@ VARIANTS = {
   "paper": PAPER,
   "edges": EDGES,
   "search": SEARCH,
+  "decode": DECODE,
 }
 
 

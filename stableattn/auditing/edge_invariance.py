@@ -22,7 +22,8 @@ from stableattn.contract.golden import golden_attention, golden_attention_vjp
 EDGE_INVARIANCES = ("mixed_batch", "packed", "backward_batch", "causal_leak")
 EDGE_DESCRIPTIONS = {
   "mixed_batch": "a decode row (one query over its cache) beside prefill "
-  "rows of other lengths, vs the decode row alone",
+  "rows of other lengths, and beside decode rows over caches of other "
+  "lengths, vs the decode row alone",
   "packed": "rows of three lengths packed by segment ids vs the same rows "
   "padded in a batch",
   "backward_batch": "dQ, dK, dV of a row alone vs in a batch of 8",
@@ -64,7 +65,19 @@ class EdgeProbes:
       golden = golden_attention(q[:1, :1], k[:1, cache], v[:1, cache])
       return alone, batched[:1, :1], golden
 
+    def decode_rows():
+      # A decode batch: one query per sequence over caches of 4 lengths.
+      n = self.length
+      lengths = np.array([n // 2 + 1, n, n // 2, n - 3], np.int32)
+      q, k, v = self.q[:4, -1:], self.k[:4], self.v[:4]
+      batched = self.call(q, k, v, key_value_seq_lengths=lengths)
+      cache = slice(0, int(lengths[0]))
+      alone = self.call(q[:1], k[:1, cache], v[:1, cache])
+      golden = golden_attention(q[:1], k[:1, cache], v[:1, cache])
+      return alone, batched[:1], golden
+
     yield "decode row beside 3 prefill rows", probe
+    yield "decode rows over caches of 4 lengths", decode_rows
 
   def _packed(self):
     def probe():

@@ -51,7 +51,8 @@ INVARIANCES = (
 )
 DESCRIPTIONS = {
   **EDGE_DESCRIPTIONS,
-  "batch": "a row alone vs at a random position among N others",
+  "batch": "a row alone vs at a random position among N others, and a "
+  "decode step (one query per sequence) alone vs in a batch",
   "decode": "a query decoded alone over its prefix vs its row of the full "
   "causal pass",
   "chunked_prefill": "queries in chunks of C over their prefix vs one pass",
@@ -198,8 +199,17 @@ class Prober(EdgeProbes):
       golden = golden_attention(q[:1], k[:1], v[:1], causal=True)[0]
       return alone, batched, golden
 
+    def one_query(size):
+      # A decode step: each example's last query over its whole cache.
+      q, k, v = self.q[:size, -1:], self.k[:size], self.v[:size]
+      alone = self.call(q[:1], k[:1], v[:1])[0]
+      batched = self.call(q, k, v)[0]
+      return alone, batched, golden_attention(q[:1], k[:1], v[:1])[0]
+
     for size in self.sizes.batch_sizes:
       yield f"batch 1 vs {size}", functools.partial(probe, size)
+    size = self.sizes.batch_sizes[0]
+    yield f"one query: batch 1 vs {size}", functools.partial(one_query, size)
 
   def _prefill(self, example=slice(0, 1)):
     """The full causal pass of one example and its golden value."""

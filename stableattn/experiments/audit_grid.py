@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
-import jax
 from tqdm.auto import tqdm
 
 from stableattn.auditing import invariance, regimes
@@ -43,8 +42,8 @@ from stableattn.ops.registry import (
   LAYOUTS,
   forward_only,
   in_layout,
-  needs_gpu,
   resolve,
+  unavailable,
 )
 
 
@@ -78,8 +77,9 @@ def settings_from_config(c) -> Settings:
   kernel = str(c.kernel).strip()
   if not kernel:
     raise ValueError("config.kernel is empty; name a kernel to audit.")
-  if needs_gpu(kernel) and jax.default_backend() != "gpu":
-    raise ValueError(f"kernel {kernel!r} needs an NVIDIA GPU.")
+  reason = unavailable(kernel)
+  if reason is not None:
+    raise ValueError(f"kernel {kernel!r} cannot run here: {reason}.")
   resolve(kernel)  # before any file is written: one line if it cannot be
   kernel_precision = str(c.kernel_precision)
   if kernel_precision != "auto":

@@ -37,6 +37,7 @@ import jax
 from absl import flags
 
 from stableattn.contract.options import Options
+from stableattn.ops import jax_kernels
 from stableattn.ops.dispatch import IMPLEMENTATIONS, attention, split_keywords
 
 # PyTorch's kernels (the optional `[torch]` extra; `torch_kernels`): SDPA
@@ -70,6 +71,9 @@ class Entry:
   # Why it has no gradients on this machine (a function: it may import
   # the kernel's library to tell), or None: it always has them.
   forward_only: Callable[[], str | None] | None = None
+  # Why it cannot run on this machine at all (a function, as above), or
+  # None: it runs here.
+  unavailable: Callable[[], str | None] | None = None
 
 
 def needs_gpu(name: str) -> bool:
@@ -77,6 +81,16 @@ def needs_gpu(name: str) -> bool:
   Pallas kernels); jax's Pallas `mha` runs anywhere, in interpret mode
   off the GPU."""
   return name in REGISTRY and REGISTRY[name].gpu_only
+
+
+def unavailable(name: str) -> str | None:
+  """Why `name` cannot run on this machine, or None where it can."""
+  if needs_gpu(name) and jax.default_backend() != "gpu":
+    return "it needs an NVIDIA GPU"
+  entry = REGISTRY.get(name)
+  return (
+    None if entry is None or entry.unavailable is None else entry.unavailable()
+  )
 
 
 def check_name(name: str) -> None:
@@ -315,6 +329,15 @@ def _tokamax_entry(implementation: str) -> Entry:
   )
 
 
+def _jax_kernel(name: str, forward_only: str | None = None, **entry) -> Entry:
+  """One of the JAX ecosystem's kernels (`jax_kernels`), by function."""
+  return Entry(
+    lambda _: getattr(jax_kernels, name),
+    forward_only=None if forward_only is None else lambda: forward_only,
+    **entry,
+  )
+
+
 # The one table of names: ours first, then the peers users compare with.
 REGISTRY: dict[str, Entry] = {
   **{name: _ours(name) for name in IMPLEMENTATIONS},
@@ -325,6 +348,16 @@ REGISTRY: dict[str, Entry] = {
   "jax_mha": Entry(lambda _: _jax_mha),
   **{name: _tokamax_entry(impl) for name, impl in TOKAMAX.items()},
   **{name: _torch_entry(name) for name in TORCH_KERNELS},
+  "jax_splash": _jax_kernel("splash"),
+  "jax_tpu_flash": _jax_kernel("tpu_flash"),
+  "jax_decode": _jax_kernel("decode", "jax's decode kernel has no VJP"),
+  "jax_paged": _jax_kernel("paged", "jax's paged kernel has no VJP"),
+  "jax_ragged_paged": _jax_kernel(
+    "ragged_paged",
+    "ragged paged attention has no VJP",
+    unavailable=jax_kernels.ragged_paged_unavailable,
+  ),
+  "keras_dpa": _jax_kernel("keras_dpa"),
 }
 NAMES = tuple(REGISTRY)
 PEERS = tuple(name for name in REGISTRY if name not in IMPLEMENTATIONS)
