@@ -413,3 +413,17 @@ def test_list_arguments_take_one_form_everywhere():
   )
   assert by_string.rows == by_list.rows and by_string.passed
   assert {r["distribution"] for r in by_string.rows} == {"normal", "uniform"}
+
+
+def test_the_worst_ratio_keeps_a_nan_and_a_miss_of_a_zero_limit():
+  def row(tensor, value, limit):
+    return {"tensor": tensor, "r_applies": True, "r_value": value,
+            "r_limit": limit}  # fmt: skip
+
+  worst = audit_report.worst_ratios(
+    [row("out", 3.0, 2.0), row("out", float("nan"), 1.0), row("out", 1, 2),
+     row("dq", 1e-7, 0.0), row("dk", 0.0, 0.0)],
+    ["r"],
+  )["r"]  # fmt: skip
+  assert np.isnan(worst["out"]) and worst["dq"] == np.inf
+  assert worst["dk"] == 0.0

@@ -80,10 +80,19 @@ def worst_ratios(rows, rules) -> dict:
   out: dict = {}
   for rule in rules:
     for r in rows:
-      if r[f"{rule}_applies"] and r[f"{rule}_limit"] > 0:
-        ratio = r[f"{rule}_value"] / r[f"{rule}_limit"]
-        per_tensor = out.setdefault(rule, {})
-        per_tensor[r["tensor"]] = max(per_tensor.get(r["tensor"], 0), ratio)
+      if not r[f"{rule}_applies"]:
+        continue
+      value, limit = r[f"{rule}_value"], r[f"{rule}_limit"]
+      if limit > 0 or np.isnan(value):
+        ratio = value / limit if limit > 0 else value
+      else:  # a limit of 0 (the baseline exact) is met by exactness alone
+        ratio = np.inf if value > 0 else 0.0
+      per_tensor = out.setdefault(rule, {})
+      seen = per_tensor.get(r["tensor"], 0.0)
+      # NaN (a NaN in the kernel's tensor) stays: it is the worst.
+      per_tensor[r["tensor"]] = (
+        seen + ratio if np.isnan(ratio + seen) else max(seen, ratio)
+      )
   return out
 
 

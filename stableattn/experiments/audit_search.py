@@ -11,8 +11,11 @@ audits again as the budget, so a search costs at most twice its budget.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
+
+from tqdm.auto import tqdm
 
 from stableattn.auditing import regimes
 from stableattn.auditing.kernel_audit import audit
@@ -20,6 +23,9 @@ from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES
 
 DISTRIBUTIONS = ("normal", "uniform", "outliers")
+# A kernel raising these on a drawn case refuses it (a length or feature
+# it does not take): not a wrong number. Any other error is a failure.
+REFUSALS = ("ValueError", "NotImplementedError")
 
 
 def _strategy(st):
@@ -53,6 +59,13 @@ def case_audit(fn, policy, case: dict, gate):
   )
 
 
+def failed(report) -> bool:
+  """A rule, determinism or NaN failure, or an error other than a
+  refusal."""
+  crashed = [e for e in report.errors if not e["error"].startswith(REFUSALS)]
+  return bool(crashed) or bool(dataclasses.replace(report, errors=()).failures)
+
+
 def reproducer(kernel: str, policy: str, case: dict, gate) -> str:
   """One launcher command that audits exactly `case`."""
   shape = (case["batch"], case["q_len"], case["kv_len"], case["heads"],
@@ -76,7 +89,7 @@ def search(fn, kernel: str, policy: str, *, budget: int, gate):
   """{"found": False, "cases": n} or the smallest failing case with its
   failures and reproducer. Cases the kernel refuses (a ValueError, e.g. a
   length it does not take) count as passing: a refusal is not a wrong
-  number."""
+  number; any other error is a failure)."""
   try:
     import hypothesis
     from hypothesis import strategies as st
@@ -98,9 +111,10 @@ def search(fn, kernel: str, policy: str, *, budget: int, gate):
     if failed and len(tried) >= 2 * budget:
       return False
     tried.append(case)
+    progress.update()
     try:
-      known[key] = not case_audit(fn, policy, case, gate).passed
-    except ValueError:
+      known[key] = failed(case_audit(fn, policy, case, gate))
+    except ValueError:  # the kernel breaks the contract at this shape
       known[key] = False
     return known[key]
 
@@ -111,10 +125,15 @@ def search(fn, kernel: str, policy: str, *, budget: int, gate):
     derandomize=True,
     suppress_health_check=list(hypothesis.HealthCheck),
   )
+  # At most the budget, then as many again to shrink a failure.
+  progress = tqdm(total=2 * budget, desc=f"search {kernel}", unit="case",
+                  disable=None)  # fmt: skip
   try:
     found = hypothesis.find(_strategy(st), fails, settings=settings)
   except hypothesis.errors.NoSuchExample:
     return {"found": False, "cases": len(tried)}
+  finally:
+    progress.close()
   return {
     "found": True,
     "cases": len(tried),
