@@ -59,7 +59,7 @@ def case_audit(fn, policy, case: dict, gate):
   )
 
 
-def failed(report) -> bool:
+def audit_failed(report) -> bool:
   """A rule, determinism or NaN failure, or an error other than a
   refusal."""
   crashed = [e for e in report.errors if not e["error"].startswith(REFUSALS)]
@@ -113,7 +113,7 @@ def search(fn, kernel: str, policy: str, *, budget: int, gate):
     tried.append(case)
     progress.update()
     try:
-      known[key] = failed(case_audit(fn, policy, case, gate))
+      known[key] = audit_failed(case_audit(fn, policy, case, gate))
     except ValueError:  # the kernel breaks the contract at this shape
       known[key] = False
     return known[key]
