@@ -173,3 +173,12 @@ def bhsd_correct(q, k, v, *, causal=False):
   """`correct` in torch's layout, [batch, heads, length, head_dim]."""
   swap = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
   return swap(correct(swap(q), swap(k), swap(v), causal=causal))
+
+
+def scales_q_and_k(q, k, v, *, causal=False):
+  """Eager FP32 attention as PyTorch's math path computes it: q and k
+  each times sqrt(scale), so its logits sit an ulp from others'."""
+  root = q.shape[-1] ** -0.25
+  return jax.nn.dot_product_attention(
+    q * root, k * root, v, is_causal=causal, scale=1.0
+  )

@@ -14,6 +14,7 @@ import pytest
 
 import stableattn as sa
 from configs import audit as audit_config
+from stableattn.contract import golden as sa_golden
 from stableattn.experiments import audit_grid as audit
 from stableattn.experiments import audit_report
 
@@ -427,3 +428,23 @@ def test_the_worst_ratio_keeps_a_nan_and_a_miss_of_a_zero_limit():
   )["r"]  # fmt: skip
   assert np.isnan(worst["out"]) and worst["dq"] == np.inf
   assert worst["dk"] == 0.0
+
+
+def test_logits_an_ulp_apart_set_the_fp32_floor_at_large_logits():
+  # Two keys tied at logit 4096 for every query, the rest far below: the
+  # output moves by ulp(4096) |v1 - v2| / 2 when the logits move an ulp.
+  q = np.zeros((1, 4, 1, 2))
+  q[..., 0] = 64.0
+  k = np.zeros((1, 8, 1, 2))
+  k[0, :2, 0, 0] = 64.0 * np.sqrt(2.0)  # scale 1/sqrt(2): logit 4096
+  v = np.random.default_rng(0).standard_normal((1, 8, 1, 2))
+  bound = sa_golden.logit_sensitivity(q, k, v, np.float32)
+  expected = np.spacing(np.float32(4096)) * np.abs(v[0, 0] - v[0, 1]) / 2
+  np.testing.assert_allclose(bound[0, :, 0], np.broadcast_to(expected, (4, 2)))
+  # Eager FP32 attention with the scale on q and k (PyTorch's math path)
+  # misses 2x the Baseline's error by 1.28x at this shape without the
+  # floor and passes with it; a wrong scale still fails.
+  edges = dict(precision="fp32", shapes=[(1, 128, 2, 64)], repeats=2,
+               regimes="large_logits")  # fmt: skip
+  assert sa.audit(audit_kernels.scales_q_and_k, **edges).passed
+  assert not sa.audit(audit_kernels.wrong_scale, **edges).passed

@@ -70,6 +70,7 @@ class _Forward:
       s = s + _head_grouped(_as_f64(ops.bias), kv_heads)
     allowed = masking.allowed_pairs(spec, ops, q_len, kv_len, xp=np)
     s = np.where(_head_grouped(allowed, kv_heads), s, -np.inf)
+    self.s = s
     m = s.max(axis=-1, keepdims=True)
     self.sink = None
     if ops.sink is not None:
@@ -108,6 +109,34 @@ def golden_attention(q, k, v, causal: bool = False, **features) -> np.ndarray:
   """
   spec, ops = _validate(q, k, v, dict(features, causal=causal))
   return _Forward(_as_f64(q), _as_f64(k), _as_f64(v), spec, ops).output()
+
+
+def logit_sensitivity(q, k, v, dtype, causal: bool = False, **features):
+  """How far each output element moves, to first order, when every logit
+  moves by one ulp of `dtype`: sum_j P_ij ulp(s_ij) |v_j - o_i|, float64
+  [batch, q_len, heads, head_dim].
+
+  Two correct kernels' logits differ by about that much: one scales q,
+  another q and k by sqrt(scale) (PyTorch's math path), another the
+  product, and each sums the dot in its own order. At logits of
+  thousands an FP32 ulp is 1e-3, so the output of rows whose weights are
+  spread over keys is uncertain by as much, whatever the kernel.
+  """
+  spec, ops = _validate(q, k, v, dict(features, causal=causal))
+  f = _Forward(_as_f64(q), _as_f64(k), _as_f64(v), spec, ops)
+  finite = np.isfinite(f.s)
+  magnitude = np.where(finite, np.abs(f.s), 0.0).astype(dtype)
+  weights = f.p * np.where(finite, np.spacing(magnitude), 0.0)
+  v_t = _per_group(f.v_t)[..., None, :, :]  # [b, kv_heads, 1, 1, kv, d]
+  out = np.empty_like(f.o)
+  chunk = 64  # queries at a time: the [q, kv, d] differences stay small
+  for start in range(0, f.o.shape[3], chunk):
+    rows = slice(start, start + chunk)
+    spread = np.abs(v_t - f.o[:, :, :, rows, None, :])
+    out[:, :, :, rows] = np.einsum(
+      "bhgqk,bhgqkd->bhgqd", weights[:, :, :, rows], spread
+    )
+  return out.transpose(0, 3, 1, 2, 4).reshape(f.shape)
 
 
 def golden_attention_vjp(q, k, v, d_out, causal: bool = False, **features):

@@ -102,13 +102,22 @@ def order_floor(golden, fmt: str) -> float:
 
 
 def flashattention_rule(
-  golden, x, baseline, fmt, gradient, factor: float | None = None
+  golden,
+  x,
+  baseline,
+  fmt,
+  gradient,
+  factor: float | None = None,
+  logit_floor: float = 0.0,
 ) -> Judgement:
   """`factor` None: FlashAttention's 2 (3 for gradients); the floor is
-  FA3's, plus `order_floor` at FP32 and FP64."""
+  FA3's, plus `order_floor` at FP32 and FP64, plus `logit_floor`: the
+  output's movement when every logit moves by an ulp
+  (`stableattn.contract.golden.logit_sensitivity`), which the audit adds
+  to the output's floor at FP32 and FP64."""
   if factor is None:
     factor = 3.0 if gradient else 2.0
-  floor = rounding_floor(golden, fmt) + order_floor(golden, fmt)
+  floor = rounding_floor(golden, fmt) + order_floor(golden, fmt) + logit_floor
   return error_ratio_judgement(golden, x, baseline, factor=factor, floor=floor)
 
 
