@@ -38,13 +38,22 @@ def run_and_print(
   return 1 if failed is not None and failed(result) else 0
 
 
+FIRST_WORDS = ("verdict", "passed", "claim", "trend")
+
+
 def summary(result: dict, most: int = 12) -> str:
   """A result's scalar entries, one per line, and where its report is
   (the full result is the run directory's; `--json` prints it)."""
   lines = []
   for key, value in result.items():
-    if key != "workdir" and isinstance(value, (str, int, float, bool)):
-      lines.append(f"  {key}: {value}")
+    if key in ("workdir", "environment"):
+      continue
+    inner = value.items() if isinstance(value, dict) else [("", value)]
+    for name, leaf in inner:  # a verdict table's entries, one level down
+      if isinstance(leaf, (str, int, float, bool)):
+        lines.append(f"  {key}{'.' if name else ''}{name}: {leaf}")
+  # The verdicts first: what a person reads the run for.
+  lines.sort(key=lambda line: not any(w in line for w in FIRST_WORDS))
   shown = lines[:most]
   if len(lines) > most:
     shown.append(f"  ... {len(lines) - most} more (--json)")
