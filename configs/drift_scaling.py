@@ -16,7 +16,9 @@ and the context axis changes nothing but the context.
 Default: three sizes at context 64 (width 64 to 128, depth 2 to 4; 8x the
 parameters, 62x the training compute) and the middle size at contexts 128
 and 256; 5 replicates each. 36 minutes on 2 CPU cores; a killed run
-resumes size by size from the last checkpoint. `smoke`: tiny sizes on a
+resumes size by size from the last checkpoint; `--config.shard=i/n` runs
+one share of the sizes (on another core or host, into the same run
+directory) and `--config.workers=N` runs N shards here. `smoke`: tiny sizes on a
 generated corpus, four sizes (three values of each axis), for tests
 (under a minute).
 """
@@ -60,6 +62,14 @@ def _default() -> ml_collections.ConfigDict:
   # the drift study's `gpu` config (GPT-2-small-like).
   c.scaling.predict_at = "w768-d12-s1024"
   c.scaling.metric = "wasserstein"  # the drift metric the ratios divide
+
+  # How the sweep spreads (never what it measures): "i/n" trains share i
+  # of n of the sizes, so n processes or hosts on one run directory
+  # (a job array's tasks: i from its index) train each size once; the
+  # last to finish writes the report. `workers` runs that many shards as
+  # processes here.
+  c.shard = "1/1"
+  c.workers = 1
 
   c.drift = _drift_config()
   c.drift.pairs = "flash_vs_baseline,bf16_vs_fp32,different_seed,other_machine"

@@ -453,8 +453,13 @@ def test_logits_an_ulp_apart_set_the_fp32_floor_at_large_logits():
 def test_a_launchers_summary_puts_verdicts_first_and_points_to_json():
   from stableattn.experiments.cli import summary
 
-  result = {"workdir": "runs/x", "seconds": 3.5, "environment": {"jax": "0"},
-            "paper_verdicts": {"fig8": "reproduced"}, "sizes": [1, 2]}  # fmt: skip
+  result = {
+    "workdir": "runs/x",
+    "seconds": 3.5,
+    "environment": {"jax": "0"},
+    "paper_verdicts": {"fig8": "reproduced"},
+    "sizes": [1, 2],
+  }
   lines = summary(result, most=1).splitlines()
   assert lines == [
     "  paper_verdicts.fig8: reproduced",

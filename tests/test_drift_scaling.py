@@ -127,10 +127,10 @@ def test_a_reference_identical_in_some_replicates_gives_no_ratio():
 
 
 @pytest.mark.slow
-def test_the_smoke_sweep_resumes_after_a_kill_and_judges_from_rows(
+def test_shards_train_each_size_once_resume_and_the_last_one_reports(
   tmp_path, monkeypatch
 ):
-  trained = []  # (size's seq_len, step) of every optimizer step taken
+  trained = []  # (size's seq_len, width, step) of every optimizer step
   original = Lockstep.step
 
   def counted(self, step):
@@ -139,16 +139,24 @@ def test_the_smoke_sweep_resumes_after_a_kill_and_judges_from_rows(
 
   monkeypatch.setattr(Lockstep, "step", counted)
   config = scaling_config.get_config("smoke")
+  # Sizes 0..3 (w16-d1-s16, w32-d1-s32, w32-d2-s64, w16-d1-s64): shard
+  # 1/2 takes 0 and 2, shard 2/2 takes 1 and 3. Shard 2 is killed first.
+  config.shard = "2/2"
   config.drift.train.stop_at_step = 3
   stopped = drift_scaling.run(config, tmp_path)
-  assert stopped["stopped_in"] == "w16-d1-s16"
-  assert [s for *_, s in trained] == [1, 2, 3]
+  assert stopped["stopped_in"] == "w32-d1-s32"
+  assert trained == [(32, 32, 1), (32, 32, 2), (32, 32, 3)]
   config.drift.train.stop_at_step = 0
+  config.shard = "1/2"
+  waiting = drift_scaling.run(config, tmp_path)
+  assert waiting["waiting_for"] == ["w32-d1-s32", "w16-d1-s64"]
+  assert {(c, w) for c, w, _ in trained[3:]} == {(16, 16), (64, 32)}
+  config.shard = "2/2"  # started again: resumes its size, then reports
   headline = drift_scaling.run(config, tmp_path)
-  first = [s for c, w, s in trained[3:] if (c, w) == (16, 16)]
-  assert first[0] == 4  # the killed size resumed where it stopped
+  resumed = [s for c, w, s in trained[3:] if (c, w) == (32, 32)]
+  assert resumed[0] == 4
   total = sum(r["steps"] for r in headline["sizes"])
-  assert len(trained) == total  # and nothing else was trained twice
+  assert len(trained) == total  # no size, no step trained twice
   for ref, fitted in headline["trends"].items():
     for axis, slope in fitted["slopes"].items():
       assert slope["low"] <= slope["estimate"] <= slope["high"]
@@ -156,9 +164,21 @@ def test_the_smoke_sweep_resumes_after_a_kill_and_judges_from_rows(
     assert fitted["prediction"]["low"] < fitted["prediction"]["high"]
   text = (tmp_path / "report.md").read_text()
   assert "## The trend" in text and (tmp_path / "drift_scaling.png").exists()
+  config.shard = "1/1"
   again = drift_scaling.run(config, tmp_path)
   assert len(trained) == total  # a finished sweep trains nothing
   assert again["trends"] == headline["trends"]
+
+
+def test_a_bad_shard_is_one_line():
+  config = scaling_config.get_config("smoke")
+  for shard, message in [("3/2", "i must be in 1..n"), ("2", "is not 'i/n'")]:
+    config.shard = shard
+    with pytest.raises(ValueError, match=message):
+      drift_scaling.run(config, "unused")
+  config.shard, config.workers = "1/2", 2
+  with pytest.raises(ValueError, match="a shard neither restarts"):
+    drift_scaling.run(config, "unused")
 
 
 VERDICTS = ("grows", "shrinks", "no trend told apart")

@@ -73,11 +73,12 @@ class RunDir:
     self.write_text("config.json", text + "\n")
 
   @contextlib.contextmanager
-  def lock(self):
-    """Holds an exclusive lock on the directory; a second run is refused."""
+  def lock(self, wait: bool = False):
+    """Holds an exclusive lock on the directory; a second run is refused
+    (`wait`: waits for it instead, for the brief steps shards share)."""
     with open(self.path / "run.lock", "w") as f:
       try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
       except BlockingIOError:
         raise RuntimeError(
           f"Another run is writing to {self.path} (run.lock is held). Wait "

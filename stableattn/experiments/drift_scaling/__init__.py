@@ -15,15 +15,22 @@ from __future__ import annotations
 import time
 
 from stableattn.experiments import environment, training_drift
-from stableattn.experiments.config_values import as_tuple
+from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.drift_scaling.report import write_report
+from stableattn.experiments.drift_scaling.shards import (
+  SPREAD_FIELDS,
+  Shard,
+  record_unit,
+  run_workers,
+  unit_row,
+)
 from stableattn.experiments.drift_scaling.sizes import (
   ModelSize,
   drift_config,
   plan,
   sizes_of,
 )
-from stableattn.experiments.rundir import opened
+from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift.analysis import RATIO_METRICS
 from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
 
@@ -35,7 +42,10 @@ EXTENDABLE = ("scaling.sizes", "drift.train.stop_at_step")
 
 
 def run(config, workdir, *, restart: bool = False) -> dict:
-  """Trains every size's drift study (resuming), then writes the report."""
+  """Trains this shard's sizes (resuming), then, once every size is done,
+  writes the report."""
+  shard = Shard.parse(config.get("shard", "1/1"))
+  workers = field(config, "workers", minimum=1) if "workers" in config else 1
   scaling = config.scaling
   mlp_ratio = int(config.drift.model.mlp_ratio)
   plans = [plan(size, scaling) for size in sizes_of(scaling, mlp_ratio)]
@@ -44,33 +54,45 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     raise ValueError(
       f"scaling.metric {scaling.metric!r} is not one of {RATIO_METRICS}."
     )
+  if (restart or workers > 1) and shard.count > 1:
+    raise ValueError(
+      f"config.shard={shard.label} with "
+      f"{'--restart' if restart else 'config.workers'}: a shard neither "
+      "restarts the whole sweep nor spreads itself; use config.shard=1/1."
+    )
   drift = config.drift.copy_and_resolve_references()
   machine_note = _machine_reference(drift)
   references = _references(drift.pairs)
-  with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
-    run_dir,
-    _,
-  ):
-    done = {
-      r["size"]: r for r in run_dir.read_metrics() if r.get("kind") == "size"
-    }
-    for p in plans:
-      directory = run_dir.path / "sizes" / p.size.name
-      started = time.time()
-      headline = training_drift.run(
-        drift_config(drift, p, int(scaling.head_dim)),
-        directory,
-        restart=restart,
-      )
-      if "stopped_at_step" in headline:
-        return {"workdir": str(run_dir.path), "stopped_in": p.size.name}
-      if p.size.name not in done:
-        done[p.size.name] = _size_row(p, time.time() - started)
-        run_dir.append_metrics([done[p.size.name]])
+  run_dir = RunDir(workdir)
+  with run_dir.lock(wait=True):  # shards share the directory: bind only
+    run_dir.bind_config(
+      config.to_dict(), extendable=EXTENDABLE + SPREAD_FIELDS, restart=restart
+    )
+  if workers > 1:
+    run_workers(run, config, workdir, workers)
+  for unit, p in enumerate(plans):
+    if workers > 1 or not shard.takes(unit):
+      continue
+    directory = run_dir.path / "sizes" / p.size.name
+    started = time.time()
+    headline = training_drift.run(
+      drift_config(drift, p, int(scaling.head_dim)),
+      directory,
+      restart=restart,
+    )
+    if "stopped_at_step" in headline:
+      return {"workdir": str(run_dir.path), "stopped_in": p.size.name}
+    record_unit(directory, _size_row(p, time.time() - started))
+  rows = [unit_row(run_dir, p.size.name) for p in plans]
+  waiting = [p.size.name for p, row in zip(plans, rows) if row is None]
+  if waiting:  # another shard's units: the last to finish reports
+    return {"workdir": str(run_dir.path), "shard": shard.label,
+            "waiting_for": waiting}  # fmt: skip
+  with run_dir.lock(wait=True):
     return write_report(
       run_dir,
       plans,
-      [done[p.size.name] for p in plans],
+      rows,
       references=references,
       metric=scaling.metric,
       target=target,
