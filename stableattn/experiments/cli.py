@@ -48,6 +48,8 @@ def summary(result: dict, most: int = 12) -> str:
   for key, value in result.items():
     if key in ("workdir", "environment"):
       continue
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+      value = ", ".join(value)  # names: the sizes a shard waits for
     inner = value.items() if isinstance(value, dict) else [("", value)]
     for name, leaf in inner:  # a verdict table's entries, one level down
       if isinstance(leaf, (str, int, float, bool)):
