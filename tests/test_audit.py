@@ -159,10 +159,15 @@ def test_a_kernel_in_torch_layout_gives_the_transposed_kernels_report():
     sa.audit(audit_kernels.correct, layout="bsdh", **audited)
 
 
+def test_a_kernel_that_cannot_be_imported_is_one_line(tmp_path):
+  with pytest.raises(ValueError, match="Cannot import module") as raised:
+    audit.run(_config("no_such_module_xyz:attention", **FAST), tmp_path)
+  assert "\n" not in str(raised.value)
+
+
 @pytest.mark.parametrize(
   "kernel, message",
   [
-    ("no_such_module_xyz:attention", "Cannot import module"),
     (
       "audit_kernels:no_causal_argument",
       "does not accept the feature\\(s\\) \\['causal'\\]",
@@ -171,13 +176,20 @@ def test_a_kernel_in_torch_layout_gives_the_transposed_kernels_report():
     ("audit_kernels:integer_output", "the kernel returned dtype int32"),
   ],
 )
-def test_bad_kernels_give_one_clear_line(kernel, message, tmp_path):
+def test_a_case_that_breaks_the_contract_is_an_error_row(
+  kernel, message, tmp_path
+):
   import re
 
-  with pytest.raises(ValueError, match=message) as raised:
-    audit.run(_config(kernel, **FAST), tmp_path)
-  assert "\n" not in str(raised.value)
-  assert re.search(message, str(raised.value))
+  result = audit.run(
+    _config(kernel, precisions="fp32", features="none;causal"), tmp_path
+  )
+  assert result["verdict"] in ("ERRORS", "FAILED, ERRORS")
+  assert all(re.search(message, e["error"]) for e in result["errors"])
+  causal = [e for e in result["errors"] if e["features"] == "causal"]
+  assert causal and "\n" not in causal[0]["error"]
+  if kernel.endswith("no_causal_argument"):  # the other set is judged
+    assert len(result["errors"]) == 1 and result["failures"] == []
 
 
 def _row(tensor, passed=True, deterministic=True, nonfinite=0):

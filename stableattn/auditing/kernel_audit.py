@@ -82,14 +82,20 @@ def case_label(case: Case) -> dict:
   }
 
 
-def measured_or_error(measure, label: dict, policy: Precision):
-  """(rows, errors) of `measure()`: its rows, or, where the kernel raised
-  (not a broken contract, which stops the audit), one error row naming
-  the case and the error's type and first line."""
+def measured_or_error(
+  measure, label: dict, policy: Precision, contract_stops: bool = True
+):
+  """(rows, errors) of `measure()`: its rows, or, where the kernel raised,
+  one error row naming the case and the error's type and first line. A
+  broken contract (a feature the kernel's signature cannot take, an
+  output of the wrong shape) stops the audit unless not
+  `contract_stops` (the launcher's grid, which marks the case)."""
   try:
     return measure(), []
-  except ContractError:
-    raise
+  except ContractError as e:
+    if contract_stops:
+      raise
+    return [], [{**label, "policy": policy.name, "error": first_line(e)}]
   except Exception as e:  # noqa: BLE001 - the kernel's own error: go on
     return [], [{**label, "policy": policy.name, "error": first_line(e)}]
 

@@ -275,8 +275,8 @@ def measure_regime(
         rules,
         empty_rows=case.empty_rows,
       )
-    except ContractError:
-      raise
+    except ContractError as e:  # e.g. an output of the wrong shape here
+      errors.append({**label, "policy": policy.name, "error": first_line(e)})
     except ValueError as e:  # a kernel that refuses the case says why
       notes.append({**note, "reason": f"refused with {first_line(e)}"})
     except Exception as e:  # noqa: BLE001 - the kernel broke: a row, go on
