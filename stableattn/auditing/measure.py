@@ -66,9 +66,11 @@ def first_line(error: BaseException) -> str:
 def _call(fn, q, k, v, features: dict):
   out = fn(q, k, v, **features)
   if out is None or getattr(out, "shape", None) != q.shape:
+    got = getattr(out, "shape", None) or type(out).__name__
     raise ContractError(
-      f"the kernel returned {None if out is None else out.shape}; the "
-      f"contract is an output shaped like q, {q.shape}."
+      f"the kernel returned {None if out is None else got}; the contract "
+      f"is an output shaped like q, {q.shape} (a kernel returning (out, "
+      "lse) is wrapped to return out)."
     )
   if not jnp.issubdtype(out.dtype, jnp.floating):
     raise ContractError(
