@@ -100,18 +100,21 @@ def measured_or_error(
     return [], [{**label, "policy": policy.name, "error": first_line(e)}]
 
 
+def case_words(r: dict) -> str:
+  """A row's case in words: shape, inputs, seed, policy, features and
+  its edge regime when it has one."""
+  where = (
+    f"{r['shape']}, {r['distribution']} inputs, seed {r['seed']}, "
+    f"{r['policy']}, features {r['features']}"
+  )
+  if r.get("regime", "none") != "none":
+    where += f", regime {r['regime']} ({r['detail']})"
+  return where
+
+
 def error_lines(errors) -> list[str]:
   """Each case the kernel raised on, in words."""
-  out = []
-  for e in errors:
-    where = (
-      f"{e['shape']}, {e['distribution']} inputs, seed {e['seed']}, "
-      f"{e['policy']}, features {e['features']}"
-    )
-    if e.get("regime", "none") != "none":
-      where += f", regime {e['regime']} ({e['detail']})"
-    out.append(f"the kernel raised on {where}: {e['error']}")
-  return out
+  return [f"the kernel raised on {case_words(e)}: {e['error']}" for e in errors]
 
 
 def measure_case(
@@ -150,12 +153,7 @@ def failures(rows, rules=tuple(RULES)) -> list[str]:
   """Every failed rule, non-deterministic tensor and NaN, in words."""
   out = []
   for r in rows:
-    where = (
-      f"{r['tensor']} at {r['shape']}, {r['distribution']} inputs, seed "
-      f"{r['seed']}, {r['policy']}, features {r['features']}"
-    )
-    if r.get("regime", "none") != "none":
-      where += f", regime {r['regime']} ({r['detail']})"
+    where = f"{r['tensor']} at {case_words(r)}"
     if r["nonfinite"]:
       out.append(f"{r['nonfinite']} NaN/Inf values in {where}")
     if r.get("empty_rows_max"):
