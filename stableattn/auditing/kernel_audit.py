@@ -28,7 +28,7 @@ from stableattn.auditing.measure import (
   TENSORS,
   ContractError,
   check_accepts,
-  first_line,
+  error_row,
   measure_arrays,
 )
 from stableattn.contract.arguments import names
@@ -92,12 +92,10 @@ def measured_or_error(
   `contract_stops` (the launcher's grid, which marks the case)."""
   try:
     return measure(), []
-  except ContractError as e:
-    if contract_stops:
-      raise
-    return [], [{**label, "policy": policy.name, "error": first_line(e)}]
   except Exception as e:  # noqa: BLE001 - the kernel's own error: go on
-    return [], [{**label, "policy": policy.name, "error": first_line(e)}]
+    if contract_stops and isinstance(e, ContractError):
+      raise
+    return [], [error_row(label, policy, e)]
 
 
 def case_words(r: dict) -> str:

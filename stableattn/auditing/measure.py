@@ -63,6 +63,12 @@ def first_line(error: BaseException) -> str:
   return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+def error_row(label: dict, policy: Precision, error: BaseException) -> dict:
+  """The row of a case the kernel raised on: its label, the policy and
+  the error's type and first line."""
+  return {**label, "policy": policy.name, "error": first_line(error)}
+
+
 def _call(fn, q, k, v, features: dict):
   out = fn(q, k, v, **features)
   if out is None or getattr(out, "shape", None) != q.shape:

@@ -20,6 +20,7 @@ import numpy as np
 from stableattn.auditing.inputs import Shape, TiedMaximaSpec, make_inputs
 from stableattn.auditing.measure import (
   ContractError,
+  error_row,
   first_line,
   measure_arrays,
 )
@@ -276,9 +277,9 @@ def measure_regime(
         empty_rows=case.empty_rows,
       )
     except ContractError as e:  # e.g. an output of the wrong shape here
-      errors.append({**label, "policy": policy.name, "error": first_line(e)})
+      errors.append(error_row(label, policy, e))
     except ValueError as e:  # a kernel that refuses the case says why
       notes.append({**note, "reason": f"refused with {first_line(e)}"})
     except Exception as e:  # noqa: BLE001 - the kernel broke: a row, go on
-      errors.append({**label, "policy": policy.name, "error": first_line(e)})
+      errors.append(error_row(label, policy, e))
   return rows, notes, errors
