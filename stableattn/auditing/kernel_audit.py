@@ -285,6 +285,20 @@ def as_recipe(features, causal: bool = False):
   return features
 
 
+def grid_rows(fn, policy, all_cases, repeats, tensors, rules):
+  """The grid cases' rows and the errors of those the kernel raised on."""
+  rows, errors = [], []
+  for case in all_cases:
+    found, raised = measured_or_error(
+      lambda case=case: measure_case(fn, policy, case, repeats, tensors, rules),
+      case_label(case),
+      policy,
+    )
+    rows += found
+    errors += raised
+  return rows, errors
+
+
 def regime_rows(fn, policy, shapes, edge_regimes, repeats, tensors, rules):
   """The edge regimes' rows, n/a notes and errors at every distinct shape
   of `shapes` (specs, as the audit takes them)."""
@@ -375,18 +389,10 @@ def audit(
   if tuple(tensors) not in (TENSORS, ("out",)):
     raise ValueError(f"tensors must be {TENSORS} or ('out',), got {tensors}.")
   recipe = as_recipe(features, causal)
-  rows, errors = [], []
   all_cases = cases(shapes, distributions, seeds, recipe)
-  for case in all_cases:
-    found, raised = measured_or_error(
-      lambda case=case: measure_case(
-        fn, policy, case, repeats, tuple(tensors), rules
-      ),
-      case_label(case),
-      policy,
-    )
-    rows += found
-    errors += raised
+  rows, errors = grid_rows(
+    fn, policy, all_cases, repeats, tuple(tensors), rules
+  )
   found, notes, raised = regime_rows(
     fn, policy, shapes, edge_regimes, repeats, tuple(tensors), rules
   )
