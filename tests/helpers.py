@@ -87,3 +87,14 @@ def sampled(cases, keep: int, *, seed: int = 0, ids=None, unpack=False):
       pytest.param(*values, marks=marks, id=None if ids is None else ids(case))
     )
   return params
+
+
+def smoke_audit_config(kernel: str, **changes):
+  """The audit launcher's `smoke` config for `kernel`, with fields set."""
+  from configs import audit as audit_config
+
+  config = audit_config.get_config("smoke")
+  config.kernel = kernel
+  for name, value in changes.items():
+    setattr(config, name, value)
+  return config

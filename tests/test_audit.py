@@ -11,21 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import smoke_audit_config
 
 import stableattn as sa
-from configs import audit as audit_config
 from stableattn.experiments import audit_grid as audit
 from stableattn.experiments import audit_report
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _config(kernel, **changes):
-  config = audit_config.get_config("smoke")
-  config.kernel = kernel
-  for name, value in changes.items():
-    setattr(config, name, value)
-  return config
 
 
 @pytest.mark.parametrize("kernel", ["xla", "jax_mha"])
@@ -33,7 +25,7 @@ def test_jax_kernels_pass(kernel, tmp_path):
   # jax's mha cannot trace causal masking with 64-bit mode on (its kernel
   # divides an int32 by an int64); the audit itself needs no FP64 in JAX.
   with jax.enable_x64(False):
-    result = audit.run(_config(kernel), tmp_path)
+    result = audit.run(smoke_audit_config(kernel), tmp_path)
   assert result["passed"], result["failures"]
   assert all(result["rules"].values())
   headline = json.loads((tmp_path / "headline.json").read_text())
@@ -64,7 +56,9 @@ FAST = dict(precisions="fp32", features="causal")
 def test_defective_kernels_fail_and_the_report_says_why(
   kernel, expected, tmp_path
 ):
-  result = audit.run(_config(f"audit_kernels:{kernel}", **FAST), tmp_path)
+  result = audit.run(
+    smoke_audit_config(f"audit_kernels:{kernel}", **FAST), tmp_path
+  )
   assert result["passed"] is False
   assert any(expected in f for f in result["failures"]), result["failures"]
   report = (tmp_path / "report.md").read_text()
@@ -140,7 +134,7 @@ def _row(tensor, passed=True, deterministic=True, nonfinite=0):
 
 
 def test_verdict_and_headline_from_synthetic_rows():
-  settings = audit.settings_from_config(_config("xla"))
+  settings = audit.settings_from_config(smoke_audit_config("xla"))
   rows = [_row("out"), _row("dq", passed=False), _row("dk"), _row("dv")]
   table = audit_report.verdict_table(rows)
   assert "| bf16-framework | none | dq | FAIL 0/1 | pass 1/1 |" in table
@@ -175,7 +169,9 @@ def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(
   tmp_path,
 ):
   # "auto" below 16 bits: the kernel runs the audited FP8 policy itself.
-  settings = audit.settings_from_config(_config("pallas", precisions="fp8-fa3"))
+  settings = audit.settings_from_config(
+    smoke_audit_config("pallas", precisions="fp8-fa3")
+  )
   policy = sa.Precision.from_name("fp8-fa3")
   q = np.random.default_rng(0).standard_normal((1, 64, 1, 32))
   q = jnp.asarray(q, jnp.float16)
@@ -184,12 +180,12 @@ def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(
     np.asarray(sa.attention(q, q, q, precision=policy)),
   )
   fp8 = {**FAST, "precisions": "fp8-fa3"}
-  result = audit.run(_config("pallas", **fp8), tmp_path)
+  result = audit.run(smoke_audit_config("pallas", **fp8), tmp_path)
   assert result["passed"], result["failures"]
   # The FP8 baseline errs more than an FP16 one, so the rule is looser
   # there; a kernel with a wrong softmax scale still fails it.
   bad = audit.run(
-    _config("audit_kernels:wrong_scale", **fp8),
+    smoke_audit_config("audit_kernels:wrong_scale", **fp8),
     tmp_path / "bad",
   )
   assert bad["passed"] is False
@@ -215,7 +211,7 @@ def test_invariance_gate_names_the_path_that_changes_a_row(
 ):
   """Split counts picked by batch size, and a decode path apart from
   prefill: right to the FlashAttention rule, flagged by name."""
-  config = _config(
+  config = smoke_audit_config(
     f"audit_kernels:{kernel}",
     precisions="bf16-framework",
     features="none",
@@ -281,15 +277,21 @@ def test_fixed_split_size_kernel_and_xla_pass_the_invariance_gate():
 
 def test_invariance_and_kernel_option_settings_are_checked_before_running():
   with pytest.raises(ValueError, match="config: Unknown invariances"):
-    audit.settings_from_config(_config("xla", invariances="batch,batches"))
+    audit.settings_from_config(
+      smoke_audit_config("xla", invariances="batch,batches")
+    )
   with pytest.raises(ValueError, match="applies to our implementations"):
     audit.settings_from_config(
-      _config("jax_mha", kernel_options="split_size=64")
+      smoke_audit_config("jax_mha", kernel_options="split_size=64")
     )
   with pytest.raises(ValueError, match="Unknown Options fields"):
-    audit.settings_from_config(_config("pallas", kernel_options="splits=4"))
+    audit.settings_from_config(
+      smoke_audit_config("pallas", kernel_options="splits=4")
+    )
   s = audit.settings_from_config(
-    _config("pallas", kernel_options="split_size=64", invariances="all")
+    smoke_audit_config(
+      "pallas", kernel_options="split_size=64", invariances="all"
+    )
   )
   assert s.invariances == (
     "batch",

@@ -7,27 +7,18 @@ import json
 import audit_kernels
 import numpy as np
 import pytest
+from helpers import smoke_audit_config
 
 import stableattn as sa
-from configs import audit as audit_config
 from stableattn.contract import golden as sa_golden
 from stableattn.experiments import audit_grid as audit
 from stableattn.experiments import audit_report
-
-
-def _config(kernel, **changes):
-  config = audit_config.get_config("smoke")
-  config.kernel = kernel
-  for name, value in changes.items():
-    setattr(config, name, value)
-  return config
-
 
 FAST = dict(precisions="fp32", features="causal")
 
 
 def test_a_kernel_that_raises_on_some_cases_is_judged_on_the_rest(tmp_path):
-  config = _config(
+  config = smoke_audit_config(
     "audit_kernels:raises_on_causal",
     precisions="fp32,bf16-framework",
     features="none;causal",
@@ -77,7 +68,9 @@ def test_a_kernel_in_torch_layout_gives_the_transposed_kernels_report():
 
 def test_a_kernel_that_cannot_be_imported_is_one_line(tmp_path):
   with pytest.raises(ValueError, match="Cannot import module") as raised:
-    audit.run(_config("no_such_module_xyz:attention", **FAST), tmp_path)
+    audit.run(
+      smoke_audit_config("no_such_module_xyz:attention", **FAST), tmp_path
+    )
   assert "\n" not in str(raised.value)
 
 
@@ -98,7 +91,8 @@ def test_a_case_that_breaks_the_contract_is_an_error_row(
   import re
 
   result = audit.run(
-    _config(kernel, precisions="fp32", features="none;causal"), tmp_path
+    smoke_audit_config(kernel, precisions="fp32", features="none;causal"),
+    tmp_path,
   )
   assert result["verdict"] in ("ERRORS", "FAILED, ERRORS")
   assert all(re.search(message, e["error"]) for e in result["errors"])

@@ -7,9 +7,9 @@ import os
 import jax
 import numpy as np
 import pytest
+from helpers import smoke_audit_config
 
 import stableattn as sa
-from configs import audit as audit_config
 from stableattn.experiments import audit_grid
 from stableattn.ops import registry
 
@@ -48,11 +48,12 @@ def test_splash_takes_its_masks_soft_cap_and_sinks():
 def test_splash_misses_flashattentions_rule_on_dq_at_tied_maxima_in_bf16(
   tmp_path,
 ):
-  config = audit_config.get_config("smoke")
-  config.kernel = "jax_splash"
-  config.precisions = "bf16-framework"
-  config.shapes = ((1, 128, 2, 64),)
-  config.regimes = "tied_maxima"
+  config = smoke_audit_config(
+    "jax_splash",
+    precisions="bf16-framework",
+    shapes=((1, 128, 2, 64),),
+    regimes="tied_maxima",
+  )
   result = audit_grid.run(config, tmp_path)
   assert not result["passed"]
   # delta = rowsum(dO * O) from the BF16-rounded O, then dS rounded once:
@@ -104,8 +105,7 @@ def test_decode_kernels_are_judged_on_their_output_at_decode_shapes(name):
 def test_ragged_paged_attention_off_a_tpu_is_refused_in_one_line(tmp_path):
   if jax.default_backend() == "tpu":
     pytest.skip("runs on a TPU")
-  config = audit_config.get_config("smoke")
-  config.kernel = "jax_ragged_paged"
+  config = smoke_audit_config("jax_ragged_paged")
   with pytest.raises(ValueError, match="cannot run here: it needs a TPU") as e:
     audit_grid.run(config, tmp_path)
   assert "\n" not in str(e.value)
@@ -115,11 +115,12 @@ def test_ragged_paged_attention_off_a_tpu_is_refused_in_one_line(tmp_path):
 def test_keras_is_audited_and_its_refusals_are_error_rows(tmp_path):
   os.environ.setdefault("KERAS_BACKEND", "jax")  # as keras_dpa sets it
   pytest.importorskip("keras", reason="pip install -e '.[peers]'")
-  config = audit_config.get_config("smoke")
-  config.kernel = "keras_dpa"
-  config.precisions = "bf16-framework"
-  config.shapes = ((1, 64, 128, 4, 2, 32),)
-  config.features = "causal;softcap"
+  config = smoke_audit_config(
+    "keras_dpa",
+    precisions="bf16-framework",
+    shapes=((1, 64, 128, 4, 2, 32),),
+    features="causal;softcap",
+  )
   result = audit_grid.run(config, tmp_path)
   assert result["failures"] == [] and result["verdict"] == "ERRORS"
   (error,) = result["errors"]
