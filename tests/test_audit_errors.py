@@ -152,3 +152,14 @@ def test_a_launchers_summary_puts_verdicts_first_and_points_to_json():
     "  ... 1 more (--json)",
     "  report: runs/x",
   ]
+
+
+def test_the_errors_section_lists_the_first_twenty_with_their_commands():
+  error = dict(shape="B1 T8 S8 H1/1 D4", distribution="normal", seed=0,
+               policy="fp32", features="none", error="TypeError: no",
+               command="python launch/audit.py --config.kernel=k")  # fmt: skip
+  lines = audit_report.errors_section([error] * 22)
+  assert lines[:2] == ["## Errors: cases the kernel raised on", ""]
+  assert sum(line.startswith("- the kernel raised on") for line in lines) == 20
+  assert "  `python launch/audit.py --config.kernel=k`" in lines
+  assert lines[-2] == "- ... and 2 more (errors.csv)"

@@ -160,8 +160,9 @@ def _layout_lines(layout: str) -> list[str]:
   ]
 
 
-def errors_section(errors) -> list[str]:
-  """The cases the kernel raised on, each with a reproducing command."""
+def errors_section(errors, most: int = 20) -> list[str]:
+  """The cases the kernel raised on, each with a reproducing command (the
+  first `most`; errors.csv holds them all)."""
   if not errors:
     return []
   lines = [
@@ -170,9 +171,13 @@ def errors_section(errors) -> list[str]:
     f"{len(errors)} case(s) raised (errors.csv); every other case was judged.",
     "",
   ]
-  for text, e in zip(error_lines(errors), errors):
-    lines += [f"- {text}", f"  `{e['command']}`" if e.get("command") else ""]
-  return [line for line in lines if line != ""] + [""]
+  for text, e in zip(error_lines(errors[:most]), errors):
+    lines.append(f"- {text}")
+    if e.get("command"):
+      lines.append(f"  `{e['command']}`")
+  if len(errors) > most:
+    lines.append(f"- ... and {len(errors) - most} more (errors.csv)")
+  return lines + [""]
 
 
 def summary_text(result: dict, most: int = 5) -> str:
