@@ -15,12 +15,14 @@ and the context axis changes nothing but the context.
 
 Default: three sizes at context 64 (width 64 to 128, depth 2 to 4; 8x the
 parameters, 62x the training compute) and the middle size at contexts 128
-and 256; 5 replicates each. 36 minutes on 2 CPU cores; a killed run
-resumes size by size from the last checkpoint; `--config.shard=i/n` runs
-one share of the sizes (on another core or host, into the same run
-directory) and `--config.workers=N` runs N shards here. `smoke`: tiny sizes on a
-generated corpus, four sizes (three values of each axis), for tests
-(under a minute).
+and 256, all at 0.5 tokens per parameter (48 to 384 steps); and the
+fixed-step arm, the three context-64 sizes at 162 steps each (the middle
+one shared). 5 replicates each; 7 units, about 46 minutes on 2 CPU
+cores. A killed run resumes unit by unit from the last checkpoint;
+`--config.shard=i/n` runs one share of the units (on another core or
+host, into the same run directory) and `--config.workers=N` runs N
+shards here. `smoke`: tiny sizes on a generated corpus, five units (three
+values of each axis), for tests (under a minute).
 """
 
 import importlib.util
@@ -55,12 +57,23 @@ def _default() -> ml_collections.ConfigDict:
   # Tokens per optimizer step at every size: a longer context packs fewer
   # sequences in a batch.
   c.scaling.tokens_per_step = 1024
+  # The fixed-step arm: these sizes trained this many steps each, beside
+  # the tokens-per-parameter arm (whose steps grow with size: 48, 162 and
+  # 384 at context 64), so the fit can tell the slope with parameters at
+  # fixed steps from the slope with steps at fixed size. 162 is the middle
+  # size's steps, so that size is one unit in both arms. "" for none.
+  c.scaling.fixed_steps = 162
+  c.scaling.fixed_step_sizes = "w64-d2-s64,w96-d3-s64,w128-d4-s64"
   c.scaling.head_dim = 32  # heads = width / head_dim
   c.scaling.logs = 5  # logging steps per run after step 0
   c.scaling.warmup_fraction = 0.1
   # The size the fitted trend is extrapolated to, labelled a prediction:
   # the drift study's `gpu` config (GPT-2-small-like).
   c.scaling.predict_at = "w768-d12-s1024"
+  # ... trained this many steps (that config's 400), where the fit has
+  # a steps axis; without the fixed-step arm the prediction follows the
+  # tokens-per-parameter arm instead.
+  c.scaling.predict_steps = 400
   c.scaling.metric = "wasserstein"  # the drift metric the ratios divide
 
   # How the sweep spreads (never what it measures): "i/n" trains share i
@@ -80,6 +93,8 @@ def _default() -> ml_collections.ConfigDict:
 SMOKE = {
   "scaling.sizes": "w16-d1-s16,w32-d1-s32,w32-d2-s64,w16-d1-s64",
   "scaling.tokens_per_step": 256,
+  "scaling.fixed_steps": 6,  # the first size's steps
+  "scaling.fixed_step_sizes": "w32-d1-s32",
   "scaling.head_dim": 16,
   "scaling.logs": 2,
   "drift.data.corpus": "generated",

@@ -7,7 +7,13 @@ import pytest
 from configs import drift_scaling as scaling_config
 from stableattn.experiments import drift_scaling
 from stableattn.experiments.drift_scaling import report, trend
-from stableattn.experiments.drift_scaling.sizes import ModelSize, plan
+from stableattn.experiments.drift_scaling.sizes import (
+  FIXED_STEPS,
+  TOKENS_PER_PARAMETER,
+  ModelSize,
+  plan,
+  plans_of,
+)
 from stableattn.experiments.training_drift.lockstep import Lockstep
 
 
@@ -99,8 +105,62 @@ def test_no_verdict_from_fewer_than_three_values_of_an_axis():
 
 def test_axes_that_move_together_are_refused():
   together = [(1e5, 64), (2e5, 128), (4e5, 256)]
-  with pytest.raises(ValueError, match="moves parameters and context"):
+  with pytest.raises(ValueError, match="moves context with parameters"):
     trend.fit(_points(0.1, 0.1, 0.01, together))
+
+
+def test_the_fixed_step_arm_adds_units_and_shares_the_size_it_matches():
+  plans = plans_of(_scaling(), mlp_ratio=4)
+  by_name = {p.name: p for p in plans}
+  assert by_name["w96-d3-s64"].arms == (TOKENS_PER_PARAMETER, FIXED_STEPS)
+  fixed = [p for p in plans if FIXED_STEPS in p.arms]
+  assert [p.name for p in fixed] == [
+    "w96-d3-s64",
+    "w64-d2-s64-steps162",
+    "w128-d4-s64-steps162",
+  ]
+  assert {p.steps for p in fixed} == {162}
+  assert len({p.name for p in plans}) == len(plans) == 7
+  none = plans_of(_scaling(fixed_step_sizes=""), mlp_ratio=4)
+  assert [p.name for p in none] == [p.name for p in plans[:5]]
+  with pytest.raises(ValueError, match="set fixed_steps >= 1"):
+    plans_of(_scaling(fixed_steps=0), mlp_ratio=4)
+
+
+def _arm_points(slope_n, slope_t, units, replicates=5, seed=0):
+  rng = np.random.default_rng(seed)
+  return [
+    {
+      "parameters": n,
+      "context": 64,
+      "steps": t,
+      "ratio": 0.5
+      * (n / 1e5) ** slope_n
+      * (t / 100) ** slope_t
+      * 10 ** (0.02 * rng.standard_normal()),
+    }
+    for n, t in units
+    for _ in range(replicates)
+  ]
+
+
+def test_steps_that_move_with_parameters_are_named_not_fitted():
+  one_arm = [(1e5, 48), (3e5, 162), (8e5, 384)]  # steps = parameters / 2K
+  fitted = trend.fit(_arm_points(0.0, 0.4, one_arm))
+  assert fitted.moves_with == {"steps": ["parameters"]}
+  # The parameters slope holds the steps' effect: 0.4 of it per log step.
+  assert fitted.slopes["parameters"].verdict == "grows"
+
+
+def test_the_fixed_step_arm_separates_the_slopes_of_size_and_steps():
+  both_arms = [(1e5, 48), (3e5, 162), (8e5, 384), (1e5, 162), (8e5, 162)]
+  fitted = trend.fit(_arm_points(0.0, 0.4, both_arms))
+  n, t = fitted.slopes["parameters"], fitted.slopes["steps"]
+  assert n.low < 0 < n.high and n.verdict == "no trend told apart"
+  assert t.low < 0.4 < t.high and t.verdict == "grows"
+  assert not fitted.moves_with
+  mean, low, high = fitted.at(parameters=1e8, context=64, steps=400)
+  assert low < 0.5 * 4**0.4 < high
 
 
 def _drift_rows(subject, reference):
@@ -139,8 +199,9 @@ def test_shards_train_each_size_once_resume_and_the_last_one_reports(
 
   monkeypatch.setattr(Lockstep, "step", counted)
   config = scaling_config.get_config("smoke")
-  # Sizes 0..3 (w16-d1-s16, w32-d1-s32, w32-d2-s64, w16-d1-s64): shard
-  # 1/2 takes 0 and 2, shard 2/2 takes 1 and 3. Shard 2 is killed first.
+  # Units 0..4 (w16-d1-s16, w32-d1-s32, w32-d2-s64, w16-d1-s64 and the
+  # fixed-step arm's w32-d1-s32-steps6): shard 1/2 takes 0, 2 and 4,
+  # shard 2/2 takes 1 and 3. Shard 2 is killed first.
   config.shard = "2/2"
   config.drift.train.stop_at_step = 3
   stopped = drift_scaling.run(config, tmp_path)
@@ -150,14 +211,17 @@ def test_shards_train_each_size_once_resume_and_the_last_one_reports(
   config.shard = "1/2"
   waiting = drift_scaling.run(config, tmp_path)
   assert waiting["waiting_for"] == ["w32-d1-s32", "w16-d1-s64"]
-  assert {(c, w) for c, w, _ in trained[3:]} == {(16, 16), (64, 32)}
+  first = [(c, w, s) for c, w, s in trained[3:]]
+  assert {(c, w) for c, w, _ in first} == {(16, 16), (64, 32), (32, 32)}
+  assert max(s for c, w, s in first if (c, w) == (32, 32)) == 6
   config.shard = "2/2"  # started again: resumes its size, then reports
   headline = drift_scaling.run(config, tmp_path)
-  resumed = [s for c, w, s in trained[3:] if (c, w) == (32, 32)]
+  resumed = [s for c, w, s in trained[3 + len(first) :] if (c, w) == (32, 32)]
   assert resumed[0] == 4
   total = sum(r["steps"] for r in headline["sizes"])
   assert len(trained) == total  # no size, no step trained twice
   for ref, fitted in headline["trends"].items():
+    assert set(fitted["slopes"]) == {"parameters", "context", "steps"}
     for axis, slope in fitted["slopes"].items():
       assert slope["low"] <= slope["estimate"] <= slope["high"]
       assert slope["verdict"] in VERDICTS, (ref, axis)

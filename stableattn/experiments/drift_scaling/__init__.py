@@ -1,13 +1,15 @@
 """Training drift across model sizes and contexts, with a fitted trend.
 
-Each size is a whole drift study (`stableattn.experiments.training_drift`)
-in its own directory under `<workdir>/sizes/`, so a killed sweep resumes
-from the last checkpoint of the size it was training and retrains nothing
-finished. From every size's rows, Flash vs Baseline's drift is divided by
-each reference pair's per replicate, and the log ratios are fitted against
-log parameters and log context (`trend.py`); the report (`report.py`)
-gives each size's ratios with intervals, the slopes with intervals, the
-verdicts, and the fit's prediction at a larger size.
+Each unit (a size in one or both arms: the same tokens per parameter, or
+the same optimizer steps) is a whole drift study
+(`stableattn.experiments.training_drift`) in its own directory under
+`<workdir>/sizes/`, so a killed sweep resumes from the last checkpoint of
+the unit it was training and retrains nothing finished. From every unit's
+rows, Flash vs Baseline's drift is divided by each reference pair's per
+replicate, and the log ratios are fitted against log parameters, log
+context and log steps (`trend.py`); the report (`report.py`) gives each
+unit's ratios with intervals, the slopes with intervals, the verdicts,
+and the fit's prediction at a larger size.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from stableattn.experiments.drift_scaling.shards import (
 from stableattn.experiments.drift_scaling.sizes import (
   ModelSize,
   drift_config,
-  plan,
-  sizes_of,
+  plans_of,
 )
 from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift.analysis import RATIO_METRICS
@@ -38,7 +39,12 @@ __all__ = ["ModelSize", "run"]
 
 SUBJECT = "flash_vs_baseline"
 # A sweep may grow by sizes; each size's own study binds its own config.
-EXTENDABLE = ("scaling.sizes", "drift.train.stop_at_step")
+EXTENDABLE = (
+  "scaling.sizes",
+  "scaling.fixed_steps",
+  "scaling.fixed_step_sizes",
+  "drift.train.stop_at_step",
+)
 
 
 def run(config, workdir, *, restart: bool = False) -> dict:
@@ -48,7 +54,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   workers = field(config, "workers", minimum=1) if "workers" in config else 1
   scaling = config.scaling
   mlp_ratio = int(config.drift.model.mlp_ratio)
-  plans = [plan(size, scaling) for size in sizes_of(scaling, mlp_ratio)]
+  plans = plans_of(scaling, mlp_ratio)
   target = ModelSize.parse(scaling.predict_at, mlp_ratio)
   if scaling.metric not in RATIO_METRICS:
     raise ValueError(
@@ -73,7 +79,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   for unit, p in enumerate(plans):
     if workers > 1 or not shard.takes(unit):
       continue
-    directory = run_dir.path / "sizes" / p.size.name
+    directory = run_dir.path / "sizes" / p.name
     started = time.time()
     headline = training_drift.run(
       drift_config(drift, p, int(scaling.head_dim)),
@@ -81,10 +87,10 @@ def run(config, workdir, *, restart: bool = False) -> dict:
       restart=restart,
     )
     if "stopped_at_step" in headline:
-      return {"workdir": str(run_dir.path), "stopped_in": p.size.name}
+      return {"workdir": str(run_dir.path), "stopped_in": p.name}
     record_unit(directory, _size_row(p, time.time() - started))
-  rows = [unit_row(run_dir, p.size.name) for p in plans]
-  waiting = [p.size.name for p, row in zip(plans, rows) if row is None]
+  rows = [unit_row(run_dir, p.name) for p in plans]
+  waiting = [p.name for p, row in zip(plans, rows) if row is None]
   if waiting:  # another shard's units: the last to finish reports
     return {"workdir": str(run_dir.path), "shard": shard.label,
             "waiting_for": waiting}  # fmt: skip
@@ -96,6 +102,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
       references=references,
       metric=scaling.metric,
       target=target,
+      target_steps=int(scaling.predict_steps),
       notes=[machine_note] if machine_note else [],
       env=environment.describe(),
     )
@@ -140,7 +147,9 @@ def _size_row(p, seconds: float) -> dict:
   size = p.size
   return {
     "kind": "size",
-    "size": size.name,
+    "size": p.name,
+    "model": size.name,
+    "arms": list(p.arms),
     "width": size.width,
     "depth": size.depth,
     "context": size.context,

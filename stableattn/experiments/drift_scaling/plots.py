@@ -1,5 +1,6 @@
-"""The sweep's figure: the ratio against parameters and against context,
-one colour per reference, each size's interval and the fit with its band."""
+"""The sweep's figure: the ratio against parameters, context and (where
+the fixed-step arm separates it) steps, the other axes held; one colour
+per reference, each unit's interval and the fit with its band."""
 
 from __future__ import annotations
 
@@ -8,27 +9,45 @@ import pathlib
 
 import numpy as np
 
+from stableattn.experiments.drift_scaling.trend import AXES
 from stableattn.experiments.plotting import plt, save_figure
+from stableattn.experiments.reporting import num
 
-PANELS = (("parameters", "context"), ("context", "parameters"))
+
+def _held_values(ratios, axis: str, held: list[str]) -> dict:
+  """The other axes' values at which the most units differ in `axis`
+  (ties: the most units), so each panel's line is a slice of the fit."""
+  units = {(tuple(r[h] for h in held), r[axis], r["size"]) for r in ratios}
+  spread = collections.defaultdict(set)
+  count = collections.Counter()
+  for values, x, _ in units:
+    spread[values].add(x)
+    count[values] += 1
+  if not spread:
+    return {}
+  best = max(spread, key=lambda v: (len(spread[v]), count[v]))
+  return dict(zip(held, best))
 
 
-def _held_value(ratios, held: str):
-  """The value of the held axis that most sizes share (the axis's line)."""
-  sizes = {(r[held], r["size"]) for r in ratios}
-  per_value = collections.Counter(value for value, _ in sizes)
-  return per_value.most_common(1)[0][0] if per_value else None
+def _panels(ratios, trends) -> list[str]:
+  fitted = {a for t in trends.values() if t is not None for a in t.slopes}
+  return [a for a in AXES if a in fitted or (a != "steps" and ratios)]
 
 
 def write_figure(path, ratios, trends, per_size) -> pathlib.Path:
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), dpi=110)
+  ratios = [r for r in ratios if all(a in r for a in AXES)]
+  panels = _panels(ratios, trends) or ["parameters"]
+  fig, axes = plt.subplots(
+    1, len(panels), figsize=(5.5 * len(panels), 4.4), dpi=110, squeeze=False
+  )
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-  for ax, (axis, held) in zip(axes, PANELS):
-    value = _held_value(ratios, held)
+  for ax, axis in zip(axes[0], panels):
+    held = _held_values(ratios, axis, [a for a in AXES if a != axis])
     for colour, (ref, trend) in zip(colours, trends.items()):
       points = sorted(
         {(r[axis], r["size"]) for r in ratios
-         if r["reference"] == ref and r[held] == value}
+         if r["reference"] == ref
+         and all(r[h] == v for h, v in held.items())}
       )  # fmt: skip
       for x, size in points:
         cell = per_size[size][ref]
@@ -41,7 +60,7 @@ def write_figure(path, ratios, trends, per_size) -> pathlib.Path:
         )  # fmt: skip
       if trend is not None and axis in trend.slopes and len(points) >= 2:
         xs = np.geomspace(points[0][0], points[-1][0], 40)
-        fitted = [trend.at(**{axis: x, held: value}) for x in xs]
+        fitted = [trend.at(**{**held, axis: x}) for x in xs]
         mean, low, high = (np.array(v) for v in zip(*fitted))
         ax.plot(xs, mean, color=colour, label=f"over {ref}")
         ax.fill_between(xs, low, high, color=colour, alpha=0.15)
@@ -53,7 +72,9 @@ def write_figure(path, ratios, trends, per_size) -> pathlib.Path:
       yscale="log",
       xlabel=axis,
       ylabel="Flash vs Baseline drift / reference drift",
-      title=f"against {axis} ({held} {value})",
+      title=f"against {axis} ("
+      + ", ".join(f"{h} {num(v)}" for h, v in held.items())
+      + ")",
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

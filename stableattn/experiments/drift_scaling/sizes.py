@@ -1,4 +1,10 @@
-"""Model sizes as data: their parameters, training plan and drift config."""
+"""Model sizes as data: their parameters, training plan and drift config.
+
+Two arms of training plans: the tokens-per-parameter arm trains every
+size the same tokens per parameter (so a larger model takes more optimizer
+steps), the fixed-step arm trains the sizes it names the same number of
+steps. A size whose two plans coincide is one unit of work in both arms.
+"""
 
 from __future__ import annotations
 
@@ -50,15 +56,28 @@ class ModelSize:
     return 6.0 * self.parameters + 6.0 * self.depth * self.context * self.width
 
 
+TOKENS_PER_PARAMETER = "tokens_per_parameter"
+FIXED_STEPS = "fixed_steps"
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """How long and in what batches one size trains."""
+  """How long and in what batches one size trains, and in which arms."""
 
   size: ModelSize
   batch_size: int
   steps: int
   warmup_steps: int
   log_every: int
+  arms: tuple[str, ...] = (TOKENS_PER_PARAMETER,)
+
+  @property
+  def name(self) -> str:
+    """The unit's name: the size's, with its steps where only the
+    fixed-step arm trains it."""
+    if TOKENS_PER_PARAMETER in self.arms:
+      return self.size.name
+    return f"{self.size.name}-steps{self.steps}"
 
   @property
   def tokens(self) -> int:
@@ -70,8 +89,9 @@ class Plan:
     return self.tokens * self.size.flops_per_token()
 
 
-def plan(size: ModelSize, scaling) -> Plan:
-  """The same tokens per parameter and per step at every size."""
+def plan(size: ModelSize, scaling, steps: int | None = None) -> Plan:
+  """The same tokens per step at every size, and the same tokens per
+  parameter, or `steps` optimizer steps (the fixed-step arm)."""
   tokens_per_step = int(scaling.tokens_per_step)
   if tokens_per_step % size.context:
     raise ValueError(
@@ -83,9 +103,13 @@ def plan(size: ModelSize, scaling) -> Plan:
       f"size {size.name}: width must be a multiple of scaling.head_dim "
       f"({scaling.head_dim})."
     )
-  steps = math.ceil(
-    float(scaling.tokens_per_parameter) * size.parameters / tokens_per_step
-  )
+  arms = (TOKENS_PER_PARAMETER,)
+  if steps is None:
+    steps = math.ceil(
+      float(scaling.tokens_per_parameter) * size.parameters / tokens_per_step
+    )
+  else:
+    arms = (FIXED_STEPS,)
   logs = int(scaling.logs)
   if steps < logs:
     raise ValueError(
@@ -98,7 +122,33 @@ def plan(size: ModelSize, scaling) -> Plan:
     steps=steps,
     warmup_steps=max(1, round(float(scaling.warmup_fraction) * steps)),
     log_every=max(1, steps // logs),
+    arms=arms,
   )
+
+
+def plans_of(scaling, mlp_ratio: int) -> list[Plan]:
+  """Every unit of work: the tokens-per-parameter arm's sizes, then the
+  fixed-step arm's (`scaling.fixed_steps` steps at each of
+  `scaling.fixed_step_sizes`; a size already trained that long in the
+  first arm is the same unit, in both)."""
+  plans = [plan(size, scaling) for size in sizes_of(scaling, mlp_ratio)]
+  steps = int(scaling.get("fixed_steps", 0) or 0)
+  names = as_tuple(scaling.get("fixed_step_sizes", ""))
+  if steps < 0 or (names and not steps):
+    raise ValueError(
+      f"scaling.fixed_steps={steps} with fixed_step_sizes={list(names)}: "
+      "set fixed_steps >= 1 to train those sizes that many steps, or "
+      "fixed_step_sizes='' for no fixed-step arm."
+    )
+  for size in [ModelSize.parse(n, mlp_ratio) for n in dict.fromkeys(names)]:
+    shared = [i for i, p in enumerate(plans) if p.size == size]
+    if shared and plans[shared[0]].steps == steps:
+      plans[shared[0]] = dataclasses.replace(
+        plans[shared[0]], arms=(TOKENS_PER_PARAMETER, FIXED_STEPS)
+      )
+    else:
+      plans.append(plan(size, scaling, steps))
+  return plans
 
 
 def sizes_of(scaling, mlp_ratio: int) -> tuple[ModelSize, ...]:

@@ -1,11 +1,18 @@
-"""The trend of a drift ratio with size and context: a log-log fit.
+"""The trend of a drift ratio with size, context and steps: a log-log fit.
 
-log10(ratio) = a + b log10(parameters) + c log10(context), fitted by
-least squares to one value per replicate per size (each replicate its own
-initialization and data order, so the values are independent), with
-Student-t intervals on the slopes and on the fitted mean anywhere, the
-prediction included. A slope is judged only from three or more distinct
-values of its axis; no number here is written by hand.
+log10(ratio) = a + b log10(parameters) + c log10(context)
++ d log10(steps), fitted by least squares to one value per replicate per
+unit (each replicate its own initialization and data order, so the values
+are independent), with Student-t intervals on the slopes and on the
+fitted mean anywhere, the prediction included. Each slope is the change
+with its axis while the others are held: b is the slope with parameters
+at fixed steps, d with steps at fixed size. A slope is judged only from
+three or more distinct values of its axis; no number here is written by
+hand.
+
+Steps enters only where the design separates it from the other axes: in
+the tokens-per-parameter arm alone, steps are proportional to parameters,
+so it is left out (and named) and the parameters slope holds both.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ import dataclasses
 import numpy as np
 from scipy import stats
 
-AXES = ("parameters", "context")
+AXES = ("parameters", "context", "steps")
 MIN_DISTINCT = 3  # distinct values of an axis before its slope is judged
+# An axis whose log the others' logs explain this well (R^2) moves with
+# them: its slope and theirs cannot be told apart.
+COLLINEAR_R2 = 0.99
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +65,9 @@ class Trend:
   coefficients: np.ndarray  # [a, b_axis...] in the order of `slopes`
   covariance: np.ndarray
   residual_sd: float
+  # An axis left out because it moves with the fitted ones: {axis: [the
+  # axes it moves with]}; their slopes hold its effect too.
+  moves_with: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
   def at(self, **axes: float) -> tuple[float, float, float]:
     """(mean, low, high) of the fitted ratio at `axes` (95%, the band of
@@ -71,24 +84,44 @@ class Trend:
       "sizes": self.sizes,
       "df": self.df,
       "residual_sd_log10": self.residual_sd,
+      "moves_with": self.moves_with,
     }
+
+
+def _explained(column: np.ndarray, others: list[np.ndarray]) -> float:
+  """R^2 of `column` regressed on a constant and `others`."""
+  design = np.column_stack([np.ones_like(column)] + others)
+  coefficients, *_ = np.linalg.lstsq(design, column, rcond=None)
+  residual = column - design @ coefficients
+  spread = float(((column - column.mean()) ** 2).sum())
+  return 1.0 - float(residual @ residual) / spread
 
 
 def fit(points: list[dict]) -> Trend | None:
   """The log-log fit over `points` ({"parameters", "context", "ratio"},
-  one per replicate per size), on every axis with two or more distinct
-  values; None when fewer observations than coefficients + 1 remain."""
-  axes = [a for a in AXES if len({p[a] for p in points}) >= 2]
+  and "steps" where known; one per replicate per unit), on every axis
+  with two or more distinct values that the others do not explain; None
+  when fewer observations than coefficients + 1 remain."""
+  logs, moves_with = {}, {}
+  for axis in AXES:
+    if not points or any(axis not in p for p in points):
+      continue
+    if len({p[axis] for p in points}) < 2:
+      continue
+    column = np.log10(np.array([p[axis] for p in points], np.float64))
+    if logs and _explained(column, list(logs.values())) >= COLLINEAR_R2:
+      if axis != "steps":
+        raise ValueError(
+          f"scaling.sizes moves {axis} with {' and '.join(logs)}, so their "
+          "slopes cannot be told apart; add a size that changes one alone."
+        )
+      moves_with[axis] = list(logs)
+      continue
+    logs[axis] = column
+  axes = list(logs)
   if not points or len(points) <= len(axes) + 1:
     return None
-  design = np.array(
-    [[1.0] + [np.log10(p[a]) for a in axes] for p in points], np.float64
-  )
-  if np.linalg.matrix_rank(design) < design.shape[1]:
-    raise ValueError(
-      "scaling.sizes moves parameters and context together, so their "
-      "slopes cannot be told apart; add a size that changes one alone."
-    )
+  design = np.column_stack([np.ones(len(points))] + list(logs.values()))
   y = np.log10(np.array([p["ratio"] for p in points], np.float64))
   coefficients, *_ = np.linalg.lstsq(design, y, rcond=None)
   df = len(points) - design.shape[1]
@@ -109,9 +142,10 @@ def fit(points: list[dict]) -> Trend | None:
   return Trend(
     slopes=slopes,
     observations=len(points),
-    sizes=len({(p["parameters"], p["context"]) for p in points}),
+    sizes=len({tuple(p.get(a) for a in AXES) for p in points}),
     df=df,
     coefficients=coefficients,
     covariance=covariance,
     residual_sd=float(np.sqrt(variance)),
+    moves_with=moves_with,
   )
