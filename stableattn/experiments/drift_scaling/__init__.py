@@ -19,19 +19,19 @@ import time
 from stableattn.experiments import environment, training_drift
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.drift_scaling.report import write_report
-from stableattn.experiments.drift_scaling.shards import (
-  SPREAD_FIELDS,
-  Shard,
-  record_unit,
-  run_workers,
-  unit_row,
-)
 from stableattn.experiments.drift_scaling.sizes import (
   ModelSize,
   drift_config,
   plans_of,
 )
 from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.shards import (
+  SPREAD_FIELDS,
+  Shard,
+  record_unit,
+  run_workers,
+  unit_row,
+)
 from stableattn.experiments.training_drift.analysis import RATIO_METRICS
 from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from stableattn.experiments import machine_twin
 from stableattn.experiments.rundir import RunDir, opened
+from stableattn.experiments.stability import across_sizes
 from stableattn.experiments.stability.report import write_report
 from stableattn.experiments.stability.settings import (
   Settings,
@@ -33,7 +34,19 @@ EXTENDABLE = ("train.replicates",)
 def run(config, workdir, *, restart: bool = False) -> dict:
   """Sweeps the cells not yet in `workdir` and writes the report; returns
   the headline (per arm: LR sensitivity with its interval, largest stable
-  learning rate; the verdicts)."""
+  learning rate; the verdicts). With `config.sizes`, each size is such a
+  sweep, and the report compares them (`across_sizes`)."""
+  if str(config.get("sizes", "")).strip():
+    return across_sizes.run(config, workdir, run, restart=restart)
+  if (
+    str(config.get("shard", "1/1")).strip() != "1/1"
+    or int(config.get("workers", 1)) != 1
+  ):
+    raise ValueError(
+      "config.shard and config.workers spread a sweep over sizes; set "
+      "config.sizes (e.g. 'w64-d2,w96-d3,w128-d4') or leave them at "
+      "'1/1' and 1."
+    )
   s = settings_from_config(config)
   with opened(workdir, config, restart=restart, extendable=EXTENDABLE) as (
     run_dir,

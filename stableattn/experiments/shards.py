@@ -1,7 +1,8 @@
-"""The sweep's units of work spread over processes and hosts.
+"""A sweep's units of work spread over processes and hosts.
 
-Each size is a unit: a whole drift study in `<workdir>/sizes/<size>`,
-under its own lock, resuming from its own checkpoints. `--config.shard=
+Each size is a unit: a whole study (drift, stability) in
+`<workdir>/sizes/<size>`, under its own lock, resuming from its own rows
+and checkpoints. `--config.shard=
 i/n` trains the units k with k mod n = i - 1 (in the configured order), so
 shards started at once on one run directory, on one machine or on a job
 array's hosts sharing it, never train the same unit; a killed shard's

@@ -1,0 +1,343 @@
+"""The stability sweep at several model sizes: does Flash's effect grow?
+
+Each size ("w<width>-d<depth>", at the configured context) is the whole
+sweep in `<workdir>/sizes/<size>`: a unit of work, spread over shards and
+resumed like the drift-scaling sweep's. From every size's verdicts, the
+report puts Flash's change of the learning-rate sensitivity (paired by
+replicate against Baseline) beside the two reference changes (BF16 against
+FP32 training, Baseline on another machine), and fits each change's size
+per replicate, |difference|, against log10(parameters): a slope judged
+from three or more sizes, with a Student-t interval.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import numpy as np
+from scipy import stats
+
+from stableattn.experiments import environment
+from stableattn.experiments.drift_scaling.sizes import ModelSize
+from stableattn.experiments.drift_scaling.trend import MIN_DISTINCT
+from stableattn.experiments.plotting import plt, save_figure
+from stableattn.experiments.reporting import finding_lines, num, table
+from stableattn.experiments.rundir import RunDir
+from stableattn.experiments.shards import (
+  SPREAD_FIELDS,
+  Shard,
+  record_unit,
+  run_workers,
+  unit_row,
+)
+
+_SIZE = re.compile(r"^w(\d+)-d(\d+)$")
+# A sweep over sizes may grow by sizes and replicates.
+EXTENDABLE = ("sizes", "train.replicates")
+
+
+def sizes_of(config) -> list[tuple[str, ModelSize]]:
+  """(name, size) of each configured size, at the configured context."""
+  out = []
+  head_dim = int(config.size_head_dim)
+  for text in [t.strip() for t in str(config.sizes).split(",") if t.strip()]:
+    match = _SIZE.match(text)
+    if match is None:
+      raise ValueError(
+        f"config.sizes: {text!r} is not 'w<width>-d<depth>', e.g. 'w96-d3'."
+      )
+    width, depth = (int(g) for g in match.groups())
+    if width < 1 or depth < 1 or width % head_dim:
+      raise ValueError(
+        f"config.sizes: {text!r} needs width and depth >= 1 and a width "
+        f"that is a multiple of config.size_head_dim ({head_dim})."
+      )
+    size = ModelSize(
+      width, depth, int(config.model.seq_len), int(config.model.mlp_ratio)
+    )
+    out.append((text, size))
+  names = [n for n, _ in out]
+  if len(set(names)) != len(names):
+    raise ValueError(f"config.sizes names a size twice: {names}.")
+  return out
+
+
+def unit_config(config, size: ModelSize):
+  """One size's sweep: the config with that model and no sizes."""
+  c = config.copy_and_resolve_references()
+  c.sizes, c.shard, c.workers = "", "1/1", 1
+  c.model.width, c.model.depth = size.width, size.depth
+  c.model.heads = size.width // int(config.size_head_dim)
+  return c
+
+
+def run(config, workdir, run_one, *, restart: bool = False) -> dict:
+  """Sweeps this shard's sizes with `run_one` (the one-model sweep), then,
+  once every size is done, writes the report across sizes."""
+  shard = Shard.parse(config.get("shard", "1/1"))
+  workers = int(config.get("workers", 1))
+  sizes = sizes_of(config)
+  if len(sizes) < 2:
+    raise ValueError(
+      f"config.sizes names {len(sizes)} size(s); a comparison across sizes "
+      "needs two or more (three for a trend), or sizes='' for one model."
+    )
+  if (restart or workers > 1) and shard.count > 1:
+    raise ValueError(
+      f"config.shard={shard.label} with --restart or workers > 1: a shard "
+      "neither restarts the whole sweep nor spreads itself."
+    )
+  run_dir = RunDir(workdir)
+  with run_dir.lock(wait=True):
+    run_dir.bind_config(
+      config.to_dict(), extendable=EXTENDABLE + SPREAD_FIELDS, restart=restart
+    )
+  if workers > 1:
+    run_workers(run_one, config, workdir, workers)
+  for unit, (name, size) in enumerate(sizes):
+    if workers > 1 or not shard.takes(unit):
+      continue
+    directory = run_dir.path / "sizes" / name
+    started = time.time()
+    run_one(unit_config(config, size), directory, restart=restart)
+    record_unit(directory, _size_row(name, size, time.time() - started))
+  rows = [unit_row(run_dir, name) for name, _ in sizes]
+  waiting = [name for (name, _), row in zip(sizes, rows) if row is None]
+  if waiting:
+    return {"workdir": str(run_dir.path), "shard": shard.label,
+            "waiting_for": waiting}  # fmt: skip
+  with run_dir.lock(wait=True):
+    return write_report(run_dir, rows)
+
+
+def _size_row(name: str, size: ModelSize, seconds: float) -> dict:
+  return {
+    "kind": "size",
+    "size": name,
+    "width": size.width,
+    "depth": size.depth,
+    "context": size.context,
+    "parameters": size.parameters,
+    "seconds": round(seconds, 1),
+  }
+
+
+def changes_of(headline: dict) -> dict[str, dict]:
+  """{label: comparison} of one size: each variant against Baseline and
+  the two reference changes, as the one-model report judged them."""
+  verdicts = headline["verdicts"]
+  out = dict(verdicts["variants"])
+  for kind, label in (("precision", "BF16 vs FP32 training"),
+                      ("machine", "Baseline on another machine")):  # fmt: skip
+    for mitigation, comparison in verdicts[kind].items():
+      out[f"{label} ({mitigation})"] = comparison
+  return out
+
+
+def size_trend(points: list[tuple[float, float]]) -> dict | None:
+  """Slope of |difference| per replicate against log10(parameters), with
+  its 95% interval and verdict; None with fewer than 3 points."""
+  if len(points) < 3:
+    return None
+  x = np.log10([p for p, _ in points])
+  y = np.abs([d for _, d in points])
+  fit = stats.linregress(x, y)
+  half = float(stats.t.ppf(0.975, len(points) - 2) * fit.stderr)
+  distinct = len(set(x.tolist()))
+  if distinct < MIN_DISTINCT:
+    verdict = f"no verdict: {distinct} sizes"
+  elif fit.slope - half > 0:
+    verdict = "grows"
+  elif fit.slope + half < 0:
+    verdict = "shrinks"
+  else:
+    verdict = "no trend told apart"
+  return {
+    "slope": float(fit.slope),
+    "low": float(fit.slope - half),
+    "high": float(fit.slope + half),
+    "verdict": verdict,
+    "points": len(points),
+  }
+
+
+def write_report(run_dir: RunDir, size_rows: list[dict]) -> dict:
+  per_size = {}
+  for row in size_rows:
+    unit = run_dir.path / "sizes" / row["size"]
+    per_size[row["size"]] = json.loads((unit / "headline.json").read_text())
+  labels = list(dict.fromkeys(
+    label for h in per_size.values() for label in changes_of(h)
+  ))  # fmt: skip
+  trends = {}
+  for label in labels:
+    points = [
+      (row["parameters"], d)
+      for row in size_rows
+      for d in changes_of(per_size[row["size"]])
+      .get(label, {})
+      .get("lr_sensitivity_per_replicate", [])
+    ]
+    trends[label] = size_trend(points)
+  figure = _figure(run_dir.path / "stability_sizes.png", size_rows, per_size)
+  result = {
+    "workdir": str(run_dir.path),
+    "sizes": size_rows,
+    "changes": {
+      row["size"]: changes_of(per_size[row["size"]]) for row in size_rows
+    },
+    "largest_stable_lr": {
+      name: {a: h["arms"][a]["largest_stable_lr"] for a in h["arms"]}
+      for name, h in per_size.items()
+    },
+    "trends": trends,
+    "environment": environment.describe(),
+  }
+  run_dir.rewrite_metrics(size_rows)
+  run_dir.write_text("headline.json", json.dumps(result, indent=2) + "\n")
+  text = _markdown(size_rows, per_size, trends, figure.name, labels)
+  run_dir.write_text("report.md", "\n".join(text) + "\n")
+  return result
+
+
+def _interval_text(d: dict | None) -> str:
+  if not d:
+    return "-"
+  if d.get("low") is None:
+    return f"{num(d['mean'])} (n=1)"
+  return f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
+
+
+def _ratio_text(d: dict | None) -> str:
+  if not d or d.get("low") is None:
+    return "-"
+  return f"{num(d['mean'])}x [{num(d['low'])}, {num(d['high'])}]"
+
+
+def _markdown(size_rows, per_size, trends, figure, labels) -> list[str]:
+  first = next(iter(per_size.values()))
+  lines = [
+    "# Training stability across sizes",
+    "",
+    "Each size is the whole stability sweep (`sizes/<size>/report.md`): "
+    f"learning rates {first['learning_rates']}, {first['replicates']} "
+    "replicates. A change is a paired difference of Wortsman et al.'s "
+    "learning-rate sensitivity, per replicate, with a 95% interval over "
+    "replicates; the ratios are root-mean-square differences over the "
+    "reference's, with F intervals.",
+    "",
+    "## Changes of the learning-rate sensitivity, per size",
+    "",
+  ]
+  rows = []
+  for row in size_rows:
+    changes = changes_of(per_size[row["size"]])
+    for label in labels:
+      c = changes.get(label)
+      if c is None:
+        continue
+      ratios = c.get("spread_ratio", {})
+      rows.append(
+        [row["size"], num(row["parameters"]), label,
+         _interval_text(c["lr_sensitivity_difference"]),
+         "; ".join(f"{_ratio_text(v)} of {k}" for k, v in ratios.items())
+         or "-"]
+      )  # fmt: skip
+  lines += [
+    table(
+      [
+        "size",
+        "parameters",
+        "change",
+        "difference",
+        "RMS over the references'",
+      ],
+      rows,
+    ),  # fmt: skip
+    "",
+    "## Largest stable learning rate, per arm (geometric mean)",
+    "",
+  ]
+  arms = list(first["arms"])
+  lines += [
+    table(
+      ["size"] + arms,
+      [
+        [name] + [num(h["arms"][a]["largest_stable_lr"]["mean"]) for a in arms]
+        for name, h in per_size.items()
+      ],
+    ),
+    "",
+    "## Does the change grow with size?",
+    "",
+    "|difference| per replicate against log10(parameters), least squares; "
+    "the slope is the change in sensitivity per 10x parameters, 95% "
+    f"interval, judged from {MIN_DISTINCT} or more sizes.",
+    "",
+    table(
+      ["change", "slope per 10x parameters", "verdict", "values"],
+      [
+        [label, "-", "fewer than 3 values", "-"]
+        if t is None
+        else [
+          label,
+          f"{t['slope']:+.4f} [{t['low']:+.4f}, {t['high']:+.4f}]",
+          f"**{t['verdict']}**",
+          t["points"],
+        ]  # fmt: skip
+        for label, t in trends.items()
+      ],
+    ),
+    "",
+  ]
+  parameters = [r["parameters"] for r in size_rows]
+  lines += finding_lines(
+    [
+      f"The sizes span {num(max(parameters) / min(parameters))}x in parameters."
+    ]  # fmt: skip
+    + [
+      f"{label}: |change| with size **{t['verdict']}** "
+      f"({t['slope']:+.4f} [{t['low']:+.4f}, {t['high']:+.4f}] per 10x)."
+      for label, t in trends.items()
+      if t is not None
+    ]
+  )
+  lines += [
+    "",
+    f"![|change| of the sensitivity against parameters]({figure})",
+    "",
+    environment.summary_line(environment.describe()),
+  ]
+  return lines
+
+
+def _figure(path, size_rows, per_size):
+  fig, ax = plt.subplots(figsize=(6.5, 4.4), dpi=110)
+  labels = list(dict.fromkeys(
+    label for h in per_size.values() for label in changes_of(h)
+  ))  # fmt: skip
+  colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for k, (label, colour) in enumerate(zip(labels, colours)):
+    shift = 1.0 + 0.04 * (k - (len(labels) - 1) / 2)  # side by side
+    xs, means = [], []
+    for row in size_rows:
+      c = changes_of(per_size[row["size"]]).get(label)
+      if c is None:
+        continue
+      values = np.abs(c["lr_sensitivity_per_replicate"])
+      x = row["parameters"] * shift
+      ax.scatter([x] * len(values), values, color=colour, alpha=0.35, s=12)
+      xs.append(x)
+      means.append(float(values.mean()))
+    ax.plot(xs, means, "o-", color=colour, label=f"{label} (mean)")
+  ax.set(
+    xscale="log",
+    xlabel="parameters (non-embedding)",
+    ylabel="|change of LR sensitivity| per replicate",
+    title="Stability across sizes: each change against size",
+  )
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  return save_figure(fig, path)
