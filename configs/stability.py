@@ -8,7 +8,10 @@ Run:
 
 Variants: default (5 replicates; 17 minutes on 2 CPU cores), `smoke`
 (seconds; tests), `paper` (a wider grid, more replicates, every
-mitigation), `gpu` (a larger model and context, for one GPU).
+mitigation), `gpu` (a larger model and context, for one GPU), `sizes`
+(the sweep at three sizes spanning 8x the parameters, and a report
+across them; about 40 minutes on 2 CPU cores), `sizes_smoke` (two tiny
+sizes).
 """
 
 import ml_collections

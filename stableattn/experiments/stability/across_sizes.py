@@ -216,6 +216,26 @@ def _ratio_text(d: dict | None) -> str:
   return f"{num(d['mean'])}x [{num(d['low'])}, {num(d['high'])}]"
 
 
+def _changes_table(size_rows, per_size, labels) -> str:
+  rows = []
+  for row in size_rows:
+    changes = changes_of(per_size[row["size"]])
+    for label in labels:
+      c = changes.get(label)
+      if c is None:
+        continue
+      ratios = c.get("spread_ratio", {})
+      rows.append(
+        [row["size"], num(row["parameters"]), label,
+         _interval_text(c["lr_sensitivity_difference"]),
+         "; ".join(f"{_ratio_text(v)} of {k}" for k, v in ratios.items())
+         or "-"]
+      )  # fmt: skip
+  header = ["size", "parameters", "change", "difference",
+            "RMS over the references'"]  # fmt: skip
+  return table(header, rows)
+
+
 def _markdown(size_rows, per_size, trends, figure, labels) -> list[str]:
   first = next(iter(per_size.values()))
   lines = [
@@ -231,31 +251,8 @@ def _markdown(size_rows, per_size, trends, figure, labels) -> list[str]:
     "## Changes of the learning-rate sensitivity, per size",
     "",
   ]
-  rows = []
-  for row in size_rows:
-    changes = changes_of(per_size[row["size"]])
-    for label in labels:
-      c = changes.get(label)
-      if c is None:
-        continue
-      ratios = c.get("spread_ratio", {})
-      rows.append(
-        [row["size"], num(row["parameters"]), label,
-         _interval_text(c["lr_sensitivity_difference"]),
-         "; ".join(f"{_ratio_text(v)} of {k}" for k, v in ratios.items())
-         or "-"]
-      )  # fmt: skip
   lines += [
-    table(
-      [
-        "size",
-        "parameters",
-        "change",
-        "difference",
-        "RMS over the references'",
-      ],
-      rows,
-    ),  # fmt: skip
+    _changes_table(size_rows, per_size, labels),
     "",
     "## Largest stable learning rate, per arm (geometric mean)",
     "",
