@@ -179,16 +179,6 @@ def _cell(interval: dict) -> str:
   )
 
 
-def _slope_cell(trend, axis) -> str:
-  slope = trend.slopes.get(axis) if trend else None
-  if slope is None:
-    return "not fitted (one value)"
-  return (
-    f"{slope.estimate:+.3f} [{slope.low:+.3f}, {slope.high:+.3f}]: "
-    f"**{slope.verdict}**"
-  )
-
-
 def _report(plans, size_rows, per_size, fits, target, notes, metric):
   trends, by_arm = fits
   lines = [
