@@ -1,24 +1,28 @@
-"""Training drift across model sizes and contexts, with a fitted trend.
+"""Training drift across model sizes, contexts and steps, with a fitted
+trend.
 
 Run:
   python launch/drift_scaling.py --workdir=runs/drift_scaling
   python launch/drift_scaling.py --workdir=runs/drift_scaling_smoke \
       --config=configs/drift_scaling.py:smoke
 
-Each size is a whole drift study (`configs/training_drift.py`, the
+Each unit is a whole drift study (`configs/training_drift.py`, the
 `drift` section below) with the pairs that carry the verdicts: Flash vs
 Baseline against BF16-vs-FP32 training, another seed and the base run
 compiled for another machine. Sizes are "w<width>-d<depth>-s<context>";
-each trains the same number of tokens per (non-embedding) parameter with
-the same tokens per step, so every model is at the same stage of training
-and the context axis changes nothing but the context.
+in the first arm each trains the same number of tokens per
+(non-embedding) parameter with the same tokens per step, so every model
+is at the same stage of training and the context axis changes nothing
+but the context; the fixed-step arm trains its sizes the same steps, so
+that size and steps can be told apart.
 
 Default: three sizes at context 64 (width 64 to 128, depth 2 to 4; 8x the
 parameters, 62x the training compute) and the middle size at contexts 128
 and 256, all at 0.5 tokens per parameter (48 to 384 steps); and the
 fixed-step arm, the three context-64 sizes at 162 steps each (the middle
 one shared). 5 replicates each; 7 units, about 46 minutes on 2 CPU
-cores. A killed run resumes unit by unit from the last checkpoint;
+cores alone (92 beside another sweep). A killed run resumes unit by
+unit from the last checkpoint;
 `--config.shard=i/n` runs one share of the units (on another core or
 host, into the same run directory) and `--config.workers=N` runs N
 shards here. `smoke`: tiny sizes on a generated corpus, five units (three
