@@ -246,3 +246,41 @@ def test_a_bad_shard_is_one_line():
 
 
 VERDICTS = ("grows", "shrinks", "no trend told apart")
+
+
+def test_a_sweep_from_before_the_fixed_step_arm_extends_into_it(tmp_path):
+  """Units recorded without arms (before the fixed-step arm) are tagged
+  from their plans, so both arms are fitted."""
+  from stableattn.experiments.environment import describe
+  from stableattn.experiments.rundir import RunDir
+
+  scaling = _scaling(
+    sizes="w64-d2-s64,w96-d3-s64,w128-d4-s64",
+    fixed_step_sizes="w64-d2-s64,w128-d4-s64",
+  )
+  plans = plans_of(scaling, mlp_ratio=4)
+  size_rows = []
+  for i, p in enumerate(plans):
+    drifts = [[0.1 * (i + 1), 0.2 * (i + 1)]] * 2
+    references = [[0.4, 0.4], [0.5, 0.6]]
+    RunDir(tmp_path / "sizes" / p.name).rewrite_metrics(
+      _drift_rows(drifts, references)
+    )
+    size_rows.append(
+      {"kind": "size", "size": p.name, "parameters": p.size.parameters,
+       "context": p.size.context, "steps": p.steps, "compute": p.compute,
+       "batch_size": p.batch_size, "tokens": p.tokens, "seconds": 1.0}
+    )  # fmt: skip
+  headline = report.write_report(
+    RunDir(tmp_path),
+    plans,
+    size_rows,
+    references=["seed"],
+    metric="wasserstein",
+    target=ModelSize.parse("w768-d12-s1024"),
+    target_steps=400,
+    notes=[],
+    env=describe(),
+  )
+  assert set(headline["arm_trends"]) == {TOKENS_PER_PARAMETER, FIXED_STEPS}
+  assert set(headline["trends"]["seed"]["slopes"]) == {"parameters", "steps"}

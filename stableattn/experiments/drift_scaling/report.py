@@ -68,7 +68,10 @@ def write_report(
   rows = list(size_rows)
   for p, size_row in zip(plans, size_rows):
     study = RunDir(run_dir.path / "sizes" / p.name).read_metrics()
-    rows += ratio_rows(size_row, study, references, metric)
+    # The plan names the unit's arms (a unit from before the fixed-step
+    # arm recorded none).
+    tagged = {**size_row, "arms": list(p.arms)}
+    rows += ratio_rows(tagged, study, references, metric)
   run_dir.rewrite_metrics(rows)
   ratios = [r for r in rows if r["kind"] == "ratio"]
   trends = {
