@@ -122,6 +122,7 @@ def test_shards_sweep_each_size_once_and_the_last_one_reports(tmp_path):
   trained = []
   run_one = _fake_sweep(trained)
   config = _config(sizes="w16-d1,w32-d1,w64-d1", shard="2/2")
+  config.train.reference_precision = "fp32"  # the precision reference
   waiting = across_sizes.run(config, tmp_path, run_one)
   assert trained == [32] and waiting["waiting_for"] == ["w16-d1", "w64-d1"]
   config.shard = "1/2"

@@ -109,7 +109,7 @@ def run(config, workdir, run_one, *, restart: bool = False) -> dict:
     return {"workdir": str(run_dir.path), "shard": shard.label,
             "waiting_for": waiting}  # fmt: skip
   with run_dir.lock(wait=True):
-    return write_report(run_dir, rows)
+    return write_report(run_dir, rows, precision_label(config))
 
 
 def _size_row(name: str, size: ModelSize, seconds: float) -> dict:
@@ -124,12 +124,21 @@ def _size_row(name: str, size: ModelSize, seconds: float) -> dict:
   }
 
 
-def changes_of(headline: dict) -> dict[str, dict]:
+def precision_label(config) -> str:
+  """How the training-precision reference is named: "BF16 vs FP32
+  training" under the default formats."""
+  return (
+    f"{str(config.train.precision).upper()} vs "
+    f"{str(config.train.reference_precision).upper()} training"
+  )
+
+
+def changes_of(headline: dict, precision: str) -> dict[str, dict]:
   """{label: comparison} of one size: each variant against Baseline and
   the two reference changes, as the one-model report judged them."""
   verdicts = headline["verdicts"]
   out = dict(verdicts["variants"])
-  for kind, label in (("precision", "BF16 vs FP32 training"),
+  for kind, label in (("precision", precision),
                       ("machine", "Baseline on another machine")):  # fmt: skip
     for mitigation, comparison in verdicts[kind].items():
       out[f"{label} ({mitigation})"] = comparison
@@ -163,31 +172,30 @@ def size_trend(points: list[tuple[float, float]]) -> dict | None:
   }
 
 
-def write_report(run_dir: RunDir, size_rows: list[dict]) -> dict:
-  per_size = {}
+def write_report(run_dir: RunDir, size_rows: list[dict], precision) -> dict:
+  per_size, changes = {}, {}
   for row in size_rows:
     unit = run_dir.path / "sizes" / row["size"]
     per_size[row["size"]] = json.loads((unit / "headline.json").read_text())
-  labels = list(dict.fromkeys(
-    label for h in per_size.values() for label in changes_of(h)
-  ))  # fmt: skip
+    changes[row["size"]] = changes_of(per_size[row["size"]], precision)
+  labels = list(dict.fromkeys(label for c in changes.values() for label in c))
   trends = {}
   for label in labels:
     points = [
       (row["parameters"], d)
       for row in size_rows
-      for d in changes_of(per_size[row["size"]])
+      for d in changes[row["size"]]
       .get(label, {})
       .get("lr_sensitivity_per_replicate", [])
     ]
     trends[label] = size_trend(points)
-  figure = _figure(run_dir.path / "stability_sizes.png", size_rows, per_size)
+  figure = _figure(
+    run_dir.path / "stability_sizes.png", size_rows, changes, labels
+  )
   result = {
     "workdir": str(run_dir.path),
     "sizes": size_rows,
-    "changes": {
-      row["size"]: changes_of(per_size[row["size"]]) for row in size_rows
-    },
+    "changes": changes,
     "largest_stable_lr": {
       name: {a: h["arms"][a]["largest_stable_lr"] for a in h["arms"]}
       for name, h in per_size.items()
@@ -197,7 +205,7 @@ def write_report(run_dir: RunDir, size_rows: list[dict]) -> dict:
   }
   run_dir.rewrite_metrics(size_rows)
   run_dir.write_text("headline.json", json.dumps(result, indent=2) + "\n")
-  text = _markdown(size_rows, per_size, trends, figure.name, labels)
+  text = _markdown(size_rows, per_size, changes, trends, figure.name)
   run_dir.write_text("report.md", "\n".join(text) + "\n")
   return result
 
@@ -216,12 +224,11 @@ def _ratio_text(d: dict | None) -> str:
   return f"{num(d['mean'])}x [{num(d['low'])}, {num(d['high'])}]"
 
 
-def _changes_table(size_rows, per_size, labels) -> str:
+def _changes_table(size_rows, changes, labels) -> str:
   rows = []
   for row in size_rows:
-    changes = changes_of(per_size[row["size"]])
     for label in labels:
-      c = changes.get(label)
+      c = changes[row["size"]].get(label)
       if c is None:
         continue
       ratios = c.get("spread_ratio", {})
@@ -236,7 +243,8 @@ def _changes_table(size_rows, per_size, labels) -> str:
   return table(header, rows)
 
 
-def _markdown(size_rows, per_size, trends, figure, labels) -> list[str]:
+def _markdown(size_rows, per_size, changes, trends, figure) -> list[str]:
+  labels = list(trends)
   first = next(iter(per_size.values()))
   lines = [
     "# Training stability across sizes",
@@ -252,7 +260,7 @@ def _markdown(size_rows, per_size, trends, figure, labels) -> list[str]:
     "",
   ]
   lines += [
-    _changes_table(size_rows, per_size, labels),
+    _changes_table(size_rows, changes, labels),
     "",
     "## Largest stable learning rate, per arm (geometric mean)",
     "",
@@ -310,17 +318,14 @@ def _markdown(size_rows, per_size, trends, figure, labels) -> list[str]:
   return lines
 
 
-def _figure(path, size_rows, per_size):
+def _figure(path, size_rows, changes, labels):
   fig, ax = plt.subplots(figsize=(6.5, 4.4), dpi=110)
-  labels = list(dict.fromkeys(
-    label for h in per_size.values() for label in changes_of(h)
-  ))  # fmt: skip
   colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for k, (label, colour) in enumerate(zip(labels, colours)):
     shift = 1.0 + 0.04 * (k - (len(labels) - 1) / 2)  # side by side
     xs, means = [], []
     for row in size_rows:
-      c = changes_of(per_size[row["size"]]).get(label)
+      c = changes[row["size"]].get(label)
       if c is None:
         continue
       values = np.abs(c["lr_sensitivity_per_replicate"])
