@@ -72,7 +72,7 @@ def test_the_size_trend_judges_growth_and_its_absence():
   assert across_sizes.size_trend(_points(0.0, 0.1)[:2]) is None
   two_sizes = [p for p in _points(0.02, 0.05) if p[0] < 5e5]
   assert across_sizes.size_trend(two_sizes)["verdict"].startswith(
-    "no verdict: 2 sizes"
+    "no verdict: 2 distinct parameters values"
   )
 
 

@@ -9,7 +9,8 @@ array's hosts sharing it, never train the same unit; a killed shard's
 lock dies with it, and starting the shard again resumes its unit. A unit
 that finishes leaves `size.json` beside its study; whichever invocation
 finds every unit's there writes the report. `--config.workers=N` runs N
-shards as processes here, then the report.
+shards as processes here, then the report. `run_units` is that sweep,
+for any study.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import dataclasses
 import json
 import multiprocessing
 import re
+import time
 
+from stableattn.experiments.config_values import field
 from stableattn.experiments.rundir import RunDir
 
 UNIT_ROW = "size.json"
@@ -111,3 +114,51 @@ def run_workers(run, config, workdir, workers: int) -> None:
       f"shards {failed} failed (their output says why); run the same "
       "command again to resume them."
     )
+
+
+def run_units(
+  run, config, workdir, names, train, report, *, restart, extendable
+) -> dict:
+  """A sweep of units spread by `config.shard` and `config.workers`.
+
+  run: the sweep's own entry point (what a worker process calls).
+  names: the units, in the configured order; each trains into
+    `<workdir>/sizes/<name>`.
+  train(index, directory): trains unit `index` (resuming) and returns its
+    row, or None where its study stopped early (at `stop_at_step`).
+  report(run_dir, rows): writes the report once every unit is done.
+  extendable: the config fields a rerun may change besides the spread.
+  """
+  shard = Shard.parse(config.get("shard", "1/1"))
+  workers = field(config, "workers", minimum=1) if "workers" in config else 1
+  if (restart or workers > 1) and shard.count > 1:
+    raise ValueError(
+      f"config.shard={shard.label} with "
+      f"{'--restart' if restart else 'config.workers'}: a shard neither "
+      "restarts the whole sweep nor spreads itself; use config.shard=1/1."
+    )
+  run_dir = RunDir(workdir)
+  with run_dir.lock(wait=True):  # shards share the directory: bind only
+    run_dir.bind_config(
+      config.to_dict(),
+      extendable=tuple(extendable) + SPREAD_FIELDS,
+      restart=restart,
+    )
+  if workers > 1:
+    run_workers(run, config, workdir, workers)
+  for index, name in enumerate(names):
+    if workers > 1 or not shard.takes(index):
+      continue
+    directory = run_dir.path / "sizes" / name
+    started = time.time()
+    row = train(index, directory)
+    if row is None:
+      return {"workdir": str(run_dir.path), "stopped_in": name}
+    record_unit(directory, {**row, "seconds": round(time.time() - started, 1)})
+  rows = [unit_row(run_dir, name) for name in names]
+  waiting = [name for name, row in zip(names, rows) if row is None]
+  if waiting:  # another shard's units: the last to finish reports
+    return {"workdir": str(run_dir.path), "shard": shard.label,
+            "waiting_for": waiting}  # fmt: skip
+  with run_dir.lock(wait=True):
+    return report(run_dir, rows)

@@ -14,24 +14,15 @@ and the fit's prediction at a larger size.
 
 from __future__ import annotations
 
-import time
-
 from stableattn.experiments import environment, training_drift
-from stableattn.experiments.config_values import as_tuple, field
+from stableattn.experiments.config_values import as_tuple
 from stableattn.experiments.drift_scaling.report import write_report
 from stableattn.experiments.drift_scaling.sizes import (
   ModelSize,
   drift_config,
   plans_of,
 )
-from stableattn.experiments.rundir import RunDir
-from stableattn.experiments.shards import (
-  SPREAD_FIELDS,
-  Shard,
-  record_unit,
-  run_workers,
-  unit_row,
-)
+from stableattn.experiments.shards import run_units
 from stableattn.experiments.training_drift.analysis import RATIO_METRICS
 from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
 
@@ -48,10 +39,8 @@ EXTENDABLE = (
 
 
 def run(config, workdir, *, restart: bool = False) -> dict:
-  """Trains this shard's sizes (resuming), then, once every size is done,
+  """Trains this shard's units (resuming), then, once every unit is done,
   writes the report."""
-  shard = Shard.parse(config.get("shard", "1/1"))
-  workers = field(config, "workers", minimum=1) if "workers" in config else 1
   scaling = config.scaling
   mlp_ratio = int(config.drift.model.mlp_ratio)
   plans = plans_of(scaling, mlp_ratio)
@@ -60,41 +49,18 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     raise ValueError(
       f"scaling.metric {scaling.metric!r} is not one of {RATIO_METRICS}."
     )
-  if (restart or workers > 1) and shard.count > 1:
-    raise ValueError(
-      f"config.shard={shard.label} with "
-      f"{'--restart' if restart else 'config.workers'}: a shard neither "
-      "restarts the whole sweep nor spreads itself; use config.shard=1/1."
-    )
   drift = config.drift.copy_and_resolve_references()
   machine_note = _machine_reference(drift)
   references = _references(drift.pairs)
-  run_dir = RunDir(workdir)
-  with run_dir.lock(wait=True):  # shards share the directory: bind only
-    run_dir.bind_config(
-      config.to_dict(), extendable=EXTENDABLE + SPREAD_FIELDS, restart=restart
-    )
-  if workers > 1:
-    run_workers(run, config, workdir, workers)
-  for unit, p in enumerate(plans):
-    if workers > 1 or not shard.takes(unit):
-      continue
-    directory = run_dir.path / "sizes" / p.name
-    started = time.time()
+
+  def train(index, directory):
+    p = plans[index]
     headline = training_drift.run(
-      drift_config(drift, p, int(scaling.head_dim)),
-      directory,
-      restart=restart,
+      drift_config(drift, p, int(scaling.head_dim)), directory, restart=restart
     )
-    if "stopped_at_step" in headline:
-      return {"workdir": str(run_dir.path), "stopped_in": p.name}
-    record_unit(directory, _size_row(p, time.time() - started))
-  rows = [unit_row(run_dir, p.name) for p in plans]
-  waiting = [p.name for p, row in zip(plans, rows) if row is None]
-  if waiting:  # another shard's units: the last to finish reports
-    return {"workdir": str(run_dir.path), "shard": shard.label,
-            "waiting_for": waiting}  # fmt: skip
-  with run_dir.lock(wait=True):
+    return None if "stopped_at_step" in headline else _size_row(p)
+
+  def report(run_dir, rows):
     return write_report(
       run_dir,
       plans,
@@ -106,6 +72,17 @@ def run(config, workdir, *, restart: bool = False) -> dict:
       notes=[machine_note] if machine_note else [],
       env=environment.describe(),
     )
+
+  return run_units(
+    run,
+    config,
+    workdir,
+    [p.name for p in plans],
+    train,
+    report,
+    restart=restart,
+    extendable=EXTENDABLE,
+  )
 
 
 def _references(pairs) -> list[str]:
@@ -143,7 +120,7 @@ def _machine_reference(drift) -> str:
   )
 
 
-def _size_row(p, seconds: float) -> dict:
+def _size_row(p) -> dict:
   size = p.size
   return {
     "kind": "size",
@@ -158,5 +135,4 @@ def _size_row(p, seconds: float) -> dict:
     "steps": p.steps,
     "tokens": p.tokens,
     "compute": p.compute,
-    "seconds": round(seconds, 1),
   }

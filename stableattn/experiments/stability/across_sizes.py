@@ -14,24 +14,17 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import numpy as np
 from scipy import stats
 
 from stableattn.experiments import environment
 from stableattn.experiments.drift_scaling.sizes import ModelSize
-from stableattn.experiments.drift_scaling.trend import MIN_DISTINCT
+from stableattn.experiments.drift_scaling.trend import MIN_DISTINCT, Slope
 from stableattn.experiments.plotting import plt, save_figure
 from stableattn.experiments.reporting import finding_lines, num, table
 from stableattn.experiments.rundir import RunDir
-from stableattn.experiments.shards import (
-  SPREAD_FIELDS,
-  Shard,
-  record_unit,
-  run_workers,
-  unit_row,
-)
+from stableattn.experiments.shards import run_units
 
 _SIZE = re.compile(r"^w(\d+)-d(\d+)$")
 # A sweep over sizes may grow by sizes and replicates.
@@ -76,43 +69,34 @@ def unit_config(config, size: ModelSize):
 def run(config, workdir, run_one, *, restart: bool = False) -> dict:
   """Sweeps this shard's sizes with `run_one` (the one-model sweep), then,
   once every size is done, writes the report across sizes."""
-  shard = Shard.parse(config.get("shard", "1/1"))
-  workers = int(config.get("workers", 1))
   sizes = sizes_of(config)
   if len(sizes) < 2:
     raise ValueError(
       f"config.sizes names {len(sizes)} size(s); a comparison across sizes "
       "needs two or more (three for a trend), or sizes='' for one model."
     )
-  if (restart or workers > 1) and shard.count > 1:
-    raise ValueError(
-      f"config.shard={shard.label} with --restart or workers > 1: a shard "
-      "neither restarts the whole sweep nor spreads itself."
-    )
-  run_dir = RunDir(workdir)
-  with run_dir.lock(wait=True):
-    run_dir.bind_config(
-      config.to_dict(), extendable=EXTENDABLE + SPREAD_FIELDS, restart=restart
-    )
-  if workers > 1:
-    run_workers(run_one, config, workdir, workers)
-  for unit, (name, size) in enumerate(sizes):
-    if workers > 1 or not shard.takes(unit):
-      continue
-    directory = run_dir.path / "sizes" / name
-    started = time.time()
+
+  def train(index, directory):
+    name, size = sizes[index]
     run_one(unit_config(config, size), directory, restart=restart)
-    record_unit(directory, _size_row(name, size, time.time() - started))
-  rows = [unit_row(run_dir, name) for name, _ in sizes]
-  waiting = [name for (name, _), row in zip(sizes, rows) if row is None]
-  if waiting:
-    return {"workdir": str(run_dir.path), "shard": shard.label,
-            "waiting_for": waiting}  # fmt: skip
-  with run_dir.lock(wait=True):
+    return _size_row(name, size)
+
+  def report(run_dir, rows):
     return write_report(run_dir, rows, precision_label(config))
 
+  return run_units(
+    run_one,
+    config,
+    workdir,
+    [name for name, _ in sizes],
+    train,
+    report,
+    restart=restart,
+    extendable=EXTENDABLE,
+  )
 
-def _size_row(name: str, size: ModelSize, seconds: float) -> dict:
+
+def _size_row(name: str, size: ModelSize) -> dict:
   return {
     "kind": "size",
     "size": name,
@@ -120,7 +104,6 @@ def _size_row(name: str, size: ModelSize, seconds: float) -> dict:
     "depth": size.depth,
     "context": size.context,
     "parameters": size.parameters,
-    "seconds": round(seconds, 1),
   }
 
 
@@ -154,20 +137,18 @@ def size_trend(points: list[tuple[float, float]]) -> dict | None:
   y = np.abs([d for _, d in points])
   fit = stats.linregress(x, y)
   half = float(stats.t.ppf(0.975, len(points) - 2) * fit.stderr)
-  distinct = len(set(x.tolist()))
-  if distinct < MIN_DISTINCT:
-    verdict = f"no verdict: {distinct} sizes"
-  elif fit.slope - half > 0:
-    verdict = "grows"
-  elif fit.slope + half < 0:
-    verdict = "shrinks"
-  else:
-    verdict = "no trend told apart"
+  slope = Slope(
+    "parameters",
+    float(fit.slope),
+    float(fit.slope - half),
+    float(fit.slope + half),
+    len(set(x.tolist())),
+  )
   return {
-    "slope": float(fit.slope),
-    "low": float(fit.slope - half),
-    "high": float(fit.slope + half),
-    "verdict": verdict,
+    "slope": slope.estimate,
+    "low": slope.low,
+    "high": slope.high,
+    "verdict": slope.verdict,
     "points": len(points),
   }
 
@@ -205,7 +186,9 @@ def write_report(run_dir: RunDir, size_rows: list[dict], precision) -> dict:
   }
   run_dir.rewrite_metrics(size_rows)
   run_dir.write_text("headline.json", json.dumps(result, indent=2) + "\n")
-  text = _markdown(size_rows, per_size, changes, trends, figure.name)
+  text = _markdown(
+    size_rows, per_size, changes, trends, figure.name, result["environment"]
+  )
   run_dir.write_text("report.md", "\n".join(text) + "\n")
   return result
 
@@ -243,7 +226,7 @@ def _changes_table(size_rows, changes, labels) -> str:
   return table(header, rows)
 
 
-def _markdown(size_rows, per_size, changes, trends, figure) -> list[str]:
+def _markdown(size_rows, per_size, changes, trends, figure, env) -> list[str]:
   labels = list(trends)
   first = next(iter(per_size.values()))
   lines = [
@@ -313,7 +296,7 @@ def _markdown(size_rows, per_size, changes, trends, figure) -> list[str]:
     "",
     f"![|change| of the sensitivity against parameters]({figure})",
     "",
-    environment.summary_line(environment.describe()),
+    environment.summary_line(env),
   ]
   return lines
 
