@@ -11,7 +11,7 @@ from helpers import (
   sampled,
   value_and_grads,
 )
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import stableattn as sa
@@ -58,7 +58,7 @@ def test_pallas_fp64_matches_golden(case):
     assert sa.compare(gg, g).max_abs <= 1e-10, f"d{name}"
 
 
-@pytest.mark.parametrize("case", sampled(GRID[::3], 2, ids=_case_id))
+@pytest.mark.parametrize("case", sampled(GRID[::3], 1, ids=_case_id))
 def test_pallas_fp32_matches_golden(case):
   (block_q, block_k), scheme, causal, (length, head_dim) = case
   q, k, v = random_qkv(length + 1, q_len=length, head_dim=head_dim)
@@ -138,6 +138,8 @@ _FORMAT_OF = {"bf16-fa2": "bf16", "fp16-fa2": "fp16"}
 
 
 @pytest.mark.parametrize("precision", sampled(["bf16-fa2", "fp16-fa2"], 1))
+# Four random shapes a run: each compiles its own forward and backward.
+@settings(max_examples=4)
 @given(
   seed=st.integers(0, 10_000),
   q_len=st.integers(1, 80),
@@ -214,9 +216,10 @@ def test_fa_rule_catches_a_broken_kernel():
   "policy, features",
   [
     ("bf16", {"causal": True}),
-    (
+    pytest.param(
       "fp16-fa2",
       {"local_window_size": (20, 5), "key_value_seq_lengths": [50, 72]},
+      marks=pytest.mark.slow,
     ),
   ],
 )

@@ -20,6 +20,7 @@ from stableattn.experiments import audit_report
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["xla", "jax_mha"])
 def test_jax_kernels_pass(kernel, tmp_path):
   # jax's mha cannot trace causal masking with 64-bit mode on (its kernel
@@ -165,6 +166,7 @@ def test_python_api_audits_gradients_too():
     sa.audit(audit_kernels.correct, repeats=0)
 
 
+@pytest.mark.slow
 def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(
   tmp_path,
 ):
@@ -194,10 +196,11 @@ def test_fp8_audit_runs_our_kernel_at_fp8_against_the_same_format_baseline(
 @pytest.mark.parametrize(
   "kernel, verdict, expected",
   [
-    (
+    pytest.param(
       "split_by_batch",
       {"batch": False, "decode": True},
       "not batch-invariant (batch 1 vs 64): rows differ by",
+      marks=pytest.mark.slow,
     ),
     (
       "decode_differs",
@@ -229,6 +232,7 @@ def test_invariance_gate_names_the_path_that_changes_a_row(
   assert "## Invariance" in report and "**differs**" in report
 
 
+@pytest.mark.slow
 def test_fixed_split_size_kernel_and_xla_pass_the_invariance_gate():
   """Our kernel with fixed tiles and a fixed split size keeps every row
   bitwise in BF16, however inference computes it; so does

@@ -27,6 +27,7 @@ def _audit(name, **settings):
   return sa.audit(registry.resolve(name), repeats=2, **settings)
 
 
+@pytest.mark.slow
 def test_splash_takes_its_masks_soft_cap_and_sinks():
   report = _audit(
     "jax_splash",

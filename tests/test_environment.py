@@ -37,6 +37,7 @@ def test_the_other_machine_skips_instruction_sets_that_compile_the_same(
   assert "identical on this host" in reason and "AVX, SSE4_2" in reason
 
 
+@pytest.mark.slow
 def test_the_probe_is_deterministic_and_sees_a_lower_instruction_set():
   isa = environment.host_isa()
   if isa in (None, "SSE4_2"):

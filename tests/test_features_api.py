@@ -154,6 +154,7 @@ def test_audit_of_a_packed_kernel_and_a_kernel_without_the_feature():
     sa.audit(audit_kernels.jax_windowed, features="segments", **AUDIT)
 
 
+@pytest.mark.slow
 def test_tokamax_kernels_are_audited_with_features():
   """A peer library's kernels through the registry (the optional
   `[peers]` extra, which CI installs)."""

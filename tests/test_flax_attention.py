@@ -83,6 +83,7 @@ def _grads(**kwargs):
   }
 
 
+@pytest.mark.slow
 def test_model_gradients_pass_fa_rule_against_reference_attention():
   flash = _grads(
     implementation="pallas", precision="bf16-fa2", block_q=16, block_k=8

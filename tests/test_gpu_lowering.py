@@ -62,7 +62,7 @@ def _loss_and_grads(precision, tiles, causal, interpret):
 
 
 @pytest.mark.parametrize(
-  "precision, tiles, head_dim", sampled(CONFIGS, 5, unpack=True)
+  "precision, tiles, head_dim", sampled(CONFIGS, 3, unpack=True)
 )
 def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
   dtype = sa.Precision.from_name(precision).dtype("inputs")

@@ -40,7 +40,7 @@ def _f64(x):
   return np.asarray(jnp.asarray(x).astype(jnp.float64))
 
 
-@pytest.mark.parametrize("preset", sampled(NON_FP64, 4))
+@pytest.mark.parametrize("preset", sampled(NON_FP64, 3))
 def test_split_kv_passes_flashattention_kv_cache_rule(preset):
   """FlashAttention-3's KV-cache test: error against FP64 at most twice the
   same-policy baseline's, plus 1e-5; both split schedules alternate.
@@ -238,6 +238,7 @@ def test_paged_cache_errors_say_what_is_valid():
     sa.paged_attention(q, k_pool[0], v_pool, table)
 
 
+@pytest.mark.slow
 def test_fixed_tiles_make_decode_and_chunked_prefill_bitwise_in_fp32():
   """With the tiles kept at their size for a short call, a query decoded
   alone and prefill chunks compute exactly as the full causal pass, in

@@ -39,6 +39,7 @@ def test_a_flipped_row_counts_as_lost():
   assert values["rel_error"] > 0
 
 
+@pytest.mark.slow
 def test_the_narrow_accumulator_costs_at_long_context():
   """One level at 64K keys: 2048 truncating adds move the output beyond
   the FP8 operands' own error; two levels do not; nearest rounding does

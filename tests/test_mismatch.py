@@ -27,6 +27,7 @@ def prompts():
   return np.random.default_rng(1).integers(0, 256, (3, PROMPT))
 
 
+@pytest.mark.slow
 def test_kv_cache_decode_matches_the_full_pass(model):
   """Prefill then one token at a time through the cache gives the logits
   of one causal pass over the sequence (FP32: to summation order)."""
@@ -43,6 +44,7 @@ def test_kv_cache_decode_matches_the_full_pass(model):
   assert float(jnp.max(jnp.abs(decoded - full))) < 1e-5
 
 
+@pytest.mark.slow
 def test_control_pair_is_exactly_zero_and_known_causes_are_seen(model, prompts):
   """Scoring with the sampler's own path recomputes it: every metric 0.
   A BF16 head, or the flash kernel's one pass instead of its decode

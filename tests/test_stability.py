@@ -204,6 +204,7 @@ def test_launcher_names_a_bad_field_in_one_line(tmp_path):
   assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_delta_probe_compares_the_run_with_fp32_attention():
   """delta's two versions share dO and differ only through O: equal for an
   FP32 reference run, not for flash with every stage in BF16."""
