@@ -1,11 +1,13 @@
 """Test setup: FP64 on, eight CPU devices, XLA at optimization level 0, a
 persistent compilation cache, GPU marker."""
 
+import collections
 import os
 import pathlib
 
 import jax
 import pytest
+import shares
 from hypothesis import HealthCheck, settings
 
 # Golden comparisons at FP64 need JAX's 64-bit mode; the library raises a
@@ -59,10 +61,47 @@ def has_gpu() -> bool:
     return False
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    "--share",
+    help="i/n: run the i-th of n shares of the selected tests, whole files "
+    "balanced by tests/slow_durations.json (CI's slow step)",
+  )
+  parser.addoption(
+    "--store-durations",
+    action="store_true",
+    help="merge this run's seconds per test into tests/slow_durations.json",
+  )
+
+
+def pytest_configure(config):
+  if config.getoption("share"):
+    shares.parse(config.getoption("share"))  # a bad value fails at once
+
+
+# Last, so that a share is taken from the tests `-m` kept.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+  if config.getoption("share"):
+    share = shares.parse(config.getoption("share"))
+    items[:], dropped = shares.split(items, share, shares.stored())
+    config.hook.pytest_deselected(items=dropped)
   if has_gpu():
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+_SECONDS = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+  _SECONDS[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session):
+  config = session.config
+  if config.getoption("store_durations") and not hasattr(config, "workerinput"):
+    shares.store(dict(_SECONDS))
