@@ -116,6 +116,7 @@ def test_the_worst_ratio_keeps_a_nan_and_a_miss_of_a_zero_limit():
   assert worst["dk"] == 0.0
 
 
+@pytest.mark.slow
 def test_logits_an_ulp_apart_set_the_fp32_floor_at_large_logits():
   # Two keys tied at logit 4096 for every query, the rest far below: the
   # output moves by ulp(4096) |v1 - v2| / 2 when the logits move an ulp.
