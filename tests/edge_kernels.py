@@ -15,11 +15,21 @@ from stableattn.contract import masking
 from stableattn.contract.features import Features
 
 
-def _attention(q, k, v, *, guard=True, running_max=True, **features):
-  """softmax(q k^T / sqrt(d) + bias) v in FP32 over the allowed pairs."""
+def _grouped(x, heads):
+  """K or V repeated over each group of query heads (GQA)."""
+  return jnp.repeat(x, heads // x.shape[2], axis=2)
+
+
+def _attention(
+  q, k, v, *, guard=True, running_max=True, scale=None, **features
+):
+  """softmax(q k^T * scale + bias) v in FP32 over the allowed pairs
+  (scale 1/sqrt of q's head dim unless given)."""
   spec, ops = Features.of(features).split(q.shape, k.shape)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  k, v = (_grouped(x, q.shape[2]) for x in (k, v))
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  s = jnp.einsum("bthd,bshd->bhts", f32[0], f32[1]) * q.shape[-1] ** -0.5
+  s = jnp.einsum("bthd,bshd->bhts", f32[0], f32[1]) * scale
   if ops.bias is not None:
     s = s + ops.bias.astype(jnp.float32)
   allowed = masking.allowed_pairs(spec, ops, q.shape[1], k.shape[1])
@@ -122,4 +132,66 @@ EXPECTED = {
   "dq_wrong_for_single_query": "fails on dq at B16 T1",
   "drops_last_partial_tile": "fails on out at B1 T100 S100",
   "dk_rounded_in_a_batch": "not backward_batch-invariant",
+}
+
+
+# Kernels wrong in the regimes users reported (`reported_regimes.py`);
+# each passes the default audit.
+
+
+def scores_scaled_by_value_dim(q, k, v, *, causal=False):
+  """MLA with the score scale taken from V's head dim (1/sqrt(128) where
+  the query/key head dim is 192): right whenever the two dims agree."""
+  return _attention(q, k, v, causal=causal, scale=v.shape[-1] ** -0.5)
+
+
+def finite_mask_as_minus_inf(q, k, v, *, bias=None):
+  """Scores at or below -1e30 taken as masked (-inf) and no guard for a
+  row with no key left: a row fully masked by a finite bias of the
+  format's minimum gives 0/0 (PyTorch #110213's symptom)."""
+  k, v = (_grouped(x, q.shape[2]) for x in (k, v))
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  s = jnp.einsum("bthd,bshd->bhts", f32[0], f32[1]) * q.shape[-1] ** -0.5
+  if bias is not None:
+    s = s + jnp.asarray(bias).astype(jnp.float32)
+  s = jnp.where(s <= -1e30, -jnp.inf, s)
+  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  return jnp.einsum("bhts,bshd->bthd", p, f32[2]).astype(q.dtype)
+
+
+def split_merge_without_guard(
+  q, k, v, *, num_splits=1, key_value_seq_lengths=None
+):
+  """Split-KV with a merge that weighs each split by exp(lse - max lse):
+  a split with no key (past the length, or more splits than keys) has
+  lse -inf and output 0/0 (flashinfer #4051's symptom)."""
+  k, v = (_grouped(x, q.shape[2]) for x in (k, v))
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  s_len = k.shape[1]
+  s = jnp.einsum("bthd,bshd->bhts", f32[0], f32[1]) * q.shape[-1] ** -0.5
+  if key_value_seq_lengths is not None:
+    valid = jnp.arange(s_len)[None] < key_value_seq_lengths[:, None]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+  bounds = [s_len * i // num_splits for i in range(num_splits + 1)]
+  outs, lses = [], []
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    part = s[..., lo:hi]
+    m = jnp.max(part, axis=-1, keepdims=True, initial=-jnp.inf)
+    p = jnp.exp(part - m)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    outs.append(jnp.einsum("bhts,bshd->bhtd", p / total, f32[2][:, lo:hi]))
+    lses.append(m + jnp.log(total))
+  lse = jnp.stack(lses)
+  weights = jnp.exp(lse - jnp.max(lse, axis=0))
+  weights = weights / jnp.sum(weights, axis=0)
+  out = jnp.sum(weights * jnp.stack(outs), axis=0)
+  return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+# name -> (regime, what the audit must name in a failure)
+REPORTED = {
+  "scores_scaled_by_value_dim": ("head_dims", "regime head_dims"),
+  "finite_mask_as_minus_inf": ("finite_mask", "regime finite_mask"),
+  "split_merge_without_guard": ("empty_splits", "regime empty_splits"),
 }

@@ -83,7 +83,7 @@ def forward(
   f = Features(d, causal, **kw)
   tp = math.ceil(t / block_q) * block_q
   sp = math.ceil(s_len / block_k) * block_k
-  out = np.zeros((batch, tp, heads, d))
+  out = np.zeros((batch, tp, heads, v.shape[3]))
   lse = np.zeros((batch, heads, tp))
   kept = residual_arrays(out.shape, lse.shape)
   for b in range(batch):
@@ -160,7 +160,7 @@ def _forward_rows(
   sp = kh.shape[0]
   c = em.carrier
   base2 = em.options["exp2"]
-  acc, m, l_, mma = _initial_state(em, qb.shape, sink)
+  acc, m, l_, mma = _initial_state(em, (qb.shape[0], vh.shape[1]), sink)
   visited = 0
   st = lambda x: em.r(x, "softmax_stats")  # noqa: E731
   oa = lambda x: em.r(x, "out_accum")  # noqa: E731
@@ -279,11 +279,12 @@ def _dk_dv(em, f, rows_of, tiles, scale):
   block_q, block_k, tp, sp = tiles
   d = rows_of["q"].shape[-1]
   g = lambda x: em.r(x, "grad_accum")  # noqa: E731
+  dv_dim = rows_of["v"].shape[-1]
   dk = np.zeros((sp, d), em.carrier)
-  dv = np.zeros((sp, d), em.carrier)
+  dv = np.zeros((sp, dv_dim), em.carrier)
   for ks in range(0, sp, block_k):
     dk_acc = np.zeros((block_k, d), em.carrier)
-    dv_acc = np.zeros((block_k, d), em.carrier)
+    dv_acc = np.zeros((block_k, dv_dim), em.carrier)
     for qs in range(0, tp, block_q):
       if not rows_of["allowed"][qs : qs + block_q, ks : ks + block_k].any():
         continue  # an empty tile adds exact zeros
@@ -329,7 +330,7 @@ def _input_grads(em, dq, dk_per_head, dv_per_head, kv_shape, options):
   group = heads // kv_heads
 
   def sum_groups(x):
-    x = x.reshape(batch, sp, kv_heads, group, d)[:, :s_len]
+    x = x.reshape(batch, sp, kv_heads, group, x.shape[-1])[:, :s_len]
     if group == 1:
       return x[:, :, :, 0]
     return em.total(x, "grad_accum", axis=3)
@@ -397,7 +398,7 @@ def backward(
   scale = em.carrier(f.scale)
   dq = np.zeros((batch, t, heads, d))
   dk_per_head = np.zeros((batch, sp, heads, d), em.carrier)
-  dv_per_head = np.zeros((batch, sp, heads, d), em.carrier)
+  dv_per_head = np.zeros((batch, sp, heads, v.shape[3]), em.carrier)
   d_bias = np.zeros((batch, heads, tp, sp))
   d_sink = np.zeros(heads)
   for b in range(batch):

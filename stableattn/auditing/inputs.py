@@ -44,13 +44,27 @@ class Shape:
   heads: int
   kv_heads: int
   head_dim: int
+  # The value head dim where it differs from the query/key head dim (MLA:
+  # DeepSeek-V2/V3's 192/128); None: the same.
+  head_dim_v: int | None = None
 
   @property
   def label(self) -> str:
+    dims = f"D{self.head_dim}"
+    if self.head_dim_v is not None:
+      dims += f"/{self.head_dim_v}"
     return (
       f"B{self.batch} T{self.q_len} S{self.kv_len} "
-      f"H{self.heads}/{self.kv_heads} D{self.head_dim}"
+      f"H{self.heads}/{self.kv_heads} {dims}"
     )
+
+  @property
+  def value_dim(self) -> int:
+    return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+  @property
+  def v_shape(self):
+    return (self.batch, self.kv_len, self.kv_heads, self.value_dim)
 
   @property
   def q_shape(self):
@@ -180,11 +194,11 @@ def make_inputs(
   if distribution == "normal":
     return tuple(
       rng.standard_normal(s)
-      for s in (shape.q_shape, shape.kv_shape, shape.kv_shape)
+      for s in (shape.q_shape, shape.kv_shape, shape.v_shape)
     )
   if distribution == "uniform":
     return tuple(
-      rng.random(s) for s in (shape.q_shape, shape.kv_shape, shape.kv_shape)
+      rng.random(s) for s in (shape.q_shape, shape.kv_shape, shape.v_shape)
     )
   if distribution == "outliers":
 
@@ -193,13 +207,13 @@ def make_inputs(
       spikes = rng.standard_normal(s) * outlier_std * (rng.random(s) < 0.001)
       return rng.standard_normal(s) + spikes
 
-    return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.kv_shape)
+    return draw(shape.q_shape), draw(shape.kv_shape), draw(shape.v_shape)
   if distribution == "tied_maxima":
     return _tied_maxima(rng, shape, tied or TiedMaximaSpec())
   if distribution == "key_bias":
     q, k, v = (
       rng.standard_normal(s)
-      for s in (shape.q_shape, shape.kv_shape, shape.kv_shape)
+      for s in (shape.q_shape, shape.kv_shape, shape.v_shape)
     )
     batch, _, kv_heads, head_dim = shape.kv_shape
     offsets = KEY_BIAS_STD * rng.standard_normal((batch, 1, kv_heads, head_dim))
@@ -207,7 +221,7 @@ def make_inputs(
   if distribution == "scaled":
     return tuple(
       scale * rng.standard_normal(s)
-      for s in (shape.q_shape, shape.kv_shape, shape.kv_shape)
+      for s in (shape.q_shape, shape.kv_shape, shape.v_shape)
     )
   raise ValueError(
     f"Unknown input distribution {distribution!r}; valid: "
@@ -221,14 +235,19 @@ def round_to(x: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def shape_from_spec(spec) -> Shape:
-  """(batch, seq_len, heads, head_dim) or the six fields of `Shape`."""
+  """(batch, seq_len, heads, head_dim), or the six or seven fields of
+  `Shape`."""
   spec = tuple(int(x) for x in spec)
   if len(spec) == 4:
     batch, length, heads, head_dim = spec
     return Shape(batch, length, length, heads, heads, head_dim)
   if len(spec) == 6:
     return Shape(*spec)
+  if len(spec) == 7:
+    head_dim_v = spec[6] if spec[6] != spec[5] else None
+    return Shape(*spec[:6], head_dim_v)
   raise ValueError(
-    f"shape {spec} must be (batch, seq_len, heads, head_dim) or (batch, "
-    "q_len, kv_len, heads, kv_heads, head_dim)."
+    f"shape {spec} must be (batch, seq_len, heads, head_dim), (batch, "
+    "q_len, kv_len, heads, kv_heads, head_dim) or those and head_dim_v "
+    "(the value head dim, MLA's 128 beside a query/key head dim of 192)."
   )

@@ -5,10 +5,12 @@ features that must get a gradient)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from stableattn.auditing.inputs import round_to
@@ -18,6 +20,7 @@ from stableattn.contract.golden import (
   logit_sensitivity,
 )
 from stableattn.contract.options import Options
+from stableattn.numerics.formats import to_dtype
 from stableattn.numerics.metrics import compare
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES, flashattention_rule
@@ -71,12 +74,13 @@ def error_row(label: dict, policy: Precision, error: BaseException) -> dict:
 
 def _call(fn, q, k, v, features: dict):
   out = fn(q, k, v, **features)
-  if out is None or getattr(out, "shape", None) != q.shape:
+  expected = (*q.shape[:3], v.shape[3])
+  if out is None or tuple(getattr(out, "shape", ())) != expected:
     got = getattr(out, "shape", None) or type(out).__name__
     raise ContractError(
       f"the kernel returned {None if out is None else got}; the contract "
-      f"is an output shaped like q, {q.shape} (a kernel returning (out, "
-      "lse) is wrapped to return out)."
+      f"is an output shaped like q with v's head dim, {expected} (a "
+      "kernel returning (out, lse) is wrapped to return out)."
     )
   if not jnp.issubdtype(out.dtype, jnp.floating):
     raise ContractError(
@@ -118,6 +122,54 @@ def check_accepts(fn, features: dict, kernel: str = "the kernel") -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class EdgeChecks:
+  """What an edge case checks beyond the rules (all optional).
+
+  Attributes:
+    empty_rows: [batch, q_len] bool, the query rows no key may attend;
+      the kernel's output and dQ there must be exactly 0.
+    poison: [batch, kv_len] bool, keys that no query may attend; the
+      kernel runs with `poison_value` written into K and V there, the
+      golden value and the Baseline on the clean inputs, and each row
+      says whether the poisoned run equals the clean run bit for bit.
+    unjudged_rows: [batch, q_len] bool, rows whose value is a convention
+      (fully masked by a finite bias: 0, or the mean of V): their output
+      is left out of the rules and reported against both conventions,
+      and their cotangent is 0, so no gradient depends on it.
+    d_out: the output cotangent (float64), in place of a random one.
+  """
+
+  empty_rows: np.ndarray | None = None
+  poison: np.ndarray | None = None
+  poison_value: float = float("nan")
+  unjudged_rows: np.ndarray | None = None
+  d_out: np.ndarray | None = None
+
+
+def _cotangent(q_shape, v, policy: Precision, seed: int, edge: EdgeChecks):
+  """dO: the case's own or a random one, 0 on unjudged rows, rounded."""
+  shape = (*q_shape[:3], v.shape[3])
+  if edge.d_out is None:
+    d_out = np.random.default_rng(10_000 + seed).standard_normal(shape)
+  else:
+    d_out = np.array(edge.d_out, np.float64)
+  if edge.unjudged_rows is not None:
+    d_out[np.asarray(edge.unjudged_rows)] = 0.0
+  return round_to(d_out, policy.output)
+
+
+def _poisoned(args, edge: EdgeChecks):
+  """(q, k, v) with `edge.poison_value` in the poisoned keys of k and v."""
+  if edge.poison is None:
+    return args
+  keys = jnp.asarray(edge.poison)[:, :, None, None]
+  q, k, v = args
+  return [q] + [
+    jnp.where(keys, jnp.asarray(edge.poison_value, x.dtype), x) for x in (k, v)
+  ]
+
+
 def measure_arrays(
   fn,
   policy: Precision,
@@ -127,20 +179,14 @@ def measure_arrays(
   repeats: int,
   tensors=TENSORS,
   rules=RULES,
-  empty_rows=None,
+  edge: EdgeChecks = EdgeChecks(),
 ):
   """Rows (one per tensor, learned features' gradients after dQ/dK/dV) of
-  fn on float64 `arrays` (q, k, v) rounded to the policy's inputs.
-
-  empty_rows: [batch, q_len] bool, the query rows no key may attend; the
-  kernel's output and dQ there must be exactly 0.
-  """
+  fn on float64 `arrays` (q, k, v) rounded to the policy's inputs, with
+  the checks of an edge case (`EdgeChecks`)."""
   gradients = tensors != ("out",)
   q, k, v = (round_to(x, policy.inputs) for x in arrays)
-  d_out = round_to(
-    np.random.default_rng(10_000 + label["seed"]).standard_normal(q.shape),
-    policy.output,
-  )
+  d_out = _cotangent(q.shape, v, policy, label["seed"], edge)
   check_accepts(fn, features)
   golden = [golden_attention(q, k, v, **features)]
   if gradients:
@@ -156,26 +202,64 @@ def measure_arrays(
   extra = [n for n in GRADIENT_FEATURES if n in features and gradients]
   baseline = _values_and_grads(ours, *args, d_out, features, gradients, extra)
   wanted = len(extra)
-  first, extra, note = _first_run(fn, args, d_out, features, gradients, extra)
+  run_args = _poisoned(args, edge)
+  first, extra, note = _first_run(
+    fn, run_args, d_out, features, gradients, extra
+  )
   tensors = tensors[: len(tensors) - (wanted - len(extra))]
   if "gradients" in note:
     tensors, gradients = ("out",), False
   runs = [first] + [
-    _values_and_grads(fn, *args, d_out, features, gradients, extra)
+    _values_and_grads(fn, *run_args, d_out, features, gradients, extra)
     for _ in range(repeats - 1)
   ]
+  clean = None
+  if edge.poison is not None:
+    clean = _values_and_grads(fn, *args, d_out, features, gradients, extra)
   rows = []
   for i, tensor in enumerate(tensors):
+    values = (golden[i], [r[i] for r in runs], baseline[i])
     row = _row(
-      label, policy, tensor, golden[i], [r[i] for r in runs], baseline[i],
+      label, policy, tensor, *_judged(tensor, values, edge),
       _with_logit_floor(rules, tensor, policy, (q, k, v), features),
     )  # fmt: skip
     row.update(note)
-    if empty_rows is not None and tensor in ("out", "dq"):
-      at_empty = runs[0][i][np.asarray(empty_rows)]
-      row["empty_rows_max"] = float(np.max(np.abs(at_empty), initial=0.0))
+    row.update(_edge_columns(tensor, runs[0][i], edge, v, clean, i))
     rows.append(row)
   return rows
+
+
+def _judged(tensor, values, edge: EdgeChecks):
+  """(golden, runs, baseline) with the unjudged rows left out of the
+  output (they are reported apart, `_edge_columns`)."""
+  if tensor != "out" or edge.unjudged_rows is None:
+    return values
+  keep = ~np.asarray(edge.unjudged_rows)
+  golden, runs, baseline = values
+  return golden[keep], [r[keep] for r in runs], baseline[keep]
+
+
+def _edge_columns(tensor, x, edge: EdgeChecks, v, clean, i) -> dict:
+  """The edge checks' columns of one tensor's row."""
+  out = {}
+  if edge.empty_rows is not None and tensor in ("out", "dq"):
+    at_empty = x[np.asarray(edge.empty_rows)]
+    out["empty_rows_max"] = float(np.max(np.abs(at_empty), initial=0.0))
+  if clean is not None:
+    out["poison_bitwise"] = bool(np.array_equal(x, clean[i]))
+    with np.errstate(invalid="ignore"):
+      out["poison_max_diff"] = float(np.max(np.abs(x - clean[i])))
+  if edge.unjudged_rows is not None and tensor == "out":
+    rows = np.asarray(edge.unjudged_rows)
+    at_rows = x[rows]  # [n, heads, head_dim]
+    group = x.shape[2] // v.shape[2]
+    mean_v = np.repeat(v.mean(axis=1), group, axis=1)  # [B, heads, dv]
+    mean_at = np.broadcast_to(mean_v[:, None], x.shape)[rows]
+    out["masked_rows_vs_zero"] = float(np.max(np.abs(at_rows), initial=0.0))
+    out["masked_rows_vs_mean_v"] = float(
+      np.max(np.abs(at_rows - mean_at), initial=0.0)
+    )
+  return out
 
 
 def _with_logit_floor(rules, tensor, policy, arrays, features):
@@ -258,8 +342,12 @@ def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:
     **quality(golden, x),
     "baseline_max_abs": baseline_max_abs,
     "baseline_exact": baseline_exact,
-    # A learned feature whose gradient never reaches the kernel's inputs.
+    # A learned feature whose gradient never reaches the kernel's inputs
+    # (where FP64's is large enough for the format to hold: a sink of
+    # 100 leaves d(sink) near 1e-43, below FP32's normal range).
     "no_gradient": bool(
-      tensor in ("dbias", "dsink") and not np.any(x) and np.any(golden)
+      tensor in ("dbias", "dsink")
+      and not np.any(x)
+      and np.any(np.abs(golden) >= ml_dtypes.finfo(to_dtype(fmt)).tiny)
     ),
   }

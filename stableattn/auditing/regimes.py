@@ -14,10 +14,15 @@ FlashAttention's documented value) and that nothing is NaN or Inf.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 
 import numpy as np
 
+from stableattn.auditing import reported_regimes
+from stableattn.auditing.edge_case import EdgeCase, at, normal
 from stableattn.auditing.inputs import Shape, TiedMaximaSpec, make_inputs
+from stableattn.auditing.invariance import our_attention
 from stableattn.auditing.measure import (
   ContractError,
   error_row,
@@ -25,6 +30,7 @@ from stableattn.auditing.measure import (
   measure_arrays,
 )
 from stableattn.contract import arguments
+from stableattn.ops.dispatch import attention
 from stableattn.ops.registry import unaccepted_features
 
 REGIMES = (
@@ -38,12 +44,20 @@ REGIMES = (
   "zero_length",
   "mixed_dtypes",
   "head_dims",
+  "poisoned_padding",
+  "finite_mask",
+  "score_ramp",
+  "empty_splits",
+  "sink_extremes",
+  "gqa_groups",
 )
 DESCRIPTIONS = {
   "large_logits": "scores of standard deviation 100 and 3,000: exp "
   "overflows in FP32 above 88.7 without a running max",
   "small_logits": "every score of a row near -120 (log-sum-exp below "
-  "FP32's -88.7 and FP16's -11): exp underflows to 0 without a running max",
+  "FP32's -88.7 and FP16's -11): exp underflows to 0 without a running max; "
+  "also at a key length of 64 mod 128 with lengths, segments, a boolean "
+  "and a -inf bias mask (PyTorch #196678)",
   "outlier_channels": "two Q and K channels 10x the rest (100x in their "
   "score terms), as trained LLMs have",
   "tied_maxima": "rows won by bit-identical keys (Qiu & Yao)",
@@ -55,31 +69,25 @@ DESCRIPTIONS = {
   "single_query": "one query (decode) over every key, forward and backward",
   "zero_length": "an example of length 0 beside full ones in a batch",
   "mixed_dtypes": "an FP32 bias and an FP32 sink with half-precision inputs",
-  "head_dims": "QK and V head dims that differ (192/128)",
+  "head_dims": "QK and V head dims that differ (MLA's 192/128; 576/512 "
+  "of absorbed MLA decoding)",
+  "poisoned_padding": "NaN, then +Inf, in K and V where no query may "
+  "attend (past the lengths, a padded batch, a segment without queries, a "
+  "decode cache's unused slots): the clean run's values, finite",
+  "finite_mask": "masks as an additive bias of the format's minimum, -1e9 "
+  "and FP16's minimum, with fully masked rows (reported against 0 and the "
+  "mean of V) and fully masked 64- and 128-key tiles",
+  "score_ramp": "scores rising along the keys (the row max grows by 0.5, 4 "
+  "and 20 every 64 keys): every key block rescales",
+  "empty_splits": "split-KV decoding with more splits than key blocks, "
+  "splits past the length or in a segment without queries, and a "
+  "sequence of length 0",
+  "sink_extremes": "sink logits of -20, 0, 20 and 100, and d(sink) terms "
+  "that cancel to 1e-3 of their size",
+  "gqa_groups": "8, 16 and 64 query heads per KV head: dK and dV sum over "
+  "the group",
 }
-# Rows of golden magnitude at most this are "no key": the kernel must give 0.
-SMALL_LOGITS_LEVEL = 120.0
-
-
-@dataclasses.dataclass(frozen=True)
-class EdgeCase:
-  """One input of a regime: arrays before rounding, the features passed
-  (jax's names), the query rows that no key may attend ([B, T] bool, or
-  None), and `not_applicable`: why the regime does not apply here."""
-
-  regime: str
-  detail: str
-  q: np.ndarray | None = None
-  k: np.ndarray | None = None
-  v: np.ndarray | None = None
-  features: dict = dataclasses.field(default_factory=dict)
-  empty_rows: np.ndarray | None = None
-  not_applicable: str | None = None
-
-  @property
-  def shape(self) -> Shape:
-    b, t, h, d = self.q.shape
-    return Shape(b, t, self.k.shape[1], h, self.k.shape[2], d)
+SMALL_LOGITS_LEVEL = reported_regimes.SMALL_LOGITS_LEVEL
 
 
 def parse(value) -> tuple[str, ...]:
@@ -87,23 +95,10 @@ def parse(value) -> tuple[str, ...]:
   return arguments.chosen(value, "regimes", REGIMES)
 
 
-def _normal(rng, b, t, s, h, hkv, d):
-  return (
-    rng.standard_normal((b, t, h, d)),
-    rng.standard_normal((b, s, hkv, d)),
-    rng.standard_normal((b, s, hkv, d)),
-  )
-
-
-def _at(shape: Shape, **changes) -> tuple:
-  s = dataclasses.replace(shape, **changes)
-  return s.batch, s.q_len, s.kv_len, s.heads, s.kv_heads, s.head_dim
-
-
 def large_logits(shape, rng, inputs_format):
   out = []
   for std in (100.0, 3000.0):
-    q, k, v = _normal(rng, *_at(shape))
+    q, k, v = normal(rng, *at(shape))
     # q.k / sqrt(d) has standard deviation std when both are scaled by
     # sqrt(std).
     scale = np.sqrt(std)
@@ -112,23 +107,8 @@ def large_logits(shape, rng, inputs_format):
   return out
 
 
-def small_logits(shape, rng, inputs_format):
-  """Keys share a direction u; queries point against it, so every score
-  of a row is about -120 (spread about 11 from the keys' noise; every
-  row's log-sum-exp is below -88.7)."""
-  b, t, s, h, hkv, d = _at(shape)
-  u = rng.standard_normal(d)
-  u /= np.linalg.norm(u)
-  k = np.sqrt(d) * u + 0.5 * rng.standard_normal((b, s, hkv, d))
-  z = rng.standard_normal((b, t, h, d))
-  z -= np.einsum("bthd,d->bth", z, u)[..., None] * u
-  q = -SMALL_LOGITS_LEVEL * u + z
-  v = rng.standard_normal((b, s, hkv, d))
-  return [EdgeCase("small_logits", "scores near -120", q, k, v)]
-
-
 def outlier_channels(shape, rng, inputs_format):
-  q, k, v = _normal(rng, *_at(shape))
+  q, k, v = normal(rng, *at(shape))
   channels = rng.choice(shape.head_dim, size=2, replace=False)
   q[..., channels] *= 10.0
   k[..., channels] *= 10.0
@@ -146,7 +126,7 @@ def empty_rows(shape, rng, inputs_format):
   b, t, s = 2, shape.q_len, shape.kv_len
   h, hkv, d = shape.heads, shape.kv_heads, shape.head_dim
   cases = []
-  q, k, v = _normal(rng, b, t, s, h, hkv, d)
+  q, k, v = normal(rng, b, t, s, h, hkv, d)
   lengths = np.array([s, 0], np.int32)
   empty = np.zeros((b, t), bool)
   empty[1] = True
@@ -159,7 +139,7 @@ def empty_rows(shape, rng, inputs_format):
                         v, {"segment_ids": (q_ids, kv_ids.astype(np.int32))},
                         q_ids == 2))  # fmt: skip
   short = max(1, s // 4)
-  q, k, v = _normal(rng, b, t, short, h, hkv, d)
+  q, k, v = normal(rng, b, t, short, h, hkv, d)
   rows = np.arange(t) < t - short  # bottom-right: the first t - short see none
   cases.append(EdgeCase("empty_rows", f"bottom-right causal, {t} queries "
                         f"over {short} keys", q, k, v,
@@ -173,7 +153,7 @@ def remainders(shape, rng, inputs_format):
   cases = []
   for t, s, causal in ((1, 63, False), (65, 63, True), (100, 100, False),
                        (127, 129, True), (192, 192, True)):  # fmt: skip
-    q, k, v = _normal(rng, 16 if t == 1 else 1, t, s, h, hkv, d)
+    q, k, v = normal(rng, 16 if t == 1 else 1, t, s, h, hkv, d)
     features = {"causal": True} if causal else {}
     label = f"T{t} S{s}" + (" causal" if causal else "")
     cases.append(EdgeCase("remainders", label, q, k, v, features))
@@ -185,14 +165,14 @@ def single_query(shape, rng, inputs_format):
   # A decode batch: one query per example, enough examples that a mean
   # error (FlexAttention's rule) rests on more than a few values.
   for s in (shape.kv_len, 100):
-    q, k, v = _normal(rng, *_at(shape, batch=16, q_len=1, kv_len=s))
+    q, k, v = normal(rng, *at(shape, batch=16, q_len=1, kv_len=s))
     cases.append(EdgeCase("single_query", f"T1 S{s}", q, k, v))
   return cases
 
 
 def zero_length(shape, rng, inputs_format):
   t = s = shape.kv_len
-  q, k, v = _normal(rng, *_at(shape, batch=3, q_len=t, kv_len=s))
+  q, k, v = normal(rng, *at(shape, batch=3, q_len=t, kv_len=s))
   lengths = np.array([s, 0, s // 2], np.int32)
   empty = np.zeros((3, t), bool)
   empty[1] = True
@@ -205,8 +185,8 @@ def mixed_dtypes(shape, rng, inputs_format):
   if inputs_format not in ("bf16", "fp16"):
     return [EdgeCase("mixed_dtypes", "-", not_applicable=(
       f"inputs are {inputs_format}, not a half format"))]  # fmt: skip
-  b, t, s, h, hkv, d = _at(shape)
-  q, k, v = _normal(rng, b, t, s, h, hkv, d)
+  b, t, s, h, hkv, d = at(shape)
+  q, k, v = normal(rng, b, t, s, h, hkv, d)
   # Values a half format cannot hold: the kernel must not round them.
   bias = (rng.standard_normal((1, h, t, s)) * 1.001).astype(np.float32)
   sink = (1.0 + 1e-3 * rng.standard_normal(h)).astype(np.float32)
@@ -216,13 +196,10 @@ def mixed_dtypes(shape, rng, inputs_format):
   ]
 
 
-def head_dims(shape, rng, inputs_format):
-  return [EdgeCase("head_dims", "QK 192, V 128", not_applicable=(
-    "the audit's contract fn(q, k, v) takes k and v of one shape, so QK and "
-    "V head dims cannot differ"))]  # fmt: skip
-
-
-BUILDERS = {name: globals()[name] for name in REGIMES}
+BUILDERS = {
+  name: globals().get(name) or getattr(reported_regimes, name)
+  for name in REGIMES
+}
 
 
 def edge_cases(regime: str, shape: Shape, inputs_format: str, seed: int = 0):
@@ -236,6 +213,34 @@ def _features_label(features: dict) -> str:
   return ",".join(features) or "none"
 
 
+def with_split(fn, split: dict | None):
+  """(fn run with the split-KV options `split`, or fn itself without
+  them; why it cannot, or None). Our Pallas kernel takes them through its
+  Options; another kernel through keywords of those names."""
+  if not split:
+    return fn, None
+  ours = our_attention(fn)
+  if ours is not None and ours.get("implementation") == "pallas":
+    options = ours["options"].replace(
+      **{"num_splits": None, "split_size": None, **split}
+    )
+    return functools.partial(attention, **{**ours, "options": options}), None
+  if ours is None and not unaccepted_features(fn, split) and _names(fn, split):
+    return functools.partial(fn, **split), None
+  return fn, (
+    f"the kernel takes no split-KV option {sorted(split)} (stableattn's "
+    "Options.num_splits and split_size, or keywords of those names)"
+  )
+
+
+def _names(fn, split) -> bool:
+  """Whether fn's signature names every key of `split` (not **kwargs)."""
+  try:
+    return set(split) <= set(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):
+    return False
+
+
 def measure_regime(
   fn, policy, shape: Shape, regime: str, repeats: int, tensors, rules
 ) -> tuple[list[dict], list[dict], list[dict]]:
@@ -247,6 +252,9 @@ def measure_regime(
   rows, notes, errors = [], [], []
   for case in edge_cases(regime, shape, policy.inputs):
     note = {"regime": regime, "detail": case.detail, "policy": policy.name}
+    case_fn, why = with_split(fn, case.split)
+    if case.not_applicable is None and why:
+      case = dataclasses.replace(case, not_applicable=why)
     if case.not_applicable is None:
       missing = unaccepted_features(fn, case.features)
       if missing:
@@ -266,7 +274,7 @@ def measure_regime(
     }
     try:
       rows += measure_arrays(
-        fn,
+        case_fn,
         policy,
         label,
         (case.q, case.k, case.v),
@@ -274,7 +282,7 @@ def measure_regime(
         repeats,
         tensors,
         rules,
-        empty_rows=case.empty_rows,
+        case.checks,
       )
     except ContractError as e:  # e.g. an output of the wrong shape here
       errors.append(error_row(label, policy, e))

@@ -255,7 +255,7 @@ def _broadcast_4d(name, x, batch, heads, q_len, kv_len, kind, xp):
       f"{name} must be boolean (True where the pair attends), got {dtype}; "
       "an additive mask goes in `bias`."
     )
-  if kind == "float" and not np.issubdtype(dtype, np.floating):
+  if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{name} must have a floating dtype, got {dtype}.")
   x = xp.broadcast_to(xp.asarray(x), tuple(shape[:2]) + (q_len, kv_len))
   return x, (shape[0] > 1, shape[1] > 1)
@@ -372,7 +372,7 @@ def _dense_operands(f: Features, operands: dict, full, xp) -> dict:
         f"sink must be a float array of shape [heads] = [{heads}] (one "
         f"logit per query head), got shape {shape}."
       )
-    if not np.issubdtype(np.dtype(f.sink.dtype), np.floating):
+    if not jnp.issubdtype(np.dtype(f.sink.dtype), jnp.floating):
       raise ValueError(f"sink must have a floating dtype, got {f.sink.dtype}.")
     operands["sink"] = xp.asarray(f.sink)
   return forms

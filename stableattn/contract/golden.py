@@ -87,7 +87,7 @@ class _Forward:
     self.p = p / np.where(total == 0, 1.0, total)
     self.o = np.matmul(self.p, _per_group(self.v_t))
     self.scale = spec.scale
-    self.shape = (batch, q_len, heads, q.shape[3])
+    self.shape = (batch, q_len, heads, v.shape[3])
 
   def output(self):
     return self.o.transpose(0, 3, 1, 2, 4).reshape(self.shape)
@@ -100,12 +100,14 @@ def golden_attention(q, k, v, causal: bool = False, **features) -> np.ndarray:
 
   Args:
     q: [batch, q_len, heads, head_dim]; any float dtype (converted to f64).
-    k, v: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    k: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    v: [batch, kv_len, kv_heads, head_dim_v] (head_dim_v: MLA's value
+      head dim, or head_dim).
     causal: mask keys after the query position (top-left aligned unless
       causal_alignment="bottom_right").
 
   Returns:
-    float64 array [batch, q_len, heads, head_dim].
+    float64 array [batch, q_len, heads, head_dim_v].
   """
   spec, ops = _validate(q, k, v, dict(features, causal=causal))
   return _Forward(_as_f64(q), _as_f64(k), _as_f64(v), spec, ops).output()
@@ -156,9 +158,11 @@ def golden_attention_vjp(q, k, v, d_out, causal: bool = False, **features):
     given, then d sink if a sink is given.
   """
   spec, ops = _validate(q, k, v, dict(features, causal=causal))
-  if np.shape(d_out) != np.shape(q):
+  out_shape = (*np.shape(q)[:3], np.shape(v)[3])
+  if np.shape(d_out) != out_shape:
     raise ValueError(
-      f"d_out must be shaped like q {np.shape(q)}, got {np.shape(d_out)}."
+      f"d_out must be shaped like the output {out_shape} (q's with v's "
+      f"head dim), got {np.shape(d_out)}."
     )
   q, k, v, d_out = _as_f64(q), _as_f64(k), _as_f64(v), _as_f64(d_out)
   fwd = _Forward(q, k, v, spec, ops)

@@ -23,7 +23,8 @@ S = softcap * tanh(Q K^T * scale / softcap) (or Q K^T * scale) plus an
 additive `bias`, and a per-head `sink` logit joins each row's softmax
 denominator with a zero value (gpt-oss; FlashAttention's learnable sink).
 A row where no key attends (and no sink) gives output 0 and zero
-gradient, never NaN.
+gradient, never NaN, and a key that no query attends never reaches a
+result, whatever it holds (NaN in padding included).
 
 Inside the kernels lengths and segments become one integer id per token
 (padding gets ids no segment uses), so one comparison covers both.
@@ -35,6 +36,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -144,6 +146,38 @@ def allowed_pairs(spec: MaskSpec, ops: MaskOperands, q_len, kv_len, xp=jnp):
   if spec.dense_mask is not None:
     allowed = allowed & (ops.mask != 0)
   return allowed
+
+
+def keys_some_query_attends(allowed):
+  """[B|1, S] bool: the keys that some query of some head may attend
+  (`allowed` [B|1, H|1, T, S] from `allowed_pairs`)."""
+  return jnp.any(allowed, axis=(1, 2))
+
+
+def keys_of_some_query(ops: MaskOperands):
+  """[B, S] bool: the keys whose token id some query shares (not padding,
+  not a segment without queries); O(S log T), no [T, S] matrix. Needs
+  the token-id operands (lengths or segments)."""
+  sorted_ids = jnp.sort(ops.q_ids, axis=-1)
+  at = jnp.minimum(
+    jax.vmap(jnp.searchsorted)(sorted_ids, ops.kv_ids),
+    sorted_ids.shape[-1] - 1,
+  )
+  return jnp.take_along_axis(sorted_ids, at, axis=-1) == ops.kv_ids
+
+
+def without_unattended_keys(attended, *keys_or_values):
+  """k or v [B, S, Hkv, D] with 0 at every key not in `attended` [B|1,
+  S] (`keys_some_query_attends`, `keys_of_some_query`).
+
+  Padding, a cache's unused slots and other segments' keys may hold
+  anything, NaN included; P is 0 there, but 0 x NaN is NaN, so without
+  this a NaN beyond a sequence's length would reach every row of it
+  (through P V, and through dP = dO V^T and dS K in the backward), and
+  an Inf there would set a quantizing policy's scales.
+  """
+  keep = attended[:, :, None, None]
+  return tuple(jnp.where(keep, x, jnp.zeros_like(x)) for x in keys_or_values)
 
 
 # log2(e): a policy with `exp2` measures scores in base 2 (see `scores`).

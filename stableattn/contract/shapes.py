@@ -21,10 +21,10 @@ def check_shapes(q, k, v) -> None:
       )
     if min(shape) <= 0:
       raise ValueError(f"{name} has an empty dimension: shape {shape}.")
-  if k.shape != v.shape:
+  if k.shape[:3] != v.shape[:3]:
     raise ValueError(
-      f"k and v must have the same shape [batch, kv_len, kv_heads, "
-      f"head_dim], got k {k.shape} and v {v.shape}."
+      f"k and v must agree in [batch, kv_len, kv_heads] (their head dims "
+      f"may differ, as MLA's 192/128), got k {k.shape} and v {v.shape}."
     )
   if q.shape[0] != k.shape[0]:
     raise ValueError(

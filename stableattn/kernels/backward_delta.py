@@ -21,6 +21,7 @@ from stableattn.kernels.block_math import (
   NT_DIMS,
   block_scores,
   recomputed_probs,
+  unattended_keys_zeroed,
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader
@@ -101,18 +102,20 @@ def _probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
   def body(k_index, delta_Bq):
     k_start = pl.multiple_of(k_index * block_k, block_k)
     cols = pl.ds(k_start, block_k)
+    mask = tiles.mask(q_start, k_start, block_q, block_k)
+    k_BkxD, v_BkxD = unattended_keys_zeroed(
+      mask, k_ref[cols, :], v_ref[cols, :]
+    )
     s_BqxBk, _ = block_scores(
       q_BqxD,
-      k_ref[cols, :],
+      k_BkxD,
       ar=ar,
       spec=cfg.mask,
-      mask=tiles.mask(q_start, k_start, block_q, block_k),
+      mask=mask,
       bias=tiles.bias(q_start, k_start, block_q, block_k),
     )
     p_BqxBk = recomputed_probs(s_BqxBk, stats_Bq, ar)
-    dp_BqxBk = ar.round(
-      ar.dot(do_BqxD, v_ref[cols, :], NT_DIMS), "softmax_stats"
-    )
+    dp_BqxBk = ar.round(ar.dot(do_BqxD, v_BkxD, NT_DIMS), "softmax_stats")
     products = ar.round(ar.round(p_BqxBk, "delta") * dp_BqxBk, "delta")
     return ar.round(delta_Bq + ar.sum(products, "delta"), "delta")
 
@@ -125,21 +128,18 @@ def probs_delta(operands, features, specs, cfg: KernelConfig):
   """delta = rowsum(P * dP) [batch, heads, q_len_padded] (policy option
   delta_source=probs), one program per query block. `operands`: q, k, v,
   dO and the softmax residuals; `features`: the feature operands' (names,
-  arrays, BlockSpecs); `specs`: the query block's, the whole keys' and
-  the row vector's BlockSpecs."""
+  arrays, BlockSpecs); `specs`: the BlockSpecs of q, k, v and dO, and the
+  row vector's."""
   q = operands[0]
   batch, q_len_padded, heads, _ = q.shape
   names, arrays, feature_specs = features
-  query_block, whole_kv, row = specs
+  rows, row = specs
   count = len(operands) - 4
   return pl.pallas_call(
     functools.partial(_probs_delta_kernel, cfg=cfg, names=names, count=count),
     grid=(q_len_padded // cfg.bwd_block_q, batch, heads),
     in_specs=[
-      query_block,
-      whole_kv,
-      whole_kv,
-      query_block,
+      *rows,
       *[row] * count,
       *feature_specs,
     ],

@@ -79,6 +79,20 @@ def block_scores(
   return s, tanh
 
 
+def unattended_keys_zeroed(mask, *tiles_BkxD):
+  """K or V tiles with 0 in the rows of keys that no query of the tile
+  attends (`mask` [block_q, block_k], or None: every key is attended).
+
+  P is 0 at such keys, but 0 x NaN is NaN: padding or a cache's unused
+  slots holding NaN or Inf would reach the output through P V and the
+  gradients through dO V^T and dS K.
+  """
+  if mask is None:
+    return tiles_BkxD
+  attended_Bk = jnp.any(mask, axis=0)[:, None]
+  return tuple(jnp.where(attended_Bk, t, jnp.zeros_like(t)) for t in tiles_BkxD)
+
+
 def no_key_safe(m):
   """The maximum to subtract: 0 for a row with no key yet (m = -inf), so
   exp(-inf - m) is 0, never exp(-inf + inf) = NaN."""

@@ -107,7 +107,7 @@ def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
 
   if v_per_channel(cfg.policy):
     # Per-channel V scales: padded head columns are zeros; any scale does.
-    v_scales = pad(scales.v, padded_head_dim(cfg.head_dim, cfg.interpret))
+    v_scales = pad(scales.v, padded_head_dim(cfg.value_dim, cfg.interpret))
   else:
     v_scales = pad(scales.v, kv_len_padded)
   return QuantScales(
@@ -124,7 +124,7 @@ def _forward(
   head_dim_padded = padded_head_dim(cfg.head_dim, cfg.interpret)
   q_p = pad_to(q, q_len_padded, head_dim_padded)
   k_p = pad_to(k, kv_len_padded, head_dim_padded)
-  v_p = pad_to(v, kv_len_padded, head_dim_padded)
+  v_p = pad_to(v, kv_len_padded, padded_head_dim(cfg.value_dim, cfg.interpret))
   ops_p = pad_operands(ops, cfg)
   ranges = tile_ranges(ops_p, cfg, cfg.block_q, cfg.block_k)
   key_ranges = None if ranges is None else ranges[0]
@@ -138,14 +138,15 @@ def _forward(
     _pad_scales(scales, cfg),
     residuals=residuals,
   )
-  out = out_p[:, : cfg.q_len, :, : cfg.head_dim]
+  out = out_p[:, : cfg.q_len, :, : cfg.value_dim]
   return out, (q_p, k_p, v_p, ops_p, out_p, lse, *extra)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def flash_attention(q, k, v, ops: MaskOperands, cfg: KernelConfig):
-  """Flash attention of unpadded q [B, T, H, D], k and v [B, S, Hkv, D]
-  with the features `ops` (see `masking.py`); bias and sink get gradients."""
+  """Flash attention of unpadded q [B, T, H, D], k [B, S, Hkv, D] and v
+  [B, S, Hkv, Dv] (Dv = D, or MLA's value head dim) with the features
+  `ops` (see `masking.py`); bias and sink get gradients."""
   return _forward(q, k, v, ops, cfg, residuals=False)[0]
 
 
@@ -212,7 +213,7 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   dq_p, dk_p, dv_p, delta, dbias_p = flash_backward(
     q_p, k_p, v_p, (out_p, lse, extra), d_out_p, ops_p, ranges, cfg
   )
-  batch, kv_len_padded, kv_heads, head_dim_padded = k_p.shape
+  batch, kv_len_padded, kv_heads, _ = k_p.shape
   group = q_p.shape[2] // kv_heads
 
   ar = PolicyArithmetic(cfg.policy)
@@ -222,12 +223,12 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
     # policy's gradient-accumulator format.
     if group == 1:
       return g
-    g = g.reshape(batch, kv_len_padded, kv_heads, group, head_dim_padded)
+    g = g.reshape(batch, kv_len_padded, kv_heads, group, g.shape[-1])
     return ar.sum(g, "grad_accum", axis=3)
 
   dq = dq_p[:, : cfg.q_len, :, : cfg.head_dim]
   dk = sum_groups(dk_p)[:, : cfg.kv_len, :, : cfg.head_dim]
-  dv = sum_groups(dv_p)[:, : cfg.kv_len, :, : cfg.head_dim]
+  dv = sum_groups(dv_p)[:, : cfg.kv_len, :, : cfg.value_dim]
   grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
   d_ops = jax.tree_util.tree_map(_zero_cotangent, ops)
   if dbias_p is not None:

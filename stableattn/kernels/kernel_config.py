@@ -29,14 +29,20 @@ class KernelConfig:
   mask: MaskSpec  # features: causal, window, segments, softcap, scale, ...
   q_len: int  # true lengths, before padding
   kv_len: int
-  head_dim: int  # true head dim
+  head_dim: int  # true head dim of q and k
   page_size: int | None = None  # keys per page of a paged KV cache
+  head_dim_v: int | None = None  # v's head dim where it differs (MLA)
 
   def __getattr__(self, name):
     # The options' fields read as the configuration's own (cfg.block_q).
     if name in _OPTION_FIELDS:
       return getattr(self.options, name)
     raise AttributeError(name)
+
+  @property
+  def value_dim(self) -> int:
+    """The true head dim of v and of the output."""
+    return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
   @property
   def policy(self) -> Precision:

@@ -48,6 +48,7 @@ from stableattn.kernels.block_math import (
   block_scores,
   recomputed_probs,
   scaled_dot,
+  unattended_keys_zeroed,
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
@@ -114,7 +115,6 @@ def _dkdv_kernel(
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
   q_len_padded = q_ref.shape[0]
-  head_dim_padded = k_ref.shape[-1]
   k_start = pl.program_id(0) * block_k
   k_BkxD = k_ref[...]
   v_BkxD = v_ref[...]
@@ -124,12 +124,13 @@ def _dkdv_kernel(
     q_start = pl.multiple_of(q_index * block_q, block_q)
     rows = pl.ds(q_start, block_q)
     mask = tiles.mask(q_start, k_start, block_q, block_k)
+    k_use, v_use = unattended_keys_zeroed(mask, k_BkxD, v_BkxD)
     do_BqxD = do_ref[rows, :]
     q_BqxD = q_ref[rows, :]
     p_BqxBk, ds_BqxBk, _ = _probs_and_dscores(
       q_BqxD,
-      k_BkxD,
-      v_BkxD,
+      k_use,
+      v_use,
       do_BqxD,
       tuple(r[rows] for r in stats_refs),
       delta_ref[rows],
@@ -149,14 +150,14 @@ def _dkdv_kernel(
     dk_BkxD = ar.round(dk_BkxD + ar.round(dk_step, "grad_accum"), "grad_accum")
     dv_BkxD = ar.round(dv_BkxD + dv_step, "grad_accum")
     if with_dq:
-      dq_step = _dq_step(ds_BqxBk, k_BkxD, cfg)
+      dq_step = _dq_step(ds_BqxBk, k_use, cfg)
       dq_ref[rows, :] = ar.round(dq_step, "grad_accum").astype(dq_ref.dtype)
     return dk_BkxD, dv_BkxD
 
   first, end = tiles.block_range(q_len_padded // block_q)
   init = (
-    jnp.zeros((block_k, head_dim_padded), ar.carrier),
-    jnp.zeros((block_k, head_dim_padded), ar.carrier),
+    jnp.zeros((block_k, k_ref.shape[-1]), ar.carrier),
+    jnp.zeros((block_k, v_ref.shape[-1]), ar.carrier),
   )
   dk_BkxD, dv_BkxD = lax.fori_loop(first, end, body, init)
   dk_ref[...] = dk_BkxD.astype(dk_ref.dtype)
@@ -189,12 +190,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, delta_ref, *refs, cfg, names):
   def body(k_index, dq_BqxD):
     k_start = pl.multiple_of(k_index * block_k, block_k)
     cols = pl.ds(k_start, block_k)
-    k_BkxD = k_ref[cols, :]
     mask = tiles.mask(q_start, k_start, block_q, block_k)
+    k_BkxD, v_BkxD = unattended_keys_zeroed(
+      mask, k_ref[cols, :], v_ref[cols, :]
+    )
     _, ds_BqxBk, ds_logits_BqxBk = _probs_and_dscores(
       q_BqxD,
       k_BkxD,
-      v_ref[cols, :],
+      v_BkxD,
       do_BqxD,
       stats_Bq,
       delta_Bq,
@@ -283,8 +286,8 @@ def flash_backward(
     features = _feature_specs(
       cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
     )
-    specs = _query_major_specs(q, k, cfg)
     operands = (q, k, v, d_out, *softmax_stats)
+    specs = _query_major_specs(operands, cfg)
     delta = probs_delta(operands, features, specs, cfg)
   else:
     delta = output_delta(delta_operands(out, extra), d_out, cfg)
@@ -329,27 +332,33 @@ def _feature_specs(
 def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
   """dK and dV, one program per key block; with `fused` also each key
   block's dQ contribution [key blocks, batch, q_len_padded, heads, D]."""
-  q, k = operands[:2]
+  q, k, v, d_out = operands[:4]
   batch, q_len_padded, heads, head_dim_padded = q.shape
   kv_len_padded, kv_heads = k.shape[1], k.shape[2]
   group = heads // kv_heads
   block_k = cfg.bwd_block_k
   key_blocks = kv_len_padded // block_k
   grad_dtype = cfg.policy.dtype("grad_accum")
-  whole_q = _rows_spec(
-    q_len_padded, head_dim_padded, lambda j, b, h: (b, 0, h, 0)
-  )
+
+  def whole_rows(x):
+    return _rows_spec(q_len_padded, x.shape[-1], lambda j, b, h: (b, 0, h, 0))
+
+  def key_block(x):
+    return _rows_spec(
+      block_k, x.shape[-1], lambda j, b, h: (b, j, h // group, 0)
+    )
+
   whole_vec = _vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
-  key_block = _rows_spec(
-    block_k, head_dim_padded, lambda j, b, h: (b, j, h // group, 0)
-  )
-  key_block_out = _rows_spec(
-    block_k, head_dim_padded, lambda j, b, h: (b, j, h, 0)
-  )
-  kv_grad_shape = jax.ShapeDtypeStruct(
-    (batch, kv_len_padded, heads, head_dim_padded), grad_dtype
-  )
-  out_specs, out_shape = [key_block_out] * 2, [kv_grad_shape] * 2
+  # dK and dV per query head (summed over the group later), each with its
+  # own head dim.
+  out_specs = [
+    _rows_spec(block_k, x.shape[-1], lambda j, b, h: (b, j, h, 0))
+    for x in (k, v)
+  ]
+  out_shape = [
+    jax.ShapeDtypeStruct((batch, kv_len_padded, heads, x.shape[-1]), grad_dtype)
+    for x in (k, v)
+  ]
   if fused:
     # Key block j's dQ contribution to every query row: [j, b, :, h, :].
     out_specs.append(
@@ -366,10 +375,10 @@ def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
     functools.partial(_dkdv_kernel, cfg=cfg, names=names, with_dq=fused),
     grid=(key_blocks, batch, heads),
     in_specs=[
-      whole_q,
-      key_block,
-      key_block,
-      whole_q,
+      whole_rows(q),
+      key_block(k),
+      key_block(v),
+      whole_rows(d_out),
       *[whole_vec] * (1 + stats_count(cfg)),  # delta, softmax residuals
       *specs,
     ],
@@ -383,20 +392,26 @@ def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
   )(*operands, *arrays)
 
 
-def _query_major_specs(q, k, cfg: KernelConfig):
+def _query_major_specs(operands, cfg: KernelConfig):
   """BlockSpecs of a query-major backward kernel (grid: query blocks,
-  batch, heads): a query block, all keys (or values) of its head's group,
-  and the block's row vector."""
-  head_dim_padded, kv_len_padded = q.shape[-1], k.shape[1]
+  batch, heads): for q, k, v and dO (`operands`' first four) a query
+  block, all keys (or values) of its head's group, a query block of dO;
+  then the block's row vector."""
+  q, k, v, d_out = operands[:4]
+  kv_len_padded = k.shape[1]
   group = q.shape[2] // k.shape[2]
   block_q = cfg.bwd_block_q
-  whole_kv = _rows_spec(
-    kv_len_padded, head_dim_padded, lambda i, b, h: (b, 0, h // group, 0)
-  )
-  query_block = _rows_spec(
-    block_q, head_dim_padded, lambda i, b, h: (b, i, h, 0)
-  )
-  return query_block, whole_kv, _vec_spec(block_q, lambda i, b, h: (b, h, i))
+
+  def whole_kv(x):
+    return _rows_spec(
+      kv_len_padded, x.shape[-1], lambda i, b, h: (b, 0, h // group, 0)
+    )
+
+  def query_block(x):
+    return _rows_spec(block_q, x.shape[-1], lambda i, b, h: (b, i, h, 0))
+
+  rows = [query_block(q), whole_kv(k), whole_kv(v), query_block(d_out)]
+  return rows, _vec_spec(block_q, lambda i, b, h: (b, h, i))
 
 
 def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
@@ -406,8 +421,8 @@ def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
   kv_len_padded = k.shape[1]
   block_q = cfg.bwd_block_q
   grad_dtype = cfg.policy.dtype("grad_accum")
-  query_block, whole_kv, row = _query_major_specs(q, k, cfg)
-  out_specs = [query_block]
+  rows, row = _query_major_specs(operands, cfg)
+  out_specs = [rows[0]]
   out_shape = [jax.ShapeDtypeStruct(q.shape, grad_dtype)]
   if cfg.mask.bias is not None:
     out_specs.append(
@@ -427,10 +442,7 @@ def _query_major_call(operands, ops, key_ranges, cfg: KernelConfig):
     functools.partial(_dq_kernel, cfg=cfg, names=names),
     grid=(q_len_padded // block_q, batch, heads),
     in_specs=[
-      query_block,
-      whole_kv,
-      whole_kv,
-      query_block,
+      *rows,
       *[row] * (1 + stats_count(cfg)),  # delta, softmax residuals
       *specs,
     ],

@@ -33,6 +33,7 @@ from stableattn.kernels.block_math import (
   stored_lse,
   summed_probs,
   tie_safe_max,
+  unattended_keys_zeroed,
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
@@ -64,7 +65,7 @@ def _forward_kernel(
   tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
-  head_dim_padded = q_ref.shape[-1]
+  value_dim_padded = v_ref.shape[-1]
 
   def stats(x):
     return ar.round(x, "softmax_stats")
@@ -85,6 +86,7 @@ def _forward_kernel(
     k_BkxD = k_ref[pl.ds(read_start, block_k), :]
     v_BkxD = v_ref[pl.ds(read_start, block_k), :]
     mask = tiles.mask(q_start, k_start, block_q, block_k)
+    (v_BkxD,) = unattended_keys_zeroed(mask, v_BkxD)
     scales = tiles.scales(q_start, k_start, block_q, block_k)
     v_scale = None if scales is None else scales[2]
     s_BqxBk, _ = block_scores(
@@ -121,7 +123,7 @@ def _forward_kernel(
       )
     return acc_BqxD, m_new_Bq, l_new_Bq, mma
 
-  init = _initial_state(tiles, ar, block_q, head_dim_padded, split)
+  init = _initial_state(tiles, ar, block_q, value_dim_padded, split)
   acc_BqxD, m_Bq, l_Bq, mma = lax.fori_loop(first, end, body, init)
   if mma:
     acc_BqxD = promote(ar, acc_BqxD, mma)
@@ -216,7 +218,7 @@ def _fa1_update(ar, base2, s_BqxBk, stats_Bq, acc_BqxD, times_values):
   return acc_BqxD, l_new_Bq
 
 
-def _initial_state(tiles, ar, block_q: int, head_dim_padded: int, split):
+def _initial_state(tiles, ar, block_q: int, value_dim_padded: int, split):
   """(accumulator, running max, running sum) before the first key block;
   with split-KV, the sink belongs to the first split only."""
   carrier = ar.carrier
@@ -237,7 +239,7 @@ def _initial_state(tiles, ar, block_q: int, head_dim_padded: int, split):
     else:
       m_init = jnp.where(split == 0, m_sink, m_init)
       l_init = jnp.where(split == 0, l_sink, l_init)
-  acc = jnp.zeros((block_q, head_dim_padded), carrier)
+  acc = jnp.zeros((block_q, value_dim_padded), carrier)
   mma = ()
   if ar.policy.mma_chunk and ar.policy.promote_every != 1:
     mma = (jnp.zeros_like(acc), jnp.ones((block_q,), carrier))
@@ -286,9 +288,10 @@ def flash_forward(
 
   Args:
     q: [batch, q_len_padded, heads, head_dim_padded].
-    k, v: [batch, kv_len_padded, kv_heads, head_dim_padded]; for a paged
-      cache (`cfg.page_size`), the page pool [1, pages * page_size,
-      kv_heads, head_dim_padded].
+    k: [batch, kv_len_padded, kv_heads, head_dim_padded]; v the same with
+      the value's head dim (MLA's may differ); for a paged cache
+      (`cfg.page_size`), the page pools [1, pages * page_size, kv_heads,
+      head dim].
     ops: the padded feature operands (`masking.MaskOperands`; the sink as
       rows [heads, q_len_padded]).
     ranges: key-block ranges [B|1, n_q_blocks, 2], or None.
@@ -302,7 +305,7 @@ def flash_forward(
       empty) for a caller that merges them with others (ring attention).
 
   Returns:
-    (out [batch, q_len_padded, heads, head_dim_padded] in `output`,
+    (out [batch, q_len_padded, heads, value head dim] in `output`,
      lse [batch, heads, q_len_padded] in `softmax_stats`; +inf for a row
      no key attends). With split-KV the kernel writes one output (in
      `partials`) and lse (-inf where the split is empty) per split, and
@@ -323,20 +326,29 @@ def flash_forward(
     lambda i, b, h, s: (b, i, h, 0),
   )
   paged = page_table is not None
-  kv_spec = pl.BlockSpec(
-    (None, pool_len, None, head_dim_padded),
-    lambda i, b, h, s: (0 if paged else b, 0, h // group, 0),
-  )
+
+  def kv_spec(x):
+    return pl.BlockSpec(
+      (None, pool_len, None, x.shape[-1]),
+      lambda i, b, h, s: (0 if paged else b, 0, h // group, 0),
+    )
+
   names, arrays, specs = _operand_specs(
     cfg, q_len_padded, ops, ranges, scales, group, page_table
   )
-  o_spec, lse_spec, out_shape = _output_specs(cfg, q, q_spec, splits)
+  o_shape = (*q.shape[:3], v.shape[-1])
+  o_rows = pl.BlockSpec(
+    (None, cfg.block_q, None, v.shape[-1]), lambda i, b, h, s: (b, i, h, 0)
+  )
+  o_spec, lse_spec, out_shape = _output_specs(cfg, o_shape, o_rows, splits)
   extra = residual_names(cfg.policy) if residuals else ()
-  extra_specs, extra_shapes = residual_specs(cfg, q, (q_spec, lse_spec), extra)
+  extra_specs, extra_shapes = residual_specs(
+    cfg, o_shape, (o_rows, lse_spec), extra
+  )
   out, lse, *extra_out = pl.pallas_call(
     functools.partial(_forward_kernel, cfg=cfg, names=names, residuals=extra),
     grid=grid,
-    in_specs=[q_spec, kv_spec, kv_spec, *specs],
+    in_specs=[q_spec, kv_spec(k), kv_spec(v), *specs],
     out_specs=[o_spec, lse_spec, *extra_specs],
     out_shape=[*out_shape, *extra_shapes],
     compiler_params=cfg.compiler_params(cfg.block_q * cfg.block_k),
@@ -350,10 +362,11 @@ def flash_forward(
   return out, lse
 
 
-def _output_specs(cfg: KernelConfig, q, q_spec, splits: int):
-  """BlockSpecs and shapes of (out, lse): one of each per query block, or
-  with split-KV one per (split, query block), the outputs in `partials`."""
-  batch, q_len_padded, heads, head_dim_padded = q.shape
+def _output_specs(cfg: KernelConfig, o_shape, o_rows, splits: int):
+  """BlockSpecs and shapes of (out, lse): one of each per query block
+  (`o_rows` is O's), or with split-KV one per (split, query block), the
+  outputs in `partials`. `o_shape`: O's padded shape."""
+  batch, q_len_padded, heads, value_dim_padded = o_shape
   policy = cfg.policy
   stats_dtype = policy.dtype("softmax_stats")
   if cfg.blocks_per_split is None:
@@ -361,12 +374,12 @@ def _output_specs(cfg: KernelConfig, q, q_spec, splits: int):
       (None, None, cfg.block_q), lambda i, b, h, s: (b, h, i)
     )
     out_shape = (
-      jax.ShapeDtypeStruct(q.shape, policy.dtype("output")),
+      jax.ShapeDtypeStruct(o_shape, policy.dtype("output")),
       jax.ShapeDtypeStruct((batch, heads, q_len_padded), stats_dtype),
     )
-    return q_spec, lse_spec, out_shape
+    return o_rows, lse_spec, out_shape
   o_spec = pl.BlockSpec(
-    (None, None, cfg.block_q, None, head_dim_padded),
+    (None, None, cfg.block_q, None, value_dim_padded),
     lambda i, b, h, s: (b, s, i, h, 0),
   )
   lse_spec = pl.BlockSpec(
@@ -374,7 +387,7 @@ def _output_specs(cfg: KernelConfig, q, q_spec, splits: int):
   )
   out_shape = (
     jax.ShapeDtypeStruct(
-      (batch, splits, *q.shape[1:]), policy.dtype("partials")
+      (batch, splits, *o_shape[1:]), policy.dtype("partials")
     ),
     jax.ShapeDtypeStruct((batch, splits, heads, q_len_padded), stats_dtype),
   )

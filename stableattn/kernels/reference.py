@@ -19,8 +19,10 @@ from stableattn.contract.masking import (
   MaskOperands,
   MaskSpec,
   allowed_pairs,
+  keys_some_query_attends,
   logits_in_base,
   scores,
+  without_unattended_keys,
 )
 from stableattn.contract.options import Options
 from stableattn.kernels.block_math import (
@@ -68,6 +70,8 @@ def reference_attention(
   def stats(x):
     return ar.round(x, "softmax_stats")
 
+  allowed = allowed_pairs(spec, ops, q_len, kv_len)
+  k, v = without_unattended_keys(keys_some_query_attends(allowed), k, v)
   q_BxTxKxGxD = q.reshape(batch, q_len, kv_heads, group, head_dim)
   if scales is None:
     product = ar.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k)
@@ -87,7 +91,7 @@ def reference_attention(
   if ops.bias is not None:
     bias = logits_in_base(_grouped(ops.bias, kv_heads), ar, base2, "scores")
     s = stats(s + bias)
-  allowed = _grouped(allowed_pairs(spec, ops, q_len, kv_len), kv_heads)
+  allowed = _grouped(allowed, kv_heads)
   s = jnp.where(allowed, s, jnp.asarray(-jnp.inf, s.dtype))
   m = tie_safe_max(s, jnp.max(s, axis=-1), ar, options)
   sink = None
@@ -110,7 +114,7 @@ def reference_attention(
   else:
     o = _scaled_pv(stats(p * stats(1.0 / l_safe)), v, ar, scales)
   o = ar.stored(ar.round(o, "out_accum"), "output")
-  return o.reshape(batch, q_len, heads, head_dim)
+  return o.reshape(batch, q_len, heads, v.shape[3])
 
 
 def _scaled_pv(p, v, ar: PolicyArithmetic, scales):
@@ -158,6 +162,8 @@ def xla_attention(q, k, v, ops: MaskOperands, *, policy: Precision, spec):
   mask = None
   if spec.skips_blocks or spec.dense_mask is not None:
     mask = allowed_pairs(spec, ops, q.shape[1], k.shape[1])
+    # jax.nn lets NaN in keys no query attends through (0 x NaN in P V).
+    k, v = without_unattended_keys(keys_some_query_attends(mask), k, v)
   out = jax.nn.dot_product_attention(
     q,
     k,

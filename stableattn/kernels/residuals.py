@@ -54,9 +54,10 @@ def store_residuals(refs: dict, ar, acc_BqxD, stats_Bq) -> None:
     refs["o_lo"][...] = ar.stored(acc_BqxD - o_hi, "output")
 
 
-def residual_specs(cfg: KernelConfig, q, specs, extra):
+def residual_specs(cfg: KernelConfig, o_shape, specs, extra):
   """BlockSpecs and shapes of the extra residuals `extra`: rows like the
-  lse (m, l), tiles like O (o_fp32, o_lo). `specs`: O's and the lse's.
+  lse (m, l), tiles like O (o_fp32, o_lo). `o_shape`: O's padded shape;
+  `specs`: O's and the lse's BlockSpecs.
   Split-KV writes none: its partial outputs are merged by lse only."""
   if extra and cfg.blocks_per_split is not None:
     raise ValueError(
@@ -64,15 +65,15 @@ def residual_specs(cfg: KernelConfig, q, specs, extra):
       "backward, which split-KV (num_splits, split_size) does not "
       "produce: drop the split options or the stability options."
     )
-  q_spec, lse_spec = specs
-  batch, q_len_padded, heads, _ = q.shape
+  o_spec, lse_spec = specs
+  batch, q_len_padded, heads, _ = o_shape
   dtype = cfg.policy.dtype
   rows = (batch, heads, q_len_padded)
   shapes = {
     "m": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("softmax_stats"))),
     "l": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("softmax_stats"))),
-    "o_fp32": (q_spec, jax.ShapeDtypeStruct(q.shape, dtype("out_accum"))),
-    "o_lo": (q_spec, jax.ShapeDtypeStruct(q.shape, dtype("output"))),
+    "o_fp32": (o_spec, jax.ShapeDtypeStruct(o_shape, dtype("out_accum"))),
+    "o_lo": (o_spec, jax.ShapeDtypeStruct(o_shape, dtype("output"))),
   }
   return [shapes[n][0] for n in extra], [shapes[n][1] for n in extra]
 

@@ -11,7 +11,11 @@ import jax.numpy as jnp
 from stableattn.contract import features as features_lib
 from stableattn.contract import options as options_lib
 from stableattn.contract.features import Features
-from stableattn.contract.masking import MaskSpec
+from stableattn.contract.masking import (
+  MaskSpec,
+  keys_of_some_query,
+  without_unattended_keys,
+)
 from stableattn.contract.options import ARITHMETIC_OPTIONS, Options
 from stableattn.contract.shapes import check_shapes
 from stableattn.contract.tiling import (
@@ -112,10 +116,11 @@ def _largest_fitting_tile(head_dim_padded: int, operand_bytes: int) -> int:
 
 
 def kernel_config(
-  options: Options, q_shape, kv_shape, mask: MaskSpec
+  options: Options, q_shape, kv_shape, mask: MaskSpec, head_dim_v=None
 ) -> KernelConfig:
   """`options` resolved against the shapes: the kernel's static
-  configuration (tiles clamped to the lengths and checked for a GPU)."""
+  configuration (tiles clamped to the lengths and checked for a GPU).
+  `head_dim_v`: v's head dim where it differs from q's and k's (MLA)."""
   interpret = resolve_interpret(options.interpret)
   for_gpu = not interpret
   q_len, kv_len = q_shape[1], kv_shape[1]
@@ -148,7 +153,9 @@ def kernel_config(
     )
   if for_gpu:
     reason = gpu_unsupported_reason(policy) or shared_memory_reason(
-      policy, q_shape[3], (block_q, block_k, bwd_block_q, bwd_block_k)
+      policy,
+      max(q_shape[3], head_dim_v or 0),
+      (block_q, block_k, bwd_block_q, bwd_block_k),
     )
     if reason:
       raise ValueError(reason)
@@ -160,7 +167,11 @@ def kernel_config(
     bwd_block_k=bwd_block_k,
     interpret=interpret,
   )
-  return KernelConfig(resolved, mask, q_len, kv_len, q_shape[3])
+  if head_dim_v == q_shape[3]:
+    head_dim_v = None
+  return KernelConfig(
+    resolved, mask, q_len, kv_len, q_shape[3], head_dim_v=head_dim_v
+  )
 
 
 def split_keywords(options, features, keywords: dict):
@@ -202,7 +213,10 @@ def attention(
 
   Args:
     q: [batch, q_len, heads, head_dim].
-    k, v: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    k: [batch, kv_len, kv_heads, head_dim]; kv_heads divides heads.
+    v: [batch, kv_len, kv_heads, head_dim_v]: head_dim_v is head_dim, or
+      another value head dim (MLA, DeepSeek-V2/V3's 128 beside 192) for
+      "pallas" and "reference".
     implementation: "pallas" (our flash kernel), "reference" (materialized
       baseline in jnp) or "xla" (`jax.nn.dot_product_attention`).
     options: how to compute (`stableattn.Options`: precision, tiles,
@@ -219,7 +233,7 @@ def attention(
   `stableattn.contract.masking` for the exact semantics of every feature.
 
   Returns:
-    [batch, q_len, heads, head_dim] in the policy's `output` format (and
+    [batch, q_len, heads, head_dim_v] in the policy's `output` format (and
     the log-sum-exp if `return_lse`).
 
   Raises:
@@ -236,7 +250,7 @@ def attention(
   require_x64_if_needed(options.precision)
   q, k, v = validate_inputs(q, k, v)
   spec, ops = features.split(q.shape, k.shape)
-  cfg = kernel_config(options, q.shape, k.shape, spec)
+  cfg = kernel_config(options, q.shape, k.shape, spec, v.shape[3])
   _check_implementation_options(implementation, cfg, return_lse)
   return _compute(
     q, k, v, ops, implementation=implementation, cfg=cfg, return_lse=return_lse
@@ -279,6 +293,14 @@ def _check_implementation_options(
 def _check_xla(cfg: KernelConfig) -> None:
   if xla_unsupported_reason(cfg.policy):
     raise ValueError(xla_unsupported_reason(cfg.policy))
+  if cfg.head_dim_v is not None:
+    raise ValueError(
+      f"implementation='xla' refuses a value head dim ({cfg.head_dim_v}) "
+      f"other than the query/key head dim ({cfg.head_dim}): "
+      "jax.nn.dot_product_attention takes k and v of one shape, and "
+      "padding V would compute in a wider head dim than the model's; use "
+      "'pallas' or 'reference'."
+    )
   if cfg.policy.quantizes:
     raise ValueError(
       f"implementation='xla' cannot run precision {cfg.policy.name!r}: "
@@ -311,6 +333,11 @@ def _compute(
   """One compiled program per (shapes, implementation, configuration)."""
   # Explicit rounding: a bare cast to a half type may be skipped by XLA when
   # the next op widens it again (see `rounding.py`).
+  if cfg.mask.token_ids and (
+    cfg.policy.quantizes or cfg.policy.kv_cache != "none"
+  ):
+    # Scales span keys: padding must not set them (an Inf there would).
+    k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
   q, k, v = quantization.stored_inputs(q, k, v, cfg.policy)
   scales = None
   if cfg.policy.quantizes:

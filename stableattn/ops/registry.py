@@ -345,6 +345,9 @@ REGISTRY: dict[str, Entry] = {
     lambda _: functools.partial(_jax_nn, implementation="cudnn"),
     gpu_only=True,
   ),
+  # jax.nn as users call it, without the guards of our "xla" (which
+  # zeroes keys no query attends, so NaN padding cannot leak).
+  "jax_nn": Entry(lambda _: functools.partial(_jax_nn, implementation="xla")),
   "jax_mha": Entry(lambda _: _jax_mha),
   **{name: _tokamax_entry(impl) for name, impl in TOKAMAX.items()},
   **{name: _torch_entry(name) for name in TORCH_KERNELS},

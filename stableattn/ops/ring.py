@@ -322,6 +322,12 @@ def ring_attention(
   check_flag("balanced", balanced)
   require_x64_if_needed(options.precision)
   q, k, v = dispatch.validate_inputs(q, k, v)
+  if v.shape[3] != k.shape[3]:
+    raise ValueError(
+      f"ring_attention takes k and v of one head dim, got {k.shape[3]} and "
+      f"{v.shape[3]}; MLA's value head dim runs in stableattn.attention "
+      "(pallas or reference)."
+    )
   spec, ops = features.split(q.shape, k.shape)
   check_arguments(features, spec, options, q, k, devices, balanced)
   plan = make_plan(
