@@ -48,7 +48,9 @@ def _default() -> ml_collections.ConfigDict:
   # transposes around a "bhsd" kernel and says so.
   c.layout = "bshd"
   # Our implementations' own policy; "auto": Flash's natural policy for
-  # pallas, eager attention's for reference/xla, at each input format.
+  # pallas, eager attention's for reference/xla, at each input format;
+  # "stable": our kernel's stable preset at each format (fp32-stable,
+  # bf16-fa2-stable, fp16-fa2-stable).
   c.kernel_precision = "auto"
   # More options of our implementations, "name=value,..." (fields of
   # stableattn.Options), e.g. "split_size=64" or "num_splits=4,block_k=32".
@@ -78,7 +80,9 @@ def _default() -> ml_collections.ConfigDict:
   c.invariances = ""
   # Edge regimes, built from every shape (opt-in; "all" or a comma list of
   # large_logits, small_logits, outlier_channels, tied_maxima, empty_rows,
-  # remainders, single_query, zero_length, mixed_dtypes, head_dims): see
+  # remainders, single_query, zero_length, mixed_dtypes, head_dims, and
+  # from users' reports poisoned_padding, finite_mask, score_ramp,
+  # empty_splits, sink_extremes, gqa_groups): see
   # stableattn/auditing/regimes.py. Rows no key may attend must be 0.
   c.regimes = ""
   # > 0: instead of the grid, draw this many cases (shapes, a causal mask,
@@ -126,6 +130,28 @@ DECODE = {
   "invariances": "batch,padded_cache,mixed_batch,splits",
 }
 
+# Our stable presets over a grid of shapes, every regime, causal and not:
+# lengths 1-300 (whole and partial tiles, q_len != kv_len), head dims
+# 32-256, GQA groups 1-64 and MLA's 192/128 (regimes add groups of 8-64,
+# 576/512 and their own lengths). About an hour on 2 CPU cores.
+STABLE_GRID = {
+  "kernel": "pallas",
+  "kernel_precision": "stable",
+  "precisions": "fp32,bf16-framework,fp16-framework",
+  "shapes": (
+    (4, 1, 37, 2, 2, 32),
+    (1, 63, 63, 4, 1, 64),
+    (1, 100, 100, 2, 2, 64),
+    (1, 97, 200, 4, 4, 72),
+    (1, 200, 200, 2, 2, 128),
+    (1, 300, 300, 2, 2, 32),
+    (1, 64, 64, 16, 1, 256),
+    (1, 96, 96, 4, 2, 192, 128),
+  ),
+  "regimes": "all",
+  "repeats": 2,
+}
+
 # A property-based search at BF16 (shapes and gate as drawn and set).
 SEARCH = {"search_budget": 60, "precisions": "bf16-framework"}
 
@@ -136,6 +162,7 @@ VARIANTS = {
   "edges": EDGES,
   "search": SEARCH,
   "decode": DECODE,
+  "stable_grid": STABLE_GRID,
 }
 
 

@@ -209,6 +209,18 @@ def test_odd_head_dim_lowers_padded_to_power_of_two():
   assert "__gpu$xla.gpu.triton" in text
 
 
+def test_mla_head_dims_lower_with_each_its_own_padding():
+  """DeepSeek's 192/128: q and k padded to 256, v and the output to 128."""
+  q = jax.ShapeDtypeStruct((1, 128, 4, 192), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 128, 2, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
+  fn = _loss_and_grads("bf16-fa2", (64, 64), True, interpret=False)
+  text = (
+    jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  )
+  assert text.count("__gpu$xla.gpu.triton") == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, tiles, head_dim", CONFIGS)
 def test_compiled_kernel_passes_fa_rule_on_gpu(precision, tiles, head_dim):

@@ -59,6 +59,13 @@ class Shape:
     )
 
   @property
+  def spec(self) -> tuple[int, ...]:
+    """The six fields, and head_dim_v where it differs: what
+    `shape_from_spec` reads back."""
+    fields = dataclasses.astuple(self)
+    return fields if self.head_dim_v is not None else fields[:6]
+
+  @property
   def value_dim(self) -> int:
     return self.head_dim if self.head_dim_v is None else self.head_dim_v
 

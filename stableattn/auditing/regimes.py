@@ -247,8 +247,8 @@ def measure_regime(
   """(rows, notes, errors) of one regime at one audit shape: a row per
   tensor per case, judged like any audit row; a note per case that does
   not apply (the regime's reason, a feature the kernel does not take, or
-  its ValueError refusing the case); an error per case it raised on
-  otherwise (the error's type and first line)."""
+  its ValueError or NotImplementedError refusing the case); an error per
+  case it raised on otherwise (the error's type and first line)."""
   rows, notes, errors = [], [], []
   for case in edge_cases(regime, shape, policy.inputs):
     note = {"regime": regime, "detail": case.detail, "policy": policy.name}
@@ -286,7 +286,7 @@ def measure_regime(
       )
     except ContractError as e:  # e.g. an output of the wrong shape here
       errors.append(error_row(label, policy, e))
-    except ValueError as e:  # a kernel that refuses the case says why
+    except (ValueError, NotImplementedError) as e:  # a refusal says why
       notes.append({**note, "reason": f"refused with {first_line(e)}"})
     except Exception as e:  # noqa: BLE001 - the kernel broke: a row, go on
       errors.append(error_row(label, policy, e))

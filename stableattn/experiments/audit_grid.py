@@ -34,7 +34,11 @@ from stableattn.experiments.audit_report import write_report
 from stableattn.experiments.config_values import as_tuple, field
 from stableattn.experiments.rundir import opened
 from stableattn.numerics.formats import format_name
-from stableattn.numerics.precision import Precision, natural_policy
+from stableattn.numerics.precision import (
+  Precision,
+  natural_policy,
+  stable_policy,
+)
 from stableattn.numerics.rules import RULES
 from stableattn.ops.registry import (
   IMPLEMENTATIONS,
@@ -81,7 +85,7 @@ def settings_from_config(c) -> Settings:
     raise ValueError(f"kernel {kernel!r} cannot run here: {reason}.")
   resolve(kernel)  # before any file is written: one line if it cannot be
   kernel_precision = str(c.kernel_precision)
-  if kernel_precision != "auto":
+  if kernel_precision not in ("auto", "stable"):
     Precision.from_name(kernel_precision)
   gate = as_tuple(c.gate)
   try:
@@ -159,6 +163,8 @@ def kernel_fn(s: Settings, policy: Precision):
   own = s.kernel_precision
   if own == "auto" and policy.quantizes:
     own = policy
+  elif own == "stable":
+    own = stable_policy(format_name(policy.dtype("inputs")))
   elif own == "auto":
     fmt = format_name(policy.dtype("inputs"))
     own = natural_policy(fmt, "flash" if s.kernel == "pallas" else "baseline")
@@ -237,7 +243,7 @@ def _measure(fn, policy, case, s: Settings):
     policy,
     contract_stops=False,
   )
-  spec = dataclasses.astuple(case.shape)
+  spec = case.shape.spec
   return (
     [{"kernel": s.kernel, **r} for r in rows],
     [_with_command(s, e, spec, case) for e in errors],

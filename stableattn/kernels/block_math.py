@@ -89,7 +89,8 @@ def unattended_keys_zeroed(mask, *tiles_BkxD):
   """
   if mask is None:
     return tiles_BkxD
-  attended_Bk = jnp.any(mask, axis=0)[:, None]
+  # A max, not jnp.any: Triton's lowering has no reduce_or.
+  attended_Bk = jnp.max(jnp.where(mask, 1.0, 0.0), axis=0)[:, None] > 0
   return tuple(jnp.where(attended_Bk, t, jnp.zeros_like(t)) for t in tiles_BkxD)
 
 

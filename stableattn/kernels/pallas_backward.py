@@ -305,8 +305,9 @@ def flash_backward(
   return dq, dk, dv, delta, dbias
 
 
-def _rows_spec(block, head_dim_padded, index_map):
-  return pl.BlockSpec((None, block, None, head_dim_padded), index_map)
+def _rows_spec(block, x, index_map):
+  """Rows [block, head dim of x] of one head of x [B, len, heads, D]."""
+  return pl.BlockSpec((None, block, None, x.shape[-1]), index_map)
 
 
 def _vec_spec(block, index_map):
@@ -341,20 +342,14 @@ def _key_major_call(operands, ops, query_ranges, cfg: KernelConfig, fused):
   grad_dtype = cfg.policy.dtype("grad_accum")
 
   def whole_rows(x):
-    return _rows_spec(q_len_padded, x.shape[-1], lambda j, b, h: (b, 0, h, 0))
+    return _rows_spec(q_len_padded, x, lambda j, b, h: (b, 0, h, 0))
 
-  def key_block(x):
-    return _rows_spec(
-      block_k, x.shape[-1], lambda j, b, h: (b, j, h // group, 0)
-    )
+  def key_block(x, heads_of=lambda h: h // group):
+    return _rows_spec(block_k, x, lambda j, b, h: (b, j, heads_of(h), 0))
 
   whole_vec = _vec_spec(q_len_padded, lambda j, b, h: (b, h, 0))
-  # dK and dV per query head (summed over the group later), each with its
-  # own head dim.
-  out_specs = [
-    _rows_spec(block_k, x.shape[-1], lambda j, b, h: (b, j, h, 0))
-    for x in (k, v)
-  ]
+  # dK and dV per query head (summed over the group later).
+  out_specs = [key_block(x, lambda h: h) for x in (k, v)]
   out_shape = [
     jax.ShapeDtypeStruct((batch, kv_len_padded, heads, x.shape[-1]), grad_dtype)
     for x in (k, v)
@@ -403,12 +398,10 @@ def _query_major_specs(operands, cfg: KernelConfig):
   block_q = cfg.bwd_block_q
 
   def whole_kv(x):
-    return _rows_spec(
-      kv_len_padded, x.shape[-1], lambda i, b, h: (b, 0, h // group, 0)
-    )
+    return _rows_spec(kv_len_padded, x, lambda i, b, h: (b, 0, h // group, 0))
 
   def query_block(x):
-    return _rows_spec(block_q, x.shape[-1], lambda i, b, h: (b, i, h, 0))
+    return _rows_spec(block_q, x, lambda i, b, h: (b, i, h, 0))
 
   rows = [query_block(q), whole_kv(k), whole_kv(v), query_block(d_out)]
   return rows, _vec_spec(block_q, lambda i, b, h: (b, h, i))

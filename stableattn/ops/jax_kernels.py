@@ -136,7 +136,7 @@ def splash(
     return per_head(q, k, v, sinks)
 
   out = jax.vmap(one_example)(qh, _bhsd(k), _bhsd(v), ids)
-  return _bhsd(out.reshape(batch, heads, q_len, head_dim))
+  return _bhsd(out.reshape(batch, heads, q_len, v.shape[-1]))
 
 
 def _tpu_interpret_mode():
@@ -250,13 +250,13 @@ def _pages(k, v, pages_per_sequence: int):
   """(k_pages, v_pages [pages, PAGE_SIZE, kv_heads, head_dim], the page
   table [batch, pages_per_sequence]): each sequence's keys in a shuffled
   pool, so a kernel that ignored the table would read other keys."""
-  batch, _, kv_heads, head_dim = k.shape
+  batch, _, kv_heads, _ = k.shape
   total = batch * pages_per_sequence
   where = np.random.default_rng(0).permutation(total)  # page i -> pool slot
 
   def pool(x):
     x = _padded(x, pages_per_sequence * PAGE_SIZE)
-    pages = x.reshape(total, PAGE_SIZE, kv_heads, head_dim)
+    pages = x.reshape(total, PAGE_SIZE, kv_heads, x.shape[-1])
     return jnp.zeros_like(pages).at[where].set(pages)
 
   table = jnp.asarray(where.reshape(batch, pages_per_sequence), jnp.int32)

@@ -210,7 +210,7 @@ def torch_attention(kernel: TorchKernel) -> Callable:
 
   def fn(q, k, v, **features):
     call = torch_call(kernel, q.shape, k.shape, features)
-    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_type = jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), q.dtype)
 
     def forward(q, k, v):
       return jax.pure_callback(
