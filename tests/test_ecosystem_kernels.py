@@ -139,3 +139,31 @@ def test_the_ecosystems_names_resolve_without_importing_their_kernels():
   q = np.zeros((1, 4, 2, 8), np.float32)
   with pytest.raises(ValueError, match="takes one query per sequence"):
     registry.resolve("jax_decode")(q, q, q)
+
+
+@pytest.mark.slow
+def test_jax_mha_reads_each_query_heads_own_kv_head_under_gqa():
+  """docs/findings.md: 16 query heads over 2 KV heads, heads 1-7 read KV
+  head 1 (its index map takes the query head, clamped by the
+  interpreter), so their output is wrong; heads 0 and 8-15 are right."""
+  from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((1, 64, 16, 32)).astype(np.float32)
+  k, v = (rng.standard_normal((1, 64, 2, 32)).astype(np.float32)
+          for _ in range(2))  # fmt: skip
+  out = jax_attention.mha(q, k, v, None, sm_scale=32**-0.5, interpret=True)
+  error = np.abs(np.asarray(out) - sa.golden_attention(q, k, v)).max((0, 1, 3))
+  assert np.all(error[1:8] > 0.1) and np.all(error[[0, *range(8, 16)]] < 1e-5)
+  report = _audit("jax_mha", precision="fp32", shapes=[(1, 64, 2, 32)],
+                  regimes="gqa_groups")  # fmt: skip
+  assert any("regime gqa_groups" in f for f in report.failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["jax_decode", "jax_paged"])
+def test_jax_decode_kernels_let_nan_in_unused_cache_slots_through(name):
+  report = _audit(name, precision="fp32", shapes=[(4, 1, 256, 8, 2, 64)],
+                  regimes="poisoned_padding")  # fmt: skip
+  leaks = [f for f in report.failures if "NaN/Inf values in out" in f]
+  assert leaks and all("regime poisoned_padding" in f for f in leaks)
