@@ -148,3 +148,13 @@ def test_the_audit_judges_our_kernel_at_mla_head_dims():
   mla_rows = [r for r in ours.rows if r["regime"] == "head_dims"]
   assert mla_rows and ours.passed, ours.failures
   assert {r["shape"].split()[-1] for r in mla_rows} == {"D192/128", "D576/512"}
+
+
+def test_the_flax_drop_in_takes_mla_head_dims():
+  rng = np.random.default_rng(3)
+  q, k = (rng.standard_normal((1, 16, 2, 24)).astype(np.float32)
+          for _ in range(2))  # fmt: skip
+  v = rng.standard_normal((1, 16, 2, 8)).astype(np.float32)
+  out = sa.make_attention_fn(sa.Options(precision="fp32"))(q, k, v)
+  assert out.shape == (1, 16, 2, 8)
+  np.testing.assert_allclose(out, sa.golden_attention(q, k, v), atol=1e-6)
