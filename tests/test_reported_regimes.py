@@ -222,3 +222,21 @@ def test_no_policy_lets_padding_reach_a_result(precision):
       np.testing.assert_array_equal(
         np.asarray(clean, np.float32), np.asarray(dirty, np.float32)
       )
+
+
+def test_the_report_says_whether_poisoned_runs_were_the_clean_runs():
+  from stableattn.experiments.audit_report import edge_checks_section
+
+  def row(tensor, bitwise, moved, **more):
+    return {"policy": "fp32", "shape": "B2 T8", "detail": "lengths (NaN)",
+            "tensor": tensor, "poison_bitwise": bitwise,
+            "poison_max_diff": moved, **more}  # fmt: skip
+
+  text = "\n".join(edge_checks_section([
+    row("out", True, 0.0), row("dq", False, float("nan")),
+    {"policy": "fp32", "shape": "B1 T8", "detail": "bias -1e9",
+     "masked_rows_vs_zero": 0.25, "masked_rows_vs_mean_v": 1e-8},
+  ]))  # fmt: skip
+  assert "| fp32 | B2 T8 | lengths (NaN) | **no** | nan |" in text
+  assert "| fp32 | B1 T8 | bias -1e9 | 0.25 | 1e-08 |" in text
+  assert edge_checks_section([{"policy": "fp32", "tensor": "out"}]) == []

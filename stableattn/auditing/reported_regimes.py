@@ -92,7 +92,7 @@ def poisoned_padding(shape, rng, inputs_format):
   return [
     EdgeCase(
       "poisoned_padding",
-      f"{name}: {label} ({value:g})",
+      f"{name}: {label}",
       q,
       k,
       v,

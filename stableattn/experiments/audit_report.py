@@ -144,7 +144,11 @@ def write_report(
       "",
       f"![errors]({figure})",
     ]
-  parts += [*regime_notes_section(notes), *invariance_section(probes)]
+  parts += [
+    *edge_checks_section(rows),
+    *regime_notes_section(notes),
+    *invariance_section(probes),
+  ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return {"workdir": str(run_dir.path), **result}
 
@@ -234,6 +238,45 @@ def _groups(rows) -> dict:
 def _features(r) -> str:
   regime = r.get("regime", "none")
   return r["features"] if regime == "none" else f"{regime}: {r['features']}"
+
+
+def edge_checks_section(rows) -> list[str]:
+  """What the edge cases check beyond the rules: whether a run with NaN
+  or Inf in keys no query attends is the clean run bit for bit, and how
+  far fully masked rows (a finite mask) are from 0 and from V's mean."""
+  poisoned, masked = {}, []
+  for r in rows:
+    if "poison_bitwise" in r:
+      key = (r["policy"], r["shape"], r["detail"])
+      bitwise, moved = poisoned.get(key, (True, 0.0))
+      poisoned[key] = (
+        bitwise and r["poison_bitwise"],
+        max(moved, r["poison_max_diff"], key=_nan_first),
+      )
+    if "masked_rows_vs_zero" in r:
+      masked.append([
+        r["policy"], r["shape"], r["detail"],
+        f"{r['masked_rows_vs_zero']:.3g}", f"{r['masked_rows_vs_mean_v']:.3g}",
+      ])  # fmt: skip
+  lines = []
+  if poisoned:
+    body = [
+      [*key, "yes" if bitwise else "**no**", f"{moved:.3g}"]
+      for key, (bitwise, moved) in poisoned.items()
+    ]
+    lines += ["", "## Poisoned padding: the clean run's values?", "",
+              table(["policy", "shape", "case", "bitwise",
+                     "largest change"], body)]  # fmt: skip
+  if masked:
+    lines += ["", "## Fully masked rows under a finite mask (reported)", "",
+              table(["policy", "shape", "case", "largest |out|",
+                     "largest |out - mean V|"], masked)]  # fmt: skip
+  return lines
+
+
+def _nan_first(x: float) -> float:
+  """Orders a NaN change above every number."""
+  return float("inf") if x != x else x
 
 
 def regime_notes_section(notes) -> list[str]:
