@@ -158,3 +158,14 @@ def test_the_flax_drop_in_takes_mla_head_dims():
   out = sa.make_attention_fn(sa.Options(precision="fp32"))(q, k, v)
   assert out.shape == (1, 16, 2, 8)
   np.testing.assert_allclose(out, sa.golden_attention(q, k, v), atol=1e-6)
+
+
+@pytest.mark.parametrize("split", [{"num_splits": 4}, {"split_size": 64}])
+def test_split_kv_decoding_takes_mla_head_dims(split):
+  rng = np.random.default_rng(4)
+  q = rng.standard_normal((2, 1, 4, 48)).astype(np.float32)
+  k = rng.standard_normal((2, 256, 2, 48)).astype(np.float32)
+  v = rng.standard_normal((2, 256, 2, 32)).astype(np.float32)
+  out = sa.attention(q, k, v, precision="fp32", **split)
+  assert out.shape == (2, 1, 4, 32)
+  np.testing.assert_allclose(out, sa.golden_attention(q, k, v), atol=1e-6)
