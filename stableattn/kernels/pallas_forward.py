@@ -65,7 +65,6 @@ def _forward_kernel(
   tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.block_q, cfg.block_k
-  value_dim_padded = v_ref.shape[-1]
 
   def stats(x):
     return ar.round(x, "softmax_stats")
@@ -123,7 +122,7 @@ def _forward_kernel(
       )
     return acc_BqxD, m_new_Bq, l_new_Bq, mma
 
-  init = _initial_state(tiles, ar, block_q, value_dim_padded, split)
+  init = _initial_state(tiles, ar, block_q, v_ref.shape[-1], split)
   acc_BqxD, m_Bq, l_Bq, mma = lax.fori_loop(first, end, body, init)
   if mma:
     acc_BqxD = promote(ar, acc_BqxD, mma)
@@ -315,40 +314,30 @@ def flash_forward(
     split-KV has none.
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
-  kv_heads, pool_len = k.shape[2], k.shape[1]
-  group = heads // kv_heads
+  group = heads // k.shape[2]
   splits = cfg.kv_splits
   split_kv = cfg.blocks_per_split is not None
   grid = (q_len_padded // cfg.block_q, batch, heads, splits)
-
-  q_spec = pl.BlockSpec(
-    (None, cfg.block_q, None, head_dim_padded),
-    lambda i, b, h, s: (b, i, h, 0),
-  )
   paged = page_table is not None
-
-  def kv_spec(x):
-    return pl.BlockSpec(
-      (None, pool_len, None, x.shape[-1]),
-      lambda i, b, h, s: (0 if paged else b, 0, h // group, 0),
-    )
-
   names, arrays, specs = _operand_specs(
     cfg, q_len_padded, ops, ranges, scales, group, page_table
   )
   o_shape = (*q.shape[:3], v.shape[-1])
-  o_rows = pl.BlockSpec(
-    (None, cfg.block_q, None, v.shape[-1]), lambda i, b, h, s: (b, i, h, 0)
-  )
-  o_spec, lse_spec, out_shape = _output_specs(cfg, o_shape, o_rows, splits)
+  o_spec, lse_spec, out_shape = _output_specs(cfg, o_shape, splits)
   extra = residual_names(cfg.policy) if residuals else ()
+  # Residuals exist without split-KV only, where O's spec is its rows'.
   extra_specs, extra_shapes = residual_specs(
-    cfg, o_shape, (o_rows, lse_spec), extra
+    cfg, o_shape, (o_spec, lse_spec), extra
   )
   out, lse, *extra_out = pl.pallas_call(
     functools.partial(_forward_kernel, cfg=cfg, names=names, residuals=extra),
     grid=grid,
-    in_specs=[q_spec, kv_spec(k), kv_spec(v), *specs],
+    in_specs=[
+      _query_rows(cfg, head_dim_padded),
+      _kv_rows(k, group, paged),
+      _kv_rows(v, group, paged),
+      *specs,
+    ],
     out_specs=[o_spec, lse_spec, *extra_specs],
     out_shape=[*out_shape, *extra_shapes],
     compiler_params=cfg.compiler_params(cfg.block_q * cfg.block_k),
@@ -362,10 +351,26 @@ def flash_forward(
   return out, lse
 
 
-def _output_specs(cfg: KernelConfig, o_shape, o_rows, splits: int):
-  """BlockSpecs and shapes of (out, lse): one of each per query block
-  (`o_rows` is O's), or with split-KV one per (split, query block), the
-  outputs in `partials`. `o_shape`: O's padded shape."""
+def _query_rows(cfg: KernelConfig, head_dim: int):
+  """One query block of one head, [block_q, head_dim]: q's, and O's."""
+  return pl.BlockSpec(
+    (None, cfg.block_q, None, head_dim), lambda i, b, h, s: (b, i, h, 0)
+  )
+
+
+def _kv_rows(x, group: int, paged: bool):
+  """Every key (or value) row of a query head's KV head: the sequence's,
+  or a paged cache's whole pool; each with its own head dim."""
+  return pl.BlockSpec(
+    (None, x.shape[1], None, x.shape[-1]),
+    lambda i, b, h, s: (0 if paged else b, 0, h // group, 0),
+  )
+
+
+def _output_specs(cfg: KernelConfig, o_shape, splits: int):
+  """BlockSpecs and shapes of (out, lse): one of each per query block, or
+  with split-KV one per (split, query block), the outputs in `partials`.
+  `o_shape`: O's padded shape (q's with v's head dim)."""
   batch, q_len_padded, heads, value_dim_padded = o_shape
   policy = cfg.policy
   stats_dtype = policy.dtype("softmax_stats")
@@ -377,7 +382,7 @@ def _output_specs(cfg: KernelConfig, o_shape, o_rows, splits: int):
       jax.ShapeDtypeStruct(o_shape, policy.dtype("output")),
       jax.ShapeDtypeStruct((batch, heads, q_len_padded), stats_dtype),
     )
-    return o_rows, lse_spec, out_shape
+    return _query_rows(cfg, value_dim_padded), lse_spec, out_shape
   o_spec = pl.BlockSpec(
     (None, None, cfg.block_q, None, value_dim_padded),
     lambda i, b, h, s: (b, s, i, h, 0),
