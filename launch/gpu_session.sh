@@ -1,66 +1,180 @@
 #!/bin/bash
-# One GPU session's checks in one command, each stage under its own time
-# limit so that a slow stage leaves the others their share:
-#   1. compiled-kernel correctness: `pytest -m gpu` (the stable presets,
-#      compiled against interpret mode bit for bit, included);
-#   2. the drift study's `gpu` size (85M parameters, context 1024): Flash
-#      vs Baseline against BF16-vs-FP32 training, the drift-scaling fit's
-#      prediction checked;
-#   3. the stable presets' price: forward and forward+backward time and
-#      peak memory against their base presets and cuDNN, lengths 1K-16K.
-# Usage: launch/gpu_session.sh OUT_DIR [TESTS_S DRIFT_S BENCH_S STEPS]
-# (a stage given 0 seconds is skipped; on an H200 the GPU tests ran 41
-# of 68 in 170 s at -n 8; STEPS: the drift run's steps, 400
-# in the `gpu` config: about 1 step/s on an H200 with 3 replicates, but
-# a logging step did not finish within 120 s there: profile it first).
-# Everything a stage writes lands in OUT_DIR (logs, run directories
-# packed in runs.tgz); stored under results/gpu/, the reports regenerate
-# on a CPU.
+# One GPU session in one command, about 8 minutes, each stage under its own
+# time limit and writing its rows as it goes (a stage cut off keeps what it
+# measured; stages.jsonl says which stages ended and how):
+#   1. tests:   `pytest -m gpu` over what compiles differently from interpret
+#               mode: every preset's rounding, the stable presets' and MLA's
+#               gradients, NaN padding, split-KV;
+#   2. price:   the stable presets against their base presets (and jax's
+#               mha and cuDNN in BF16), forward and forward+backward, time
+#               and program memory, head dim 128 at 8K, 4K, 16K;
+#   3. regimes: the audit of cuDNN, xla and the stable presets at
+#               small_logits, poisoned_padding, finite_mask, tied_maxima;
+#   4. levers:  one forward per lever (registers, shared memory, base 2,
+#               causal skipping) timed, then Nsight Compute's counters;
+#   5. drift:   Flash vs Baseline next to BF16 vs FP32 at 20M parameters.
+# Usage:
+#   launch/gpu_session.sh RECORD_DIR [PACK.tgz]
+# RECORD_DIR receives the rows (launch/gpu_report.py reads it on a CPU);
+# PACK, if given, is rewritten after every stage with RECORD_DIR packed.
+# Stage limits in seconds: TESTS_S PRICE_S REGIMES_S LEVERS_S DRIFT_S
+# (0 skips a stage). GPU_SESSION_SMALL=1 runs every stage on the CPU path
+# (interpret mode, a test's sizes): tests/test_gpu_session.py does.
 set -u
-out=${1:?usage: launch/gpu_session.sh OUT_DIR [TESTS_S DRIFT_S BENCH_S STEPS]}
-tests_s=${2:-300}
-drift_s=${3:-540}
-bench_s=${4:-100}
-steps=${5:-400}
-export PYTHONUNBUFFERED=1
-mkdir -p "$out" runs/gpu
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
-  > "$out/device.csv" 2>&1
-python3 - > "$out/versions.txt" 2>&1 <<'EOF'
-import jax, flax, optax, triton
-print(jax.__version__, jax.devices(), flax.__version__, optax.__version__,
-      triton.__version__)
+record=${1:?usage: launch/gpu_session.sh RECORD_DIR [PACK.tgz]}
+pack=${2:-}
+small=${GPU_SESSION_SMALL:-0}
+tests_s=${TESTS_S:-90}
+price_s=${PRICE_S:-130}
+regimes_s=${REGIMES_S:-75}
+levers_s=${LEVERS_S:-65}
+drift_s=${DRIFT_S:-120}
+# A stage cut off at its limit gets SIGABRT first: with the fault handler
+# on, its log ends in the Python stack where it was.
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+# Processes of one stage share the card: each takes memory as it needs it.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+mkdir -p "$record/audit"
+: > "$record/stages.jsonl"
+
+"$python" - "$record" "${GPU_SESSION_COMMIT:-}" > "$record/session.log" 2>&1 <<'EOF'
+import datetime, json, subprocess, sys
+import jax
+record, commit = sys.argv[1], sys.argv[2]
+session = {
+  "device": jax.devices()[0].device_kind,
+  "platform": jax.default_backend(),
+  "jax": jax.__version__,
+  "date": datetime.date.today().isoformat(),
+  "commit": commit,
+  "script": "launch/gpu_session.sh",
+}
+try:
+  import triton
+  session["triton"] = triton.__version__
+  session["driver"] = subprocess.run(
+    ["nvidia-smi", "--query-gpu=driver_version,memory.total",
+     "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+except Exception as e:  # a CPU run has neither
+  session["driver"] = f"none ({type(e).__name__})"
+open(f"{record}/session.json", "w").write(json.dumps(session, indent=2) + "\n")
+print(session)
 EOF
+
+save() {
+  [ -n "$pack" ] && tar czf "$pack" -C "$(dirname "$record")" "$(basename "$record")"
+  return 0
+}
 
 stage() {  # name seconds command...
   local name=$1 limit=$2
   shift 2
-  [ "$limit" -gt 0 ] || return 0
+  if [ "$limit" -le 0 ]; then
+    echo "{\"stage\": \"$name\", \"skipped\": true}" >> "$record/stages.jsonl"
+    return 0
+  fi
   local start=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -s ABRT --kill-after=10 "$limit" "$@" > "$record/$name.log" 2>&1
   local rc=$?
-  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$out/stages.txt"
+  local took=$((SECONDS - start))
+  # timeout's 124, or 134 (SIGABRT) and 137 (SIGKILL) from a stage cut off.
+  local cut=false
+  { [ $rc -eq 124 ] || [ $rc -eq 134 ] || [ $rc -eq 137 ]; } && cut=true
+  echo "{\"stage\": \"$name\", \"rc\": $rc, \"seconds\": $took," \
+    "\"limit\": $limit, \"cut_off\": $cut}" >> "$record/stages.jsonl"
+  echo "stage $name: rc=$rc, ${took} s of ${limit} s, cut off: $cut"
+  save
 }
 
-# Each test process takes GPU memory as it needs it: preallocating 75% of
-# the card in each of 8 processes runs out of memory.
-XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  stage gpu_tests "$tests_s" python3 -m pytest -m gpu -n 8 -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml" \
-  tests/test_gpu_lowering.py
-stage drift "$drift_s" python3 launch/training_drift.py \
-  --workdir=runs/gpu/drift --config=configs/training_drift.py:gpu \
-  --config.pairs=flash_vs_baseline,bf16_vs_fp32 \
-  --config.train.replicates=3 --config.train.grad_error=False \
-  --config.data.corpus_tokens=8388608 --config.train.total_steps="$steps" \
-  --config.train.warmup_steps=$((steps / 10)) \
-  --config.train.log_every=$((steps / 4)) --config.train.checkpoint_every="$steps"
-stage bench "$bench_s" python3 launch/benchmark.py --workdir=runs/gpu/bench \
-  --config.gpu.policies=bf16-fa2,bf16-fa2-stable,fp16-fa2,fp16-fa2-stable,fp32,fp32-stable \
-  --config.implementations=pallas,cudnn --config.head_dims=128 \
-  --config.causal='(False,)' --config.tile_search=False \
-  --config.memory_implementations=pallas --config.mask_settings= \
-  --config.gpu.seq_lens=1024,4096,16384 --config.gpu.memory_seq_lens=16384 \
-  --config.warmup=1 --config.repeats=5
-tar czf "$out/runs.tgz" --exclude='*/checkpoints' runs/gpu
-tail -n 3 "$out"/*.log
-cat "$out/stages.txt"
+small_flag=()
+audit_shape='((1,1024,1024,8,2,128),)'
+kernels=(cudnn xla)
+drift_config=(
+  --config=configs/training_drift.py:gpu
+  --config.model.width=512 --config.model.depth=6 --config.model.heads=8
+  --config.train.total_steps=400 --config.train.warmup_steps=40
+  --config.train.log_every=100 --config.train.checkpoint_every=400
+  --config.data.corpus_tokens=4194304
+)
+if [ "$small" = 1 ]; then
+  small_flag=(--small)
+  audit_shape='((1,192,192,4,2,32),)'
+  kernels=(xla)
+  drift_config=(--config=configs/training_drift.py:smoke
+    --config.train.total_steps=4 --config.train.log_every=2
+    --config.train.checkpoint_every=4 --config.attention.context_parallel=0)
+fi
+
+stage tests "$tests_s" "$python" -m pytest -m gpu -n "${TEST_WORKERS:-14}" \
+  -v -p no:cacheprovider tests/test_gpu_lowering.py \
+  -k "rounds_like or keeps_nan or split_kv_and_paged"
+
+stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \
+  --out="$record/price.jsonl" "${small_flag[@]}"
+
+audit_one() {  # NAME KERNEL PRECISIONS [OPTIONS...]: one audit at the four regimes
+  local name=$1 kernel=$2 precisions=$3
+  shift 3
+  "$python" launch/audit.py --workdir="runs/gpu_session/audit_$name" \
+    --config=configs/audit.py:smoke --config.kernel="$kernel" \
+    --config.precisions="$precisions" "$@" \
+    --config.features=none --config.shapes="$audit_shape" \
+    --config.regimes=small_logits,poisoned_padding,finite_mask,tied_maxima \
+    > "$record/audit/$name.log" 2>&1
+  echo "audit $name rc=$?"
+}
+regimes() {
+  rm -rf runs/gpu_session/audit_*
+  for kernel in "${kernels[@]}"; do
+    audit_one "$kernel" "$kernel" bf16-framework &
+  done
+  # The stable presets, one process per format.
+  for precisions in fp32 bf16-framework fp16-framework; do
+    audit_one "pallas_stable_${precisions%-framework}" pallas "$precisions" \
+      --config.kernel_precision=stable &
+  done
+  wait
+}
+export -f audit_one
+export python audit_shape record
+stage regimes "$regimes_s" bash -c "$(declare -f regimes); kernels=(${kernels[*]}); regimes"
+# An audit cut off at the limit still leaves the rows it appended.
+for run in runs/gpu_session/audit_*; do
+  [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$record/audit/${run##*/audit_}.jsonl"
+done
+save
+
+levers() {
+  "$python" launch/gpu_stage.py --stage=levers --out="$record/levers.jsonl" "$@" || return
+  if ! command -v ncu > /dev/null; then
+    echo "ncu is not on this machine: no counters"
+    return 0
+  fi
+  ncu --clock-control none -k regex:'flash_forward|mha_forward' -c 20 --csv \
+    --log-file "$record/ncu.csv" \
+    --metrics gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__sass_inst_executed_op_local_ld.sum \
+    "$python" launch/gpu_stage.py --stage=ncu_pass --out="$record/ncu_order.json" "$@" || return
+  "$python" launch/gpu_stage.py --stage=ncu_rows --ncu_csv="$record/ncu.csv" \
+    --order="$record/ncu_order.json" --out="$record/nsight.jsonl"
+}
+stage levers "$levers_s" bash -c "$(declare -f levers); levers ${small_flag[*]}"
+
+drift() {
+  rm -rf runs/gpu_session/drift
+  "$python" launch/training_drift.py --workdir=runs/gpu_session/drift \
+    "$@" --config.pairs=flash_vs_baseline,bf16_vs_fp32 \
+    --config.train.replicates=1 --config.train.grad_error=False
+  local rc=$?
+  mkdir -p "$record/drift"
+  cp runs/gpu_session/drift/{metrics.jsonl,report.md,headline.json,config.json} \
+    "$record/drift/" 2>/dev/null
+  return $rc
+}
+stage drift "$drift_s" bash -c "$(declare -f drift); drift ${drift_config[*]}"
+# A drift run cut off still leaves the rows it logged.
+mkdir -p "$record/drift"
+cp runs/gpu_session/drift/metrics.jsonl "$record/drift/" 2>/dev/null
+save
+cat "$record/stages.jsonl"
