@@ -12,6 +12,7 @@ are appended as each point finishes (see
 `stableattn/experiments/benchmark/gpu_stages.py`).
 """
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -26,6 +27,9 @@ flags.DEFINE_string("out", None, "Where the stage's rows go.")
 flags.DEFINE_bool("small", False, "Interpret-mode sizes (a CPU test).")
 flags.DEFINE_string("ncu_csv", None, "ncu_rows: Nsight Compute's --csv output.")
 flags.DEFINE_string("order", None, "ncu_rows: the ncu_pass order file.")
+flags.DEFINE_list("lengths", None, "price: lengths instead of the default.")
+flags.DEFINE_list("bases", None, "price: base presets of the pairs to time.")
+flags.DEFINE_list("modes", None, "price: forward and/or forward_backward.")
 flags.mark_flags_as_required(["stage", "out"])
 
 
@@ -35,8 +39,14 @@ def main(argv):
   out = pathlib.Path(f.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   sizes = gpu_stages.sizes(f.small)
+  if f.lengths:
+    sizes = dataclasses.replace(sizes, lengths=tuple(map(int, f.lengths)))
   if f.stage == "price":
-    for point in gpu_stages.price_points(sizes):
+    pairs = [
+      p for p in gpu_stages.STABLE_PAIRS if not f.bases or p[0] in f.bases
+    ]
+    modes = tuple(f.modes or gpu_stages.MODES)
+    for point in gpu_stages.price_points(sizes, pairs, modes):
       started = time.time()
       rows = gpu_stages.price_rows(sizes, *point)
       gpu_stages.append_rows(out, rows)

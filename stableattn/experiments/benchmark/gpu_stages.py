@@ -42,6 +42,7 @@ STABLE_PAIRS = (
   ("fp16-fa2", "fp16-fa2-stable"),
   ("fp32", "fp32-stable"),
 )
+MODES = ("forward", "forward_backward")
 # Peers timed beside the BF16 pair only: they take 16-bit inputs, and one
 # alternation per length is enough to place ours against them.
 PRICE_PEERS = ("jax_mha", "cudnn")
@@ -141,11 +142,11 @@ def _timed_rows(compiled, args, labels_of, s: Sizes, work) -> list[dict]:
   return rows
 
 
-def price_points(s: Sizes):
+def price_points(s: Sizes, pairs=STABLE_PAIRS, modes=MODES):
   """(mode, causal, length, base, stable) in the order they are measured:
   every pair at the first length before the next length."""
   for seq_len, mode, causal, (base, stable) in itertools.product(
-    s.lengths, ("forward", "forward_backward"), (False, True), STABLE_PAIRS
+    s.lengths, modes, (False, True), pairs
   ):
     yield mode, causal, seq_len, base, stable
 
