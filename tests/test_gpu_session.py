@@ -58,11 +58,12 @@ def test_nsight_rows_refuse_a_count_that_does_not_match():
     gpu_stages.parse_ncu_csv("==PROF== nothing profiled\n", ["default"])
 
 
-def test_price_points_measure_every_pair_at_the_first_length_first():
+def test_price_points_measure_the_16_bit_pairs_by_length_then_fp32():
   points = list(gpu_stages.price_points(gpu_stages.GPU_SIZES))
   first = [p for p in points if p[2] == 8192]
-  assert points[: len(first)] == first and len(first) == 12
-  assert {(p[3], p[4]) for p in first} == set(gpu_stages.STABLE_PAIRS)
+  assert points[: len(first)] == first and len(first) == 8
+  assert {p[3] for p in first} == {"bf16-fa2", "fp16-fa2"}
+  assert [p[2:4] for p in points[-4:]] == [(2048, "fp32")] * 4
 
 
 @pytest.mark.slow
@@ -105,3 +106,51 @@ def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
     assert {"small_logits", "poisoned_padding"} <= regimes, name
   assert (record / "drift" / "metrics.jsonl").stat().st_size > 0
   assert (tmp_path / "p.tgz").stat().st_size > 0
+
+
+def test_docs_quote_every_table_of_the_session_record_unchanged():
+  from stableattn.experiments.benchmark import session_record
+
+  record = session_record.load(ROOT / "results" / "gpu" / "h100-2026-11-26")
+  docs = (ROOT / "docs" / "performance.md").read_text()
+  for name, text in session_record.sections(record).items():
+    assert text, f"section {name} is empty"
+    assert text in docs, (
+      f"docs/performance.md does not quote {name} as rows give it"
+    )
+
+
+def test_session_goals_read_met_or_missed_from_rows():
+  from stableattn.experiments.benchmark import session_record
+
+  def timing(kind, implementation, precision, ms, **labels):
+    return {
+      "kind": kind,
+      "implementation": implementation,
+      "precision": precision,
+      "mode": "forward",
+      "causal": False,
+      "seq_len": 8192,
+      "pair": "bf16-fa2",
+      "median_ms": ms,
+      **labels,
+    }
+
+  price = [
+    timing("price", "pallas", "bf16-fa2", 10.0),
+    timing("price", "jax_mha", "bf16-fa2", 11.0),
+    timing("price", "cudnn", "bf16-fa2", 5.0),
+    timing("price", "pallas", "bf16-fa2", 20.0, mode="forward_backward"),
+    timing("price", "pallas", "bf16-fa2-stable", 23.0, mode="forward_backward"),
+  ]
+  levers = [
+    timing("lever", "pallas", "bf16-fa2", 10.0, lever="default"),
+    timing("lever", "pallas", "bf16-fa2", 5.0, lever="causal", causal=True),
+  ]
+  record = session_record.SessionRecord({}, [], {}, price, levers, [], {}, [])
+  lines = session_record.goal_lines(record).splitlines()
+  assert "**met**" in lines[0] and "1.10x" in lines[0]  # 11 / 10
+  assert "**missed**" in lines[1] and "0.50x" in lines[1]  # 5 / 10
+  assert lines[2].endswith("no rows")  # no cuDNN forward+backward row
+  assert "**missed**" in lines[3] and "1.150x" in lines[3]  # 23 / 20
+  assert "**met**" in lines[4] and "0.50x" in lines[4]  # causal 5 / 10

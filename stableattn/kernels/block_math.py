@@ -89,16 +89,9 @@ def unattended_keys_zeroed(mask, *tiles_BkxD):
   """
   if mask is None:
     return tiles_BkxD
-  # A max, not jnp.any: Triton's lowering has no reduce_or. The reduced
-  # vector is broadcast as a float and compared at the tile's shape: a
-  # boolean vector moved to the tile's layout goes through shared memory,
-  # which Triton refuses for 1-bit elements ("element type bit width must
-  # be a multiple of 8"; H100, 16-row tiles, 2026-11-26).
-  attended_Bk1 = jnp.max(jnp.where(mask, 1.0, 0.0), axis=0)[:, None]
-  return tuple(
-    jnp.where(jnp.broadcast_to(attended_Bk1, t.shape) > 0, t, jnp.zeros_like(t))
-    for t in tiles_BkxD
-  )
+  # A max, not jnp.any: Triton's lowering has no reduce_or.
+  attended_Bk = jnp.max(jnp.where(mask, 1.0, 0.0), axis=0)[:, None] > 0
+  return tuple(jnp.where(attended_Bk, t, jnp.zeros_like(t)) for t in tiles_BkxD)
 
 
 def no_key_safe(m):

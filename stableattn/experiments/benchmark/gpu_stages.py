@@ -35,6 +35,7 @@ from stableattn.experiments.benchmark.timing import (
   random_inputs,
   timed_fn,
 )
+from stableattn.numerics.precision import Precision
 
 # Each stable preset beside the preset it makes stable.
 STABLE_PAIRS = (
@@ -55,6 +56,7 @@ NCU_METRICS = {
   "launch__registers_per_thread": "registers_per_thread",
   "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum": "shared_memory_wavefronts",
   "smsp__sass_inst_executed_op_local_ld.sum": "local_loads",
+  "smsp__inst_executed_pipe_fma.sum": "fma_instructions",
 }
 
 
@@ -68,6 +70,7 @@ class Sizes:
   repeats: int
   block_q: int = 64
   block_k: int = 64
+  fp32_length: int = 2048  # the FP32 pair's one length
 
 
 GPU_SIZES = Sizes(
@@ -144,11 +147,24 @@ def _timed_rows(compiled, args, labels_of, s: Sizes, work) -> list[dict]:
 
 def price_points(s: Sizes, pairs=STABLE_PAIRS, modes=MODES):
   """(mode, causal, length, base, stable) in the order they are measured:
-  every pair at the first length before the next length."""
+  the 16-bit pairs at each length in turn, then the FP32 pair at
+  `fp32_length` alone. The FP32 presets' compiled forward took 2.95 s at
+  8K on an H100 (a BF16 one 8.6 ms): at 8K their two forwards took 65 s
+  of a 130 s stage."""
+  half = [p for p in pairs if not _fp32_operands(p[0])]
+  full = [p for p in pairs if _fp32_operands(p[0])]
   for seq_len, mode, causal, (base, stable) in itertools.product(
-    s.lengths, modes, (False, True), pairs
+    s.lengths, modes, (False, True), half
   ):
     yield mode, causal, seq_len, base, stable
+  for mode, causal, (base, stable) in itertools.product(
+    modes, (False, True), full
+  ):
+    yield mode, causal, s.fp32_length, base, stable
+
+
+def _fp32_operands(preset: str) -> bool:
+  return Precision.from_name(preset).matmul_operands == "fp32"
 
 
 def price_rows(s: Sizes, mode, causal, seq_len, base, stable) -> list[dict]:
