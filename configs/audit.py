@@ -89,6 +89,9 @@ def _default() -> ml_collections.ConfigDict:
   # inputs, regimes) and shrink a failure to the smallest failing case,
   # printed as one launcher command that reproduces it.
   c.search_budget = 0
+  # A model's own tensors, audited beside the grid: a training run with
+  # capture_steps set, its captures/ folder or one step's folder.
+  c.inputs = ""
   return c
 
 

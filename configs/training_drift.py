@@ -100,6 +100,10 @@ def _default() -> ml_collections.ConfigDict:
   # At each log: flash attention-gradient error vs FP32 attention, its
   # cosine with the previous log's error and its top singular value share.
   c.train.grad_error = True
+  # Steps after which every attention layer's q, k, v and dO are saved
+  # under <workdir>/captures for the audit (--config.inputs); e.g. "0,75".
+  c.train.capture_steps = ""
+  c.train.capture_rows = 2  # batch rows kept per capture
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # your tokens: .npy, .bin (uint16) or text; else corpus

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.auditing import invariance
+from stableattn.auditing import captures, invariance
 from stableattn.auditing import regimes as regimes_lib
 from stableattn.auditing.feature_recipes import FeatureRecipe
 from stableattn.auditing.inputs import (
@@ -330,6 +330,7 @@ def audit(
   invariances=None,
   regimes=None,
   layout: str = "bshd",
+  inputs=None,
 ) -> AuditReport:
   """Audits fn(q, k, v, **features): output and gradients under every
   rule, determinism over `repeats` runs, and NaN/Inf.
@@ -363,6 +364,11 @@ def audit(
       from every shape, judged by the same rules, plus: NaN/Inf anywhere
       fails, and rows no key may attend must be exactly 0. Cases a kernel
       cannot run (a feature it does not take) are reported n/a.
+    inputs: a model's own tensors, judged beside the grid: a capture
+      directory (`stableattn.auditing.captures`; a training run's
+      `captures/`), or a list of `captures.CapturedLayer` or `EdgeCase`.
+      Each captured layer is a case of regime "captured" named by its
+      step and layer, with its captured cotangent dO.
     layout: "bshd" (ours: [batch, length, heads, head_dim]) or "bhsd"
       (torch's and the TPU kernels': [batch, heads, length, head_dim]);
       the audit transposes around a "bhsd" kernel, inputs and output.
@@ -398,6 +404,13 @@ def audit(
   )
   rows += found
   errors += raised
+  if inputs is not None:
+    found, skipped, raised = regimes_lib.measure_cases(
+      fn, policy, captures.edge_cases(inputs), repeats, tuple(tensors), rules
+    )
+    rows += found
+    notes += skipped
+    errors += raised
   invariance_rows = ()
   if probes:
     first = all_cases[0]

@@ -249,8 +249,20 @@ def measure_regime(
   not apply (the regime's reason, a feature the kernel does not take, or
   its ValueError or NotImplementedError refusing the case); an error per
   case it raised on otherwise (the error's type and first line)."""
+  return measure_cases(
+    fn, policy, edge_cases(regime, shape, policy.inputs), repeats, tensors,
+    rules,
+  )  # fmt: skip
+
+
+def measure_cases(
+  fn, policy, edge_cases_, repeats: int, tensors, rules
+) -> tuple[list[dict], list[dict], list[dict]]:
+  """(rows, notes, errors) of `EdgeCase`s, each under its own regime name
+  (a constructed regime's, or "captured" for a model's own tensors)."""
   rows, notes, errors = [], [], []
-  for case in edge_cases(regime, shape, policy.inputs):
+  for case in edge_cases_:
+    regime = case.regime
     note = {"regime": regime, "detail": case.detail, "policy": policy.name}
     case_fn, why = with_split(fn, case.split)
     if case.not_applicable is None and why:

@@ -17,7 +17,7 @@ import shlex
 
 from tqdm.auto import tqdm
 
-from stableattn.auditing import invariance, regimes
+from stableattn.auditing import captures, invariance, regimes
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
 from stableattn.auditing.kernel_audit import (
   TENSORS,
@@ -74,6 +74,9 @@ class Settings:
   # The kernel's layout (`stableattn.ops.registry.LAYOUTS`): "bhsd"
   # kernels are called on transposed inputs.
   layout: str = "bshd"
+  # A model's captured tensors (`stableattn.auditing.captures`): a run's
+  # directory, its captures/ or one step's folder; "": none.
+  inputs: str = ""
 
 
 def settings_from_config(c) -> Settings:
@@ -124,7 +127,19 @@ def settings_from_config(c) -> Settings:
     else 0,
     forward_only=forward_only(kernel),
     layout=_layout(c),
+    inputs=_inputs(c),
   )
+
+
+def _inputs(c) -> str:
+  """config.inputs, checked before any file is written."""
+  path = str(c.get("inputs", "") or "").strip()
+  if path:
+    try:
+      captures.load(path)
+    except ValueError as e:
+      raise ValueError(f"config.inputs: {e}") from None
+  return path
 
 
 def _layout(c) -> str:
@@ -184,6 +199,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     progress = tqdm(total=_steps(s), desc=f"audit {s.kernel}", unit="case",
                     disable=None)  # fmt: skip
     rows, notes, errors, probes = [], [], [], []
+    captured = captures.edge_cases(s.inputs) if s.inputs else []
     for name in s.precisions:
       policy = Precision.from_name(name)
       fn = in_layout(kernel_fn(s, policy), s.layout)
@@ -204,6 +220,16 @@ def run(config, workdir, *, restart: bool = False) -> dict:
         notes += skipped
         errors += [_with_command(s, e, spec) for e in raised]
         progress.update(len(s.regimes))
+      if captured:
+        new, skipped, raised = regimes.measure_cases(
+          fn, policy, captured, s.repeats, _tensors(s), RULES
+        )
+        new = [{"kernel": s.kernel, **r} for r in new]
+        run_dir.append_metrics(new)
+        rows += new
+        notes += skipped
+        errors += raised
+        progress.update()
       if s.invariances:
         first = cases(s.shapes, s.distributions, 1)[0]
         probes += [
@@ -224,7 +250,9 @@ def _steps(s: Settings) -> int:
   """The progress bar's length: grid cases, regimes per shape, probes."""
   grid = len(cases(s.shapes, s.distributions, s.seeds)) * len(s.features)
   regimes_run = len(dict.fromkeys(s.shapes)) * len(s.regimes)
-  return len(s.precisions) * (grid + regimes_run + bool(s.invariances))
+  return len(s.precisions) * (
+    grid + regimes_run + bool(s.invariances) + bool(s.inputs)
+  )
 
 
 def _tensors(s: Settings) -> tuple[str, ...]:

@@ -226,8 +226,8 @@ class SelfAttention(nnx.Module):
   def __call__(self, x_BxTxW, collect_stats: bool = False, probe_tap=None):
     """Output and statistics. `probe_tap` ([B, T, H, D], zeros) is added to
     the attention output, so its gradient is dO; with it the statistics
-    hold this attention's output and FP32 attention's on the same q, k, v
-    (arrays, for `Trainer.deltas`)."""
+    hold q, k, v, this attention's output and FP32 attention's on them
+    (arrays, for `Trainer.deltas` and `Trainer.capture`)."""
     batch, length, width = x_BxTxW.shape
     q, k, v = self.project(x_BxTxW)
     spec = self.attention_spec
@@ -248,6 +248,7 @@ class SelfAttention(nnx.Module):
       inputs = spec.options.precision.dtype("inputs")
       stats.update(attention_statistics(q, k, inputs))
     if probe_tap is not None:
+      stats.update(q=q, k=k, v=v)  # as the kernel received them
       stats["out"] = out
       stats["out_fp32"] = spec.call(q, k, v, "reference", FP32)
       out = out + probe_tap.astype(out.dtype)

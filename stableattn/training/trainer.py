@@ -148,6 +148,7 @@ class Trainer:
     self._step = jax.jit(self._step_impl, donate_argnums=0)
     self._eval = jax.jit(self._eval_impl)
     self._deltas = jax.jit(self._deltas_impl)
+    self._capture = jax.jit(self._capture_impl)
     # Evaluation may run another attention on the same parameters (the
     # drift experiment evaluates a flash run through "shadow" attention,
     # which also computes the baseline and reports their deviation).
@@ -286,6 +287,21 @@ class Trainer:
     return logits, loss, stats
 
   def _deltas_impl(self, params, batch):
+    d_outs, stats = self._taps_and_grads(params, batch)
+    pairs = []
+    for d_out, layer in zip(d_outs, stats):
+      d_out = d_out.astype(self.compute_dtype).astype(jnp.float32)
+      pairs.append(
+        tuple(
+          jnp.sum(d_out * layer[name].astype(jnp.float32), axis=-1)
+          for name in ("out_fp32", "out")
+        )
+      )
+    return pairs
+
+  def _taps_and_grads(self, params, batch):
+    """(dO per layer, per-layer statistics with arrays) of the loss on
+    `batch`: zero taps on every attention output, differentiated."""
     spec = self.model_spec
     tap = jnp.zeros(
       (
@@ -303,17 +319,26 @@ class Trainer:
       )
       return loss, stats
 
-    d_outs, stats = jax.grad(loss_of, has_aux=True)([tap] * spec.depth)
-    pairs = []
-    for d_out, layer in zip(d_outs, stats):
-      d_out = d_out.astype(self.compute_dtype).astype(jnp.float32)
-      pairs.append(
-        tuple(
-          jnp.sum(d_out * layer[name].astype(jnp.float32), axis=-1)
-          for name in ("out_fp32", "out")
-        )
-      )
-    return pairs
+    return jax.grad(loss_of, has_aux=True)([tap] * spec.depth)
+
+  def _capture_impl(self, params, batch):
+    d_outs, stats = self._taps_and_grads(params, batch)
+    return [
+      {
+        "q": layer["q"],
+        "k": layer["k"],
+        "v": layer["v"],
+        # dO as the kernel's backward receives it: in the compute format.
+        "d_out": d_out.astype(self.compute_dtype),
+      }
+      for d_out, layer in zip(d_outs, stats)
+    ]
+
+  def capture(self, state: TrainState, batch: jax.Array) -> list[dict]:
+    """Per layer, q, k and v as this run's attention kernel receives them
+    on `batch` and the loss's cotangent dO of its output (compute format;
+    `stableattn.auditing.captures` saves and audits them)."""
+    return self._capture(state.params, batch)
 
   def deltas(self, state: TrainState, batch: jax.Array):
     """Per layer, (delta = rowsum(dO * O) with FP32 attention's O, the same

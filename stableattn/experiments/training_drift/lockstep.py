@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from tqdm.auto import tqdm
 
+from stableattn.auditing import captures
 from stableattn.experiments import environment
 from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift import checkpoints, probes
@@ -141,6 +144,8 @@ class Lockstep:
     started = time.time()
     if start == 0 and not self.rows:
       self.log(0)
+    if start == 0 and 0 in self.s.capture_steps:
+      self.capture(0)
     total = self.s.optimizer.total_steps
     for step in tqdm(
       range(start + 1, total + 1),
@@ -153,6 +158,8 @@ class Lockstep:
       self.step(step)
       if step % self.s.log_every == 0 or step == total:
         self.log(step)
+      if step in self.s.capture_steps:
+        self.capture(step)
       stop_here = step == self.s.stop_at_step
       if step % self.s.checkpoint_every == 0 or step == total or stop_here:
         checkpoints.save(manager, step, self.states)
@@ -210,6 +217,39 @@ class Lockstep:
           "loss_scale": float(metrics["loss_scale"]),
           "finite_grads": bool(metrics["finite_grads"]),
         }
+
+  def capture(self, step: int) -> None:
+    """Saves every attention layer's q, k, v and dO of the flash run (the
+    base run without one), first replicate, on the batch the next update
+    trains on (its first `capture_rows` rows), under captures/."""
+    name = next(iter(self.s.flash_runs), "base")
+    trainer, replicate = self.trainers[name], self.replicates[0]
+    tokens = batch_at(self.tokens, self.s, step + 1, replicate)
+    tokens = tokens[: self.s.capture_rows]
+    layers = trainer.capture(self.states[name, replicate], jnp.asarray(tokens))
+    attention = trainer.run.attention
+    captures.save(
+      self.run_dir.path / "captures",
+      step,
+      {
+        i: {
+          t: np.asarray(jnp.asarray(a, jnp.float32)) for t, a in layer.items()
+        }
+        for i, layer in enumerate(layers)
+      },
+      # The residual stream's format, which q, k and v arrive in (the
+      # attention policy rounds them to its own input format).
+      dtype=str(layers[0]["q"].dtype),
+      features={"causal": True},
+      metadata={
+        "run": name,
+        "replicate": replicate,
+        "attention": attention.kind,
+        "policy": attention.options.precision.name,
+        "model": dataclasses.asdict(self.s.model),
+        "batch_rows": len(tokens),
+      },
+    )
 
   def log(self, step: int) -> None:
     new = []

@@ -54,6 +54,8 @@ class Settings:
   corpus: str  # "generated" or "python_stdlib" (when data_path is "")
   corpus_tokens: int
   grad_error: bool  # measure flash runs' attention-gradient error
+  capture_steps: tuple[int, ...]  # steps whose attention tensors are saved
+  capture_rows: int
   compare: str  # "natural": each kernel's own policy; "shared": Flash's
   # XLA_FLAGS of the other machine the base run is trained on again (pair
   # other_machine), and its label; None and the reason where there is none.
@@ -114,6 +116,11 @@ class TrainSection:
   devices: int = spec(minimum=0)
   stop_at_step: int = spec(minimum=0)
   grad_error: bool = spec()
+  # Steps after which every attention layer's q, k, v and dO of the flash
+  # run (first replicate) are saved under captures/ (the next step's
+  # batch, `capture_rows` rows of it); empty: none.
+  capture_steps: tuple[int, ...] = spec(minimum=0, allow_empty=True)
+  capture_rows: int = spec(minimum=1)
 
   def __post_init__(self):
     if self.total_steps <= self.warmup_steps:
@@ -247,6 +254,8 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
     corpus=data.corpus,
     corpus_tokens=data.corpus_tokens,
     grad_error=train.grad_error and not twin,
+    capture_steps=() if twin else train.capture_steps,
+    capture_rows=train.capture_rows,
     compare=attention.compare,
     machine_flags=flags,
     machine=machine,

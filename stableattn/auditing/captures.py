@@ -1,0 +1,195 @@
+"""A model's own attention tensors, captured in training and audited.
+
+Random inputs pass where real activations fail (TransformerEngine #3216:
+FA4's GQA dQ about 5x too large only on real activations; PyTorch #196678
+met through one massive-activation head of Qwen2.5-0.5B). A capture keeps,
+for chosen layers at one training step, q, k and v as the attention
+kernel received them and the cotangent dO of its output, so that the
+audit can judge any kernel on exactly those tensors.
+
+On disk (one folder per step, under a run's `captures/`):
+
+  step_000300/capture.json    format, step, dtype, features, layers, the
+                              model's config and the batch rows kept
+  step_000300/layer_02.npz    q, k, v [B, T, H, D] and d_out [B, T, H, Dv]
+                              as float32 (exact for BF16 and FP16 values)
+
+Size per layer: 4 x rows x length x heads x head_dim x 4 bytes (the
+drift launcher's default model, 2 rows of 64 tokens, 4 heads of 32:
+128 KiB; GPT-2 small's shape, 2 rows of 1024: 12 MiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+from stableattn.auditing.edge_case import EdgeCase
+
+CAPTURE_FORMAT = 1
+REGIME = "captured"
+TENSORS = ("q", "k", "v", "d_out")
+
+
+def step_folder(root, step: int) -> pathlib.Path:
+  return pathlib.Path(root) / f"step_{step:06d}"
+
+
+def save(
+  root,
+  step: int,
+  layers: dict[int, dict[str, np.ndarray]],
+  *,
+  dtype: str,
+  features: dict,
+  metadata: dict | None = None,
+) -> pathlib.Path:
+  """Writes one step's capture; `layers`: layer index -> {q, k, v, d_out}.
+  Returns its folder."""
+  folder = step_folder(root, step)
+  folder.mkdir(parents=True, exist_ok=True)
+  shapes = {}
+  for layer, arrays in sorted(layers.items()):
+    missing = [t for t in TENSORS if t not in arrays]
+    if missing:
+      raise ValueError(f"layer {layer}'s capture lacks {missing}.")
+    np.savez(
+      folder / f"layer_{layer:02d}.npz",
+      **{t: np.asarray(arrays[t], np.float32) for t in TENSORS},
+    )
+    shapes[layer] = {t: list(np.shape(arrays[t])) for t in TENSORS}
+  record = {
+    "format": CAPTURE_FORMAT,
+    "step": step,
+    "dtype": dtype,
+    "features": features,
+    "layers": {str(k): v for k, v in shapes.items()},
+    **(metadata or {}),
+  }
+  (folder / "capture.json").write_text(json.dumps(record, indent=2) + "\n")
+  return folder
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedLayer:
+  step: int
+  layer: int
+  dtype: str
+  features: dict
+  tensors: dict  # q, k, v, d_out as float64
+
+  @property
+  def label(self) -> str:
+    return f"step {self.step}, layer {self.layer}"
+
+  def edge_case(self) -> EdgeCase:
+    t = self.tensors
+    return EdgeCase(
+      REGIME, self.label, t["q"], t["k"], t["v"], dict(self.features),
+      d_out=t["d_out"],
+    )  # fmt: skip
+
+
+def _step_folders(path: pathlib.Path) -> list[pathlib.Path]:
+  if (path / "capture.json").exists():
+    return [path]
+  folders = sorted(p for p in path.glob("step_*") if p.is_dir())
+  if not folders and (path / "captures").is_dir():
+    folders = sorted(p for p in (path / "captures").glob("step_*"))
+  return [p for p in folders if (p / "capture.json").exists()]
+
+
+def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
+  """Every captured layer under `path`: a run directory, its `captures/`
+  folder or one step's folder; `layers`, `steps`: keep only these."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise ValueError(f"no captures at {path}: the path does not exist.")
+  folders = _step_folders(path)
+  if not folders:
+    raise ValueError(
+      f"no captures under {path}: expected step_NNNNNN/capture.json "
+      "folders (a training run with capture_steps set writes them to "
+      "<workdir>/captures)."
+    )
+  found = []
+  for folder in folders:
+    record = json.loads((folder / "capture.json").read_text())
+    if record.get("format") != CAPTURE_FORMAT:
+      raise ValueError(
+        f"{folder}/capture.json has format {record.get('format')!r}; this "
+        f"version reads format {CAPTURE_FORMAT}."
+      )
+    if steps is not None and record["step"] not in steps:
+      continue
+    for name in sorted(record["layers"], key=int):
+      layer = int(name)
+      if layers is not None and layer not in layers:
+        continue
+      with np.load(folder / f"layer_{layer:02d}.npz") as data:
+        tensors = {t: np.asarray(data[t], np.float64) for t in TENSORS}
+      found.append(
+        CapturedLayer(
+          record["step"], layer, record["dtype"], record["features"], tensors
+        )
+      )
+  if not found:
+    raise ValueError(
+      f"the captures under {path} hold no layer of layers={layers}, "
+      f"steps={steps}."
+    )
+  return found
+
+
+def edge_cases(inputs) -> list[EdgeCase]:
+  """The audit's cases of `inputs`: a path (see `load`), a list of
+  `CapturedLayer`, or `EdgeCase`s as they are."""
+  if isinstance(inputs, (str, pathlib.Path)):
+    inputs = load(inputs)
+  cases = []
+  for item in inputs:
+    if isinstance(item, CapturedLayer):
+      cases.append(item.edge_case())
+    elif isinstance(item, EdgeCase):
+      cases.append(item)
+    else:
+      raise ValueError(
+        "inputs must be a capture path, CapturedLayer or EdgeCase items; "
+        f"got {type(item).__name__}."
+      )
+  return cases
+
+
+def statistics(layer: CapturedLayer) -> dict:
+  """Where a captured layer sits among the audit's regimes: its largest
+  logit and the share of rows whose two largest logits tie within one
+  ulp of its format (causal rows with two keys or more)."""
+  import ml_dtypes
+
+  q, k = layer.tensors["q"], layer.tensors["k"]
+  groups = q.shape[2] // k.shape[2]
+  k = np.repeat(k, groups, axis=2)
+  s = np.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+  if layer.features.get("causal"):
+    t, n = s.shape[-2:]
+    s = np.where(np.tril(np.ones((t, n), bool), n - t), s, -np.inf)
+  top = np.sort(s, axis=-1)[..., -2:]
+  mantissa = {
+    "bfloat16": ml_dtypes.finfo(ml_dtypes.bfloat16).nmant,
+    "float16": 10,
+  }.get(layer.dtype, 23)
+  magnitude = np.maximum(np.abs(top[..., 1]), 2.0**-100)
+  ulp = 2.0 ** (np.floor(np.log2(magnitude)) - mantissa)
+  rows = top[..., 1:, :] if layer.features.get("causal") else top
+  gap = rows[..., 1] - rows[..., 0]
+  return {
+    "max_logit": float(np.max(s)),
+    "near_tied_share": float(
+      np.mean(
+        gap <= ulp[..., 1:] if layer.features.get("causal") else gap <= ulp
+      )
+    ),
+  }

@@ -1,0 +1,183 @@
+"""A model's own attention tensors: captured in training, saved, audited."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stableattn as sa
+from configs import training_drift as drift_config
+from stableattn.auditing import captures
+from stableattn.experiments.training_drift.settings import settings_from_config
+from stableattn.training.trainer import Trainer
+
+
+def unshifted_softmax(q, k, v, *, causal=False):
+  """Attention whose softmax subtracts no maximum: exact until a logit
+  passes FP32's exp range (about 88), then Inf / Inf = NaN."""
+  q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+  groups = q.shape[2] // k.shape[2]
+  k32, v32 = (jnp.repeat(x, groups, axis=2) for x in (k32, v32))
+  s = jnp.einsum("bthd,bshd->bhts", q32, k32) * q.shape[-1] ** -0.5
+  if causal:
+    t, n = s.shape[-2:]
+    s = jnp.where(jnp.tril(jnp.ones((t, n), bool), n - t), s, -jnp.inf)
+  p = jnp.exp(s)
+  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  return jnp.einsum("bhts,bshd->bthd", p, v32).astype(q.dtype)
+
+
+def _layer(rng, scale):
+  q = scale * rng.standard_normal((1, 32, 2, 16))
+  k = scale * rng.standard_normal((1, 32, 2, 16))
+  v = rng.standard_normal((1, 32, 2, 16))
+  d_out = 1e-3 * rng.standard_normal((1, 32, 2, 16))
+  return {"q": q, "k": k, "v": v, "d_out": d_out}
+
+
+def _saved(tmp_path):
+  """Step 10 with ordinary logits, step 20 whose layer 1 has logits of
+  several hundred (as a run at a learning rate of 0.3 reaches)."""
+  rng = np.random.default_rng(0)
+  root = tmp_path / "captures"
+  for step, scales in ((10, (1.0, 1.0)), (20, (1.0, 9.0))):
+    captures.save(
+      root,
+      step,
+      {i: _layer(rng, s) for i, s in enumerate(scales)},
+      dtype="bfloat16",
+      features={"causal": True},
+      metadata={"run": "flash"},
+    )
+  return root
+
+
+def test_a_capture_reads_back_as_saved(tmp_path):
+  root = _saved(tmp_path)
+  layers = captures.load(root)
+  assert [x.label for x in layers] == [
+    "step 10, layer 0",
+    "step 10, layer 1",
+    "step 20, layer 0",
+    "step 20, layer 1",
+  ]
+  saved = np.asarray(_layer(np.random.default_rng(0), 1.0)["q"], np.float32)
+  assert np.array_equal(layers[0].tensors["q"], saved)
+  assert captures.load(root, steps=(20,), layers=(1,))[0].label == (
+    "step 20, layer 1"
+  )
+  stats = captures.statistics(layers[3])
+  assert stats["max_logit"] > 100 > captures.statistics(layers[0])["max_logit"]
+
+
+def test_bad_capture_paths_are_refused_saying_what_is_valid(tmp_path):
+  with pytest.raises(ValueError, match="does not exist"):
+    captures.load(tmp_path / "nowhere")
+  with pytest.raises(ValueError, match="step_NNNNNN/capture.json"):
+    captures.load(tmp_path)
+  root = _saved(tmp_path)
+  record = root / "step_000010" / "capture.json"
+  record.write_text(json.dumps({**json.loads(record.read_text()), "format": 9}))
+  with pytest.raises(ValueError, match="reads format 1"):
+    captures.load(root)
+
+
+def test_a_kernel_broken_at_large_logits_fails_on_the_layer_that_has_them(
+  tmp_path,
+):
+  root = _saved(tmp_path)
+  # Drawn inputs pass it: the grid's logits stay far below 88.
+  drawn = sa.audit(unshifted_softmax, shapes=((1, 32, 2, 16),), repeats=2)
+  assert drawn.passed, str(drawn)
+  report = sa.audit(
+    unshifted_softmax, shapes=((1, 32, 2, 16),), repeats=2, inputs=root
+  )
+  assert not report.passed
+  failing = {
+    r["detail"]
+    for r in report.rows
+    if r["regime"] == "captured" and r["nonfinite"]
+  }
+  assert failing == {"step 20, layer 1"}
+  assert any("step 20, layer 1" in f for f in report.failures), report.failures
+  assert sa.audit(
+    jax.nn.dot_product_attention, shapes=((1, 32, 2, 16),), repeats=2,
+    inputs=root,
+  ).passed  # fmt: skip
+
+
+def test_the_trainer_captures_what_the_kernel_receives_and_its_cotangent():
+  config = drift_config.get_config("smoke")
+  s = settings_from_config(config)
+  trainer = Trainer(s.model, s.runs["flash"], s.optimizer, s.batch_size)
+  state = trainer.init_state(0)
+  tokens = jnp.asarray(
+    np.random.default_rng(0).integers(0, 256, (2, s.seq_len + 1)), jnp.int32
+  )
+  layers = trainer.capture(state, tokens)
+  assert len(layers) == s.model.depth
+  shape = (2, s.seq_len, s.model.heads, s.model.width // s.model.heads)
+  for layer in layers:
+    assert {t: a.shape for t, a in layer.items()} == dict.fromkeys(
+      captures.TENSORS, shape
+    )
+    # q, k, v in the residual stream's format (FP32: nnx.Embed promotes to
+    # the dtype its table had when built), dO in the compute format.
+    assert layer["q"].dtype == layer["k"].dtype == layer["v"].dtype
+    assert layer["d_out"].dtype == trainer.compute_dtype
+    assert float(jnp.max(jnp.abs(layer["d_out"].astype(jnp.float32)))) > 0
+  # dO is the loss's gradient with respect to the attention output: the
+  # deltas rowsum(dO * O) the trainer reports are built from the same dO.
+  delta = trainer.deltas(state, tokens)[0][1]
+  assert delta.shape == shape[:3]
+
+
+@pytest.mark.slow
+def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
+  run = tmp_path / "run"
+  common = [sys.executable]
+  subprocess.run(
+    common
+    + [
+      "launch/training_drift.py",
+      f"--workdir={run}",
+      "--config=configs/training_drift.py:smoke",
+      "--config.pairs=flash_vs_baseline",
+      "--config.train.replicates=1",
+      "--config.train.grad_error=False",
+      "--config.attention.context_parallel=0",
+      "--config.train.capture_steps=0,12",
+    ],
+    check=True,
+    capture_output=True,
+  )
+  layers = captures.load(run / "captures")
+  assert {x.step for x in layers} == {0, 12} and len(layers) == 4
+  meta = json.loads(
+    (run / "captures" / "step_000012" / "capture.json").read_text()
+  )
+  assert meta["run"] == "flash" and meta["policy"] == "bf16-fa2"
+  done = subprocess.run(
+    common
+    + [
+      "launch/audit.py",
+      f"--workdir={tmp_path / 'audit'}",
+      "--config=configs/audit.py:smoke",
+      "--config.kernel=xla",
+      f"--config.inputs={run}/captures",
+    ],
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  rows = [
+    json.loads(line)
+    for line in (tmp_path / "audit" / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert {r["detail"] for r in rows if r["regime"] == "captured"} == {
+    f"step {s}, layer {i}" for s in (0, 12) for i in (0, 1)
+  }
