@@ -111,6 +111,7 @@ fi
 
 stage tests "$tests_s" "$python" -m pytest -m gpu -n "${TEST_WORKERS:-14}" \
   -v -p no:cacheprovider tests/test_gpu_lowering.py \
+  tests/test_gpu_compiled_gradients.py \
   -k "round_like or rounds_like or keeps_nan or split_kv_and_paged"
 
 stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \

@@ -190,22 +190,11 @@ def price_table(r: SessionRecord) -> str:
         _ms(rows.get("cudnn")),
       ]
     )
-  return table(
-    [
-      "mode",
-      "causal",
-      "length",
-      "base preset",
-      "base ms",
-      "stable ms",
-      "stable / base",
-      "base MiB",
-      "stable MiB",
-      "jax_mha ms",
-      "cudnn ms",
-    ],
-    body,
-  )
+  header = [
+    "mode", "causal", "length", "base preset", "base ms", "stable ms",
+    "stable / base", "base MiB", "stable MiB", "jax_mha ms", "cudnn ms",
+  ]  # fmt: skip
+  return table(header, body)
 
 
 def _lever(r: SessionRecord, name: str):
@@ -217,103 +206,96 @@ def _lever(r: SessionRecord, name: str):
 def goal_lines(r: SessionRecord) -> str:
   """Each goal met or missed, with the ratio that decides it."""
   points = _price_points(r)
+  return "\n".join(
+    _speed_goal_lines(r, points) + [_price_goal(points), _skip_goal(r, points)]
+  )
+
+
+def _verdict(ok: bool) -> str:
+  return "**met**" if ok else "**missed**"
+
+
+def _speed_goal(label, ours, peer, least, best=None) -> str:
+  """One speed goal: the peer's time over ours (same alternation), and
+  `best` (ratio, where it was measured) where the levers did better."""
+  if not ours or not peer or "median_ms" not in ours or "median_ms" not in peer:
+    return f"- {label}: no rows"
+  found = [
+    (peer["median_ms"] / ours["median_ms"], "default tiles, same alternation")
+  ]
+  if best:
+    found.append(best)
+  top = max(v for v, _ in found)
+  measured = "; ".join(f"{v:.2f}x ({note})" for v, note in found)
+  return f"- {label} >= {least}x: {_verdict(top >= least)} ({measured})."
+
+
+def _speed_goal_lines(r: SessionRecord, points) -> list[str]:
   bf16 = points.get(("forward", False, GOAL_LENGTH, "bf16-fa2"), {})
   both = points.get(("forward_backward", False, GOAL_LENGTH, "bf16-fa2"), {})
-  timed_levers = [x for x in r.levers if "median_ms" in x]
-  best = min(
-    (
-      x
-      for x in timed_levers
-      if x["implementation"] == "pallas" and not x["causal"]
-    ),
-    key=lambda x: x["median_ms"],
-    default=None,
-  )
-  mha_lever = _lever(r, "jax_mha")
-  lines = []
-
-  def verdict(ok):
-    return "**met**" if ok else "**missed**"
-
-  def speed_goal(label, ours, peer, least, best_note=None):
-    if (
-      not ours or not peer or "median_ms" not in ours or "median_ms" not in peer
-    ):
-      lines.append(f"- {label}: no rows")
-      return
-    x = peer["median_ms"] / ours["median_ms"]
-    found = [(x, "default tiles, same alternation")]
-    if best_note:
-      found.append(best_note)
-    top = max(v for v, _ in found)
-    measured = "; ".join(f"{v:.2f}x ({note})" for v, note in found)
-    lines.append(
-      f"- {label} >= {least}x: {verdict(top >= least)} ({measured})."
+  full_levers = [
+    x
+    for x in r.levers
+    if "median_ms" in x and x["implementation"] == "pallas" and not x["causal"]
+  ]
+  best = min(full_levers, key=lambda x: x["median_ms"], default=None)
+  mha = _lever(r, "jax_mha")
+  vs_mha = vs_cudnn = None
+  if best and mha:
+    vs_mha = (
+      mha["median_ms"] / best["median_ms"],
+      f"{best['lever']}, lever run",
     )
-
-  best_vs_mha = (
-    (mha_lever["median_ms"] / best["median_ms"], f"{best['lever']}, lever run")
-    if best and mha_lever
-    else None
-  )
-  speed_goal(
-    "forward vs `jax_mha`", bf16.get("bf16-fa2"), bf16.get("jax_mha"), 1.0,
-    best_vs_mha,
-  )  # fmt: skip
-  best_vs_cudnn = (
-    (
+  if best and "median_ms" in bf16.get("cudnn", {}):
+    vs_cudnn = (
       bf16["cudnn"]["median_ms"] / best["median_ms"],
       f"{best['lever']}, against cuDNN's time in the price run",
     )
-    if best and "cudnn" in bf16 and "median_ms" in bf16["cudnn"]
-    else None
-  )
-  speed_goal(
-    "forward vs cuDNN", bf16.get("bf16-fa2"), bf16.get("cudnn"), 0.6,
-    best_vs_cudnn,
-  )  # fmt: skip
-  speed_goal(
-    "forward+backward vs cuDNN", both.get("bf16-fa2"), both.get("cudnn"), 0.6
-  )
+  ours = bf16.get("bf16-fa2")
+  return [
+    _speed_goal("forward vs `jax_mha`", ours, bf16.get("jax_mha"), 1.0, vs_mha),
+    _speed_goal("forward vs cuDNN", ours, bf16.get("cudnn"), 0.6, vs_cudnn),
+    _speed_goal(
+      "forward+backward vs cuDNN", both.get("bf16-fa2"), both.get("cudnn"), 0.6
+    ),
+  ]
+
+
+def _price_goal(points) -> str:
   prices = []
   for (mode, causal, length, base), rows in sorted(points.items()):
-    b, s = rows.get(base), rows.get(_stable_of(base))
-    if (
-      mode == "forward_backward"
-      and b
-      and s
-      and "median_ms" in b
-      and "median_ms" in s
-    ):
+    b, s = rows.get(base, {}), rows.get(_stable_of(base), {})
+    if mode == "forward_backward" and "median_ms" in b and "median_ms" in s:
       prices.append((s["median_ms"] / b["median_ms"], base, length, causal))
-  if prices:
-    worst = max(prices)
-    each = "; ".join(
-      f"{base}{' causal' if c else ''} at {n}: {x:.3f}x"
-      for x, base, n, c in prices
-    )
-    lines.append(
-      f"- stable presets vs their base, forward+backward <= "
-      f"{STABLE_PRICE_GOAL}x: {verdict(worst[0] <= STABLE_PRICE_GOAL)} "
-      f"(worst {worst[0]:.3f}x; {each})."
-    )
-  else:
-    lines.append("- stable presets vs their base, forward+backward: no rows")
+  if not prices:
+    return "- stable presets vs their base, forward+backward: no rows"
+  worst = max(prices)[0]
+  each = "; ".join(
+    f"{base}{' causal' if c else ''} at {n}: {x:.3f}x"
+    for x, base, n, c in prices
+  )
+  return (
+    f"- stable presets vs their base, forward+backward <= "
+    f"{STABLE_PRICE_GOAL}x: {_verdict(worst <= STABLE_PRICE_GOAL)} "
+    f"(worst {worst:.3f}x; {each})."
+  )
+
+
+def _skip_goal(r: SessionRecord, points) -> str:
   causal, full = _lever(r, "causal"), _lever(r, "default")
-  if causal and full:
-    x = causal["median_ms"] / full["median_ms"]
-    fwd_causal = points.get(("forward", True, GOAL_LENGTH, "bf16-fa2"), {})
-    also = ""
-    if "bf16-fa2" in fwd_causal and "median_ms" in bf16.get("bf16-fa2", {}):
-      y = fwd_causal["bf16-fa2"]["median_ms"] / bf16["bf16-fa2"]["median_ms"]
-      also = f"; {y:.2f}x in the price run"
-    lines.append(
-      f"- causal block skipping vs full, forward <= {SKIP_GOAL}x: "
-      f"{verdict(x <= SKIP_GOAL)} ({x:.2f}x in the lever run{also})."
-    )
-  else:
-    lines.append("- causal block skipping vs full: no rows")
-  return "\n".join(lines)
+  if not (causal and full):
+    return "- causal block skipping vs full: no rows"
+  x = causal["median_ms"] / full["median_ms"]
+  also = ""
+  price_full = points.get(("forward", False, GOAL_LENGTH, "bf16-fa2"), {})
+  price_causal = points.get(("forward", True, GOAL_LENGTH, "bf16-fa2"), {})
+  a, b = price_causal.get("bf16-fa2", {}), price_full.get("bf16-fa2", {})
+  if "median_ms" in a and "median_ms" in b:
+    also = f"; {a['median_ms'] / b['median_ms']:.2f}x in the price run"
+  return (
+    f"- causal block skipping vs full, forward <= {SKIP_GOAL}x: "
+    f"{_verdict(x <= SKIP_GOAL)} ({x:.2f}x in the lever run{also})."
+  )
 
 
 def levers_table(r: SessionRecord) -> str:
@@ -339,21 +321,11 @@ def levers_table(r: SessionRecord) -> str:
         f"{c['local_loads']:.0f}" if "local_loads" in c else "-",
       ]
     )
-  return table(
-    [
-      "lever",
-      "what it moves",
-      "ms",
-      "vs default",
-      "speed vs mha",
-      "ncu ms",
-      "registers",
-      "instructions (G)",
-      "shared wavefronts (M)",
-      "local loads",
-    ],
-    body,
-  )
+  header = [
+    "lever", "what it moves", "ms", "vs default", "speed vs mha", "ncu ms",
+    "registers", "instructions (G)", "shared wavefronts (M)", "local loads",
+  ]  # fmt: skip
+  return table(header, body)
 
 
 def fp32_lines(r: SessionRecord) -> str:
@@ -413,18 +385,10 @@ def regimes_table(r: SessionRecord) -> str:
           "; ".join(where) if where else "-",
         ]
       )
-  return table(
-    [
-      "audit",
-      "regime",
-      "rows",
-      "fail",
-      "non-finite",
-      "worst / limit",
-      "where",
-    ],
-    body,
-  )
+  header = [
+    "audit", "regime", "rows", "fail", "non-finite", "worst / limit", "where",
+  ]  # fmt: skip
+  return table(header, body)
 
 
 def drift_table(r: SessionRecord) -> str:

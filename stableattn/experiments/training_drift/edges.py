@@ -18,18 +18,31 @@ from stableattn.experiments.training_drift.analysis import (
 )
 from stableattn.experiments.training_drift.ratio_report import below_text
 
-EDGE_STATS = ("near_tied_share", "tied_max_share", "max_logit")
+# Monitor statistics (`stableattn.training.model.attention_statistics`):
+# name -> (column, the extreme that places a run: max or min).
+EDGE_STATS = {
+  "near_tied_share": ("near-tied share", max),
+  "tied_max_share": ("tied share", max),
+  "max_logit": ("max logit", max),
+  "min_row_lse": ("min row LSE", min),
+  "fp16_underflow_share": ("FP16-underflow share", max),
+  "q_outlier_ratio": ("q outlier ratio", max),
+  "k_outlier_ratio": ("k outlier ratio", max),
+}
 
 
 def edge_stats(rows) -> dict[str, dict[str, float]]:
-  """{run: {statistic: largest over replicates, steps and layers}}."""
+  """{run: {statistic: its extreme over replicates, steps and layers}},
+  for the statistics the run logged (older runs lack the later ones)."""
   found: dict[str, dict[str, float]] = {}
   for r in rows:
     if r.get("kind") != "attention" or "near_tied_share" not in r:
       continue
-    run = found.setdefault(r["run"], {s: float("-inf") for s in EDGE_STATS})
-    for stat in EDGE_STATS:
-      run[stat] = max(run[stat], float(r[stat]))
+    run = found.setdefault(r["run"], {})
+    for stat, (_, extreme) in EDGE_STATS.items():
+      if stat in r:
+        value = float(r[stat])
+        run[stat] = value if stat not in run else extreme(run[stat], value)
   return found
 
 
@@ -40,9 +53,10 @@ def edge_section(rows, headline) -> list[str]:
   if not stats:
     return []
   headline["edges"] = stats
+  logged = [s for s in EDGE_STATS if any(s in run for run in stats.values())]
   body = [
-    [run, *(num(s[stat]) for stat in EDGE_STATS)]
-    for run, s in sorted(stats.items())
+    [run, *(num(values.get(stat)) for stat in logged)]
+    for run, values in sorted(stats.items())
   ]
   return [
     "## Edges in training",
@@ -52,9 +66,12 @@ def edge_section(rows, headline) -> list[str]:
     "largest logits lie within one ulp of the training format, where our "
     "BF16/FP16 flash backward misses the rules (docs/audit.md), the share "
     "with exact FP32 ties, and the largest logit (FP32 backward misses "
-    "from standard deviation 100).",
+    "from standard deviation 100), and the smallest row log-sum-exp, the "
+    "share of attended probabilities below FP16's smallest normal and the "
+    "largest q and k channels over their median channel (smallest LSE, "
+    "largest of the others).",
     "",
-    table(["run", "near-tied share", "tied share", "max logit"], body),
+    table(["run", *(EDGE_STATS[s][0] for s in logged)], body),
     "",
   ]
 
