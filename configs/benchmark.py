@@ -30,6 +30,12 @@ def _default() -> ml_collections.ConfigDict:
   c.tile_search = True  # GPU only
   # Block skipping: our kernel with each mask vs "full", at masks_seq_len.
   c.mask_settings = "full,causal,window_256,window_1024"
+  # The attention monitor's cost to a training step, at the drift study's
+  # default sizes (configs/training_drift.py).
+  c.monitor_overhead = True
+  c.monitor = ml_collections.ConfigDict(
+    dict(width=128, depth=4, heads=4, seq_len=64, batch_size=16, log_every=15)
+  )
 
   c.cpu = ml_collections.ConfigDict()
   c.cpu.dtypes = "fp32"  # each timed under its flash policy (bf16: bf16-fa2)
@@ -66,6 +72,7 @@ SMOKE = {
   "cpu.memory_seq_lens": "512,1024",
   "cpu.masks_seq_len": 512,
   "mask_settings": "full,window_256",
+  "monitor_overhead": False,
 }
 
 VARIANTS = {"default": {}, "smoke": SMOKE}

@@ -15,6 +15,7 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from stableattn.experiments.benchmark import monitor_overhead
 from stableattn.experiments.benchmark.memory import measure as measure_memory
 from stableattn.experiments.benchmark.report import write_report
 from stableattn.experiments.benchmark.settings import (
@@ -67,6 +68,10 @@ def _measurements(s: Settings):
         block_k=s.block_k,
       )
     ]
+  if s.monitor_overhead:
+    row = monitor_overhead.measure(s.monitor)
+    print(monitor_overhead.overhead_line(row))
+    yield [row]
   if s.tile_search:
     for precision, head_dim, causal in itertools.product(
       s.precisions, s.head_dims, s.causal

@@ -8,6 +8,7 @@ import json
 import jax
 
 from stableattn.experiments import environment
+from stableattn.experiments.benchmark import monitor_overhead
 from stableattn.experiments.benchmark.settings import Settings
 from stableattn.experiments.plotting import Series, line_panels, line_plot
 from stableattn.experiments.reporting import num, table
@@ -34,6 +35,10 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
   if finding:
     parts.append(finding[0])
     headline["forward_time_ratio_vs_reference"] = finding[1]
+  monitor = [r for r in rows if r["kind"] == "monitor"]
+  if monitor:
+    parts.append(monitor_overhead.overhead_line(monitor[0]))
+    headline["monitor_overhead_per_step"] = monitor[0]["overhead_per_step"]
   if masks:
     text, savings = masks_section(masks)
     parts.append(text)

@@ -52,6 +52,10 @@ class Settings:
   search_seq_len: int
   mask_settings: tuple[str, ...]  # block skipping: timed at masks_seq_len
   masks_seq_len: int
+  # Time the attention monitor in training, at the sizes of the config
+  # block `monitor`.
+  monitor_overhead: bool = False
+  monitor: object = None
 
 
 def _policy_names(raw, name: str) -> tuple[str, ...]:
@@ -107,6 +111,8 @@ def settings_from_config(c) -> Settings:
     tile_search=bool(c.tile_search) and gpu,
     search_seq_len=device.search_seq_len,
     mask_settings=_mask_settings(c),
+    monitor_overhead=bool(c.get("monitor_overhead", False)),
+    monitor=c.get("monitor"),
     masks_seq_len=device.masks_seq_len,
   )
 
