@@ -6,9 +6,10 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from stableattn.experiments.benchmark import monitor_overhead
-from stableattn.training.model import FP16_TINY, attention_statistics
+from stableattn.numerics.monitor import FP16_TINY, attention_statistics
 
 
 def _qk(seed=0, shape=(2, 64, 4, 16)):
@@ -50,3 +51,79 @@ def test_the_monitor_overhead_is_measured_per_step_at_the_logging_interval():
   assert np.isclose(row["overhead_per_step"], extra / 10 / row["step_ms"])
   assert "% of training time" in monitor_overhead.overhead_line(row)
   assert jnp.isfinite(row["overhead_at_every_step"])
+
+
+def test_flax_drop_in_sows_the_monitor_and_its_inputs_when_asked():
+  from flax import nnx
+
+  import stableattn as sa
+
+  def layer(**make):
+    return nnx.MultiHeadAttention(
+      num_heads=2, in_features=16, decode=False, rngs=nnx.Rngs(0),
+      attention_fn=sa.make_attention_fn(**make),
+    )  # fmt: skip
+
+  x = jax.random.normal(jax.random.key(0), (1, 8, 16))
+  with pytest.raises(ValueError, match="sow_weights=True"):
+    layer(monitor=True)(x, is_causal=True)
+  mha = layer(monitor=True, capture=True)
+  mha(x, is_causal=True, sow_weights=True)
+  sown = nnx.pop(mha, nnx.Intermediate)
+  stats = sown["attention_statistics"][0]
+  q, k, v = sown["attention_inputs"][0]
+  assert q.shape == (1, 8, 2, 8)
+  expected = attention_statistics(q, k, causal=True)
+  assert float(stats["max_logit"]) == float(expected["max_logit"])
+
+
+def test_non_causal_statistics_count_the_first_row_and_every_key():
+  q, k = _qk(2, (1, 16, 2, 8))
+  full = attention_statistics(q, k, causal=False)
+  causal = attention_statistics(q, k, causal=True)
+  s = np.einsum("bthd,bshd->bhts", np.asarray(q), np.asarray(k)) / np.sqrt(8)
+  assert np.isclose(float(full["max_logit"]), s.max(), rtol=1e-6)
+  assert float(full["max_logit"]) >= float(causal["max_logit"])
+
+
+def test_the_drift_report_names_where_a_run_met_a_calibrated_kernels_miss():
+  from stableattn.experiments.training_drift.edges import regime_verdicts
+
+  rows = [
+    {
+      "kind": "attention",
+      "run": "flash",
+      "layer": 0,
+      "step": 10,
+      "max_logit": 5.0,
+    },
+    {
+      "kind": "attention",
+      "run": "flash",
+      "layer": 2,
+      "step": 40,
+      "max_logit": 400.0,
+    },
+    {
+      "kind": "attention",
+      "run": "base",
+      "layer": 1,
+      "step": 40,
+      "max_logit": 8.0,
+    },
+  ]
+  data = {
+    "command": "python launch/monitor_thresholds.py",
+    "thresholds": {
+      "pallas fp32": {"misses_from": 369.0},
+      "jax_mha fp32": {"misses_from": 35.3},
+      "xla fp32": {"misses_from": None},
+    },
+  }
+  lines = regime_verdicts(rows, data)
+  assert (
+    lines[0].startswith("- base: largest logit 8")
+    and "no calibrated" in lines[0]
+  )
+  assert "layer 2, step 40" in lines[1]
+  assert "pallas fp32, jax_mha fp32" in lines[1] and "xla" not in lines[1]

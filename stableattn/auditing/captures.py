@@ -12,7 +12,8 @@ On disk (one folder per step, under a run's `captures/`):
   step_000300/capture.json    format, step, dtype, features, layers, the
                               model's config and the batch rows kept
   step_000300/layer_02.npz    q, k, v [B, T, H, D] and d_out [B, T, H, Dv]
-                              as float32 (exact for BF16 and FP16 values)
+                              as float32 (exact for BF16 and FP16 values);
+                              without d_out the audit draws a cotangent
 
 Size per layer: 4 x rows x length x heads x head_dim x 4 bytes (the
 drift launcher's default model, 2 rows of 64 tokens, 4 heads of 32:
@@ -32,6 +33,7 @@ from stableattn.auditing.edge_case import EdgeCase
 CAPTURE_FORMAT = 1
 REGIME = "captured"
 TENSORS = ("q", "k", "v", "d_out")
+REQUIRED = ("q", "k", "v")  # without d_out the audit draws a cotangent
 
 
 def step_folder(root, step: int) -> pathlib.Path:
@@ -53,14 +55,18 @@ def save(
   folder.mkdir(parents=True, exist_ok=True)
   shapes = {}
   for layer, arrays in sorted(layers.items()):
-    missing = [t for t in TENSORS if t not in arrays]
+    missing = [t for t in REQUIRED if t not in arrays]
     if missing:
-      raise ValueError(f"layer {layer}'s capture lacks {missing}.")
+      raise ValueError(
+        f"layer {layer}'s capture lacks {missing}; a layer holds q, k and v "
+        "(and d_out, the cotangent of its output, where known)."
+      )
+    kept = [t for t in TENSORS if t in arrays]
     np.savez(
       folder / f"layer_{layer:02d}.npz",
-      **{t: np.asarray(arrays[t], np.float32) for t in TENSORS},
+      **{t: np.asarray(arrays[t], np.float32) for t in kept},
     )
-    shapes[layer] = {t: list(np.shape(arrays[t])) for t in TENSORS}
+    shapes[layer] = {t: list(np.shape(arrays[t])) for t in kept}
   record = {
     "format": CAPTURE_FORMAT,
     "step": step,
@@ -79,7 +85,7 @@ class CapturedLayer:
   layer: int
   dtype: str
   features: dict
-  tensors: dict  # q, k, v, d_out as float64
+  tensors: dict  # q, k, v (and d_out where captured) as float64
 
   @property
   def label(self) -> str:
@@ -89,7 +95,7 @@ class CapturedLayer:
     t = self.tensors
     return EdgeCase(
       REGIME, self.label, t["q"], t["k"], t["v"], dict(self.features),
-      d_out=t["d_out"],
+      d_out=t.get("d_out"),
     )  # fmt: skip
 
 
@@ -130,7 +136,7 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
       if layers is not None and layer not in layers:
         continue
       with np.load(folder / f"layer_{layer:02d}.npz") as data:
-        tensors = {t: np.asarray(data[t], np.float64) for t in TENSORS}
+        tensors = {t: np.asarray(data[t], np.float64) for t in data.files}
       found.append(
         CapturedLayer(
           record["step"], layer, record["dtype"], record["features"], tensors

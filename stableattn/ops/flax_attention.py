@@ -7,10 +7,11 @@ import jax.numpy as jnp
 
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
+from stableattn.numerics.monitor import attention_statistics
 from stableattn.ops.dispatch import attention, split_keywords
 
 
-def _refuse_unsupported(dropout_rate, deterministic, module) -> None:
+def _refuse_unsupported(dropout_rate, deterministic, module, sows) -> None:
   """Raises for the Flax options the flash kernel does not have."""
   if dropout_rate > 0.0 and not deterministic:
     raise ValueError(
@@ -18,11 +19,33 @@ def _refuse_unsupported(dropout_rate, deterministic, module) -> None:
       f"dropout_rate={dropout_rate}); use dropout_rate=0 or "
       "deterministic=True."
     )
-  if module is not None:
+  if module is not None and not sows:
     raise ValueError(
       "make_attention_fn never materializes attention weights, so it "
-      "cannot sow them; call the module with sow_weights=False."
+      "cannot sow them; call the module with sow_weights=False (or make "
+      "the function with monitor=True or capture=True, whose values it "
+      "sows instead)."
     )
+  if sows and module is None:
+    raise ValueError(
+      "make_attention_fn(monitor=True or capture=True) sows through the "
+      "module: call nnx.MultiHeadAttention with sow_weights=True."
+    )
+
+
+def _sow(module, query, key, value, causal: bool, monitor: bool, capture: bool):
+  """Flax's convention for values a training step reads back:
+  `nnx.Intermediate`s, popped with `nnx.pop(model, nnx.Intermediate)`."""
+  from flax import nnx
+
+  if monitor:
+    module.sow(
+      nnx.Intermediate,
+      "attention_statistics",
+      attention_statistics(query, key, causal=causal),
+    )
+  if capture:
+    module.sow(nnx.Intermediate, "attention_inputs", (query, key, value))
 
 
 def _as_4d(x, name: str, query):
@@ -44,6 +67,8 @@ def make_attention_fn(
   features: Features | None = None,
   *,
   implementation: str = "pallas",
+  monitor: bool = False,
+  capture: bool = False,
   **keywords,
 ):
   """An `attention_fn` for `flax.nnx.MultiHeadAttention` (and linen's).
@@ -65,6 +90,15 @@ def make_attention_fn(
       (also applied when Flax passes `is_causal=True`); a Flax mask is
       combined with `features.mask`, a Flax bias added to `features.bias`.
     implementation: as for `stableattn.attention`.
+    monitor: sow each call's monitor statistics
+      (`stableattn.numerics.monitor.attention_statistics`: largest logit,
+      near ties, FP16 underflow, outlier channels; from q and k, causal
+      when the call is, other masks not applied) as the
+      `nnx.Intermediate` "attention_statistics". The module must be
+      called with `sow_weights=True`, which asks for exactly this.
+    capture: sow (q, k, v) as the kernel receives them as the
+      `nnx.Intermediate` "attention_inputs", for
+      `stableattn.auditing.captures.save`.
     **keywords: fields of `Options` or `Features` by name, over the two.
 
   Returns:
@@ -97,19 +131,22 @@ def make_attention_fn(
     is_causal=False,
   ):
     del broadcast_dropout, dropout_rng, dtype, precision, promote_dtype
-    _refuse_unsupported(dropout_rate, deterministic, module)
+    _refuse_unsupported(dropout_rate, deterministic, module, monitor or capture)
     if query.ndim != 4:
       raise ValueError(
         "make_attention_fn needs inputs [batch, seq, heads, head_dim]; got "
         f"query shape {query.shape}."
       )
+    call_features = _with_flax(features, query, bias, mask, is_causal)
+    if monitor or capture:
+      _sow(module, query, key, value, call_features.causal, monitor, capture)
     out = attention(
       query,
       key,
       value,
       implementation=implementation,
       options=options,
-      features=_with_flax(features, query, bias, mask, is_causal),
+      features=call_features,
     )
     return out.astype(query.dtype)
 

@@ -1,6 +1,6 @@
 """What the attention monitor costs a training run.
 
-The monitor's statistics (`stableattn.training.model.attention_statistics`:
+The monitor's statistics (`stableattn.numerics.monitor.attention_statistics`:
 largest logit, smallest row LSE, near ties, FP16 underflow, outlier
 channels) are computed at logging steps, on the evaluation batch, beside
 the evaluation the run does anyway. Their cost per training step is the

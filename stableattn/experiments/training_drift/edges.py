@@ -11,6 +11,7 @@ logit; this section gives their largest values per run.
 
 from __future__ import annotations
 
+from stableattn.auditing import thresholds
 from stableattn.experiments.reporting import num, table
 from stableattn.experiments.training_drift.analysis import (
   ratio_summary,
@@ -18,7 +19,7 @@ from stableattn.experiments.training_drift.analysis import (
 )
 from stableattn.experiments.training_drift.ratio_report import below_text
 
-# Monitor statistics (`stableattn.training.model.attention_statistics`):
+# Monitor statistics (`stableattn.numerics.monitor.attention_statistics`):
 # name -> (column, the extreme that places a run: max or min).
 EDGE_STATS = {
   "near_tied_share": ("near-tied share", max),
@@ -61,6 +62,8 @@ def edge_section(rows, headline) -> list[str]:
   return [
     "## Edges in training",
     "",
+    *regime_verdicts(rows),
+    "",
     "Largest over replicates, logging steps and layers (evaluation batch, "
     "causal rows with two keys or more): the share of rows whose two "
     "largest logits lie within one ulp of the training format, where our "
@@ -74,6 +77,36 @@ def edge_section(rows, headline) -> list[str]:
     table(["run", *(EDGE_STATS[s][0] for s in logged)], body),
     "",
   ]
+
+
+def regime_verdicts(rows, data=None) -> list[str]:
+  """Per run, where its largest logit was reached (layer, step) and which
+  calibrated kernels (`stableattn.auditing.thresholds`, measured on drawn
+  inputs at the largest logit) miss a rule at or below it."""
+  data = thresholds.load() if data is None else data
+  peaks: dict = {}
+  for r in rows:
+    if r.get("kind") == "attention" and "max_logit" in r:
+      best = peaks.get(r["run"])
+      if best is None or r["max_logit"] > best["max_logit"]:
+        peaks[r["run"]] = r
+  if not peaks or not data:
+    return []
+  lines = []
+  for run, r in sorted(peaks.items()):
+    missing = thresholds.kernels_missing_at(r["max_logit"], data)
+    verdict = (
+      "calibrated kernels that miss a rule there: " + ", ".join(missing)
+      if missing
+      else "no calibrated kernel misses a rule there"
+    )
+    lines.append(
+      f"- {run}: largest logit {num(r['max_logit'])} (layer {r['layer']}, "
+      f"step {r['step']}); {verdict} (`{data['command']}`; where one "
+      "misses, its stable preset, QK-norm or a softcap lowers the logits "
+      "or the error: not measured in this run)."
+    )
+  return lines + [""]
 
 
 def stable_finding(rows, headline) -> str:

@@ -1,0 +1,90 @@
+"""What places a model's attention among the audit's regimes, computed
+from its q and k at a logging step: the attention monitor's statistics.
+
+Training reports them per layer (metrics.jsonl, `kind: attention`), the
+Flax drop-in sows them (`make_attention_fn(monitor=True)`), and the
+calibration of `stableattn.auditing.thresholds` says which kernels miss
+the rules where a run's statistics reach.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# FP16's smallest normal: probabilities below it lose bits in a half P.
+FP16_TINY = float(jnp.finfo(jnp.float16).tiny)
+
+
+def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
+  """What places attention among the audit's regimes, from q and k
+  as given (logits in FP32, before any softcap, as a flash kernel's
+  scores):
+
+  - `max_logit`; `min_row_lse`, the smallest row log-sum-exp, and
+    `median_n_eff`, the median exp(LSE - row max) (how many keys a row
+    spreads over; 1 where its maximum dominates), rows of two keys or more;
+  - `tied_max_share` (exact FP32 ties of a row's largest logit) and
+    `near_tied_share` (its two largest within one ulp of `input_dtype`,
+    the attention's input format; None: q's dtype), rows with two keys or
+    more;
+  - `fp16_underflow_share`: attended probabilities in (0, FP16's smallest
+    normal);
+  - `q_outlier_ratio`, `k_outlier_ratio`: the largest |value| of the
+    largest channel over that of the median channel (massive activations);
+  - `entropy`: the mean row entropy.
+
+  `causal`: the statistics of causal attention (True) or of every key
+  (False); q and k of one length and of as many heads (repeat k for GQA).
+  """
+  q = jax.lax.stop_gradient(q_BxTxHxD).astype(jnp.float32)
+  k = jax.lax.stop_gradient(k_BxTxHxD).astype(jnp.float32)
+  s = jnp.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
+  t, n = s.shape[-2:]
+  ones = jnp.ones((t, n), dtype=bool)
+  allowed = jnp.tril(ones, n - t) if causal else ones
+  first = 1 if causal else 0  # a causal first row has a single key
+  s = jnp.where(allowed, s, -jnp.inf)
+  log_p = jax.nn.log_softmax(s, axis=-1)
+  p = jnp.exp(log_p)
+  entropy = -jnp.sum(jnp.where(allowed, p * log_p, 0.0), -1)
+  row_max = jnp.max(s, axis=-1)
+  at_max = jnp.sum(s == row_max[..., None], axis=-1)
+  tied = jnp.mean((at_max[..., first:] > 1).astype(jnp.float32))
+  lse = jax.nn.logsumexp(s, axis=-1)
+  underflow = allowed & (p > 0) & (p < FP16_TINY)
+  return {
+    "max_logit": jnp.max(s),
+    "min_row_lse": jnp.min(lse),
+    "median_n_eff": jnp.median(jnp.exp(lse - row_max)[..., first:]),
+    "entropy": jnp.mean(entropy),
+    "tied_max_share": tied,
+    "near_tied_share": _near_tied_share(
+      s, input_dtype or q_BxTxHxD.dtype, first
+    ),
+    "fp16_underflow_share": jnp.mean(
+      underflow, where=jnp.broadcast_to(allowed, p.shape)
+    ),
+    "q_outlier_ratio": _outlier_ratio(q),
+    "k_outlier_ratio": _outlier_ratio(k),
+  }
+
+
+def _outlier_ratio(x_BxTxHxD):
+  """The largest channel's max |x| over the median channel's: massive
+  activations put a few channels hundreds of times above the rest."""
+  per_channel = jnp.max(jnp.abs(x_BxTxHxD), axis=(0, 1)).ravel()
+  return jnp.max(per_channel) / jnp.maximum(
+    jnp.median(per_channel), jnp.float32(1e-30)
+  )
+
+
+def _near_tied_share(s, dtype, first: int):
+  """The share of rows (with two keys or more) whose two largest logits
+  lie within one ulp of the input format (`dtype`) at the larger: the
+  rows where a flash backward's delta and dS cancel (docs/audit.md)."""
+  top_two = jax.lax.top_k(s, 2)[0]
+  gap = top_two[..., 0] - top_two[..., 1]
+  magnitude = jnp.maximum(jnp.abs(top_two[..., 0]), jnp.float32(2.0**-100))
+  ulp = jnp.exp2(jnp.floor(jnp.log2(magnitude)) - jnp.finfo(dtype).nmant)
+  return jnp.mean((gap[..., first:] <= ulp[..., first:]).astype(jnp.float32))
