@@ -85,6 +85,11 @@ def _default() -> ml_collections.ConfigDict:
   # instruction set down; on a GPU, no autotuning): the deviation a job
   # meets on other hardware, the reference for Flash's.
   c.train.machine_pair = True
+  # > 0: capture the attention tensors (q, k, v, dO) of each flash arm's
+  # first logging step whose largest logit reaches this, for the audit's
+  # --config.inputs (docs/monitor.md); 0: never.
+  c.train.capture_logit = 0.0
+  c.train.capture_rows = 2
 
   c.data = ml_collections.ConfigDict()
   c.data.corpus = "python_stdlib"

@@ -86,10 +86,12 @@ class CapturedLayer:
   dtype: str
   features: dict
   tensors: dict  # q, k, v (and d_out where captured) as float64
+  source: str = ""  # the capture's folder under the path loaded, if nested
 
   @property
   def label(self) -> str:
-    return f"step {self.step}, layer {self.layer}"
+    where = f"{self.source}, " if self.source else ""
+    return f"{where}step {self.step}, layer {self.layer}"
 
   def edge_case(self) -> EdgeCase:
     t = self.tensors
@@ -100,12 +102,9 @@ class CapturedLayer:
 
 
 def _step_folders(path: pathlib.Path) -> list[pathlib.Path]:
-  if (path / "capture.json").exists():
-    return [path]
-  folders = sorted(p for p in path.glob("step_*") if p.is_dir())
-  if not folders and (path / "captures").is_dir():
-    folders = sorted(p for p in (path / "captures").glob("step_*"))
-  return [p for p in folders if (p / "capture.json").exists()]
+  """Every step folder at or under `path` (a run's captures/, or one
+  folder of captures per training cell, as the stability sweep writes)."""
+  return sorted(p.parent for p in path.rglob("capture.json"))
 
 
 def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
@@ -115,6 +114,7 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
   if not path.exists():
     raise ValueError(f"no captures at {path}: the path does not exist.")
   folders = _step_folders(path)
+  root = path if path.is_dir() else path.parent
   if not folders:
     raise ValueError(
       f"no captures under {path}: expected step_NNNNNN/capture.json "
@@ -137,10 +137,16 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
         continue
       with np.load(folder / f"layer_{layer:02d}.npz") as data:
         tensors = {t: np.asarray(data[t], np.float64) for t in data.files}
+      nested = folder.parent.relative_to(root) if folder != root else None
       found.append(
         CapturedLayer(
-          record["step"], layer, record["dtype"], record["features"], tensors
-        )
+          record["step"],
+          layer,
+          record["dtype"],
+          record["features"],
+          tensors,
+          "" if nested in (None, pathlib.Path(".")) else nested.as_posix(),
+        )  # fmt: skip
       )
   if not found:
     raise ValueError(
@@ -169,10 +175,11 @@ def edge_cases(inputs) -> list[EdgeCase]:
   return cases
 
 
-def statistics(layer: CapturedLayer) -> dict:
+def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
   """Where a captured layer sits among the audit's regimes: its largest
   logit and the share of rows whose two largest logits tie within one
-  ulp of its format (causal rows with two keys or more)."""
+  ulp of `input_format` ("bfloat16", "float16"; None: the tensors' own
+  dtype), causal rows with two keys or more."""
   import ml_dtypes
 
   q, k = layer.tensors["q"], layer.tensors["k"]
@@ -186,7 +193,7 @@ def statistics(layer: CapturedLayer) -> dict:
   mantissa = {
     "bfloat16": ml_dtypes.finfo(ml_dtypes.bfloat16).nmant,
     "float16": 10,
-  }.get(layer.dtype, 23)
+  }.get(input_format or layer.dtype, 23)
   magnitude = np.maximum(np.abs(top[..., 1]), 2.0**-100)
   ulp = 2.0 ** (np.floor(np.log2(magnitude)) - mantissa)
   rows = top[..., 1:, :] if layer.features.get("causal") else top

@@ -95,6 +95,8 @@ class Settings:
   # label; None and the reason where there is none.
   machine_flags: str | None
   machine: str
+  capture_logit: float = 0.0
+  capture_rows: int = 2
 
   @property
   def arms_here(self) -> tuple[Arm, ...]:
@@ -145,6 +147,11 @@ class TrainSection:
   log_every: int = spec(minimum=1)
   divergence_factor: float = spec()
   machine_pair: bool = spec()
+  # > 0: the first logging step of each flash-kernel arm's cell (first
+  # replicate) whose largest logit reaches this saves every attention
+  # layer's q, k, v and dO under captures/<arm>-lr<lr>/ (0: never).
+  capture_logit: float = spec(minimum=0)
+  capture_rows: int = spec(minimum=1)
 
 
 AttentionSection = TileSection
@@ -205,6 +212,8 @@ def settings_from_config(config, *, machine: str | None = None) -> Settings:
     reference_precision=reference,
     machine_flags=flags,
     machine=label,
+    capture_logit=train.capture_logit,
+    capture_rows=train.capture_rows,
   )
   runs = {arm: _run(c, arm.here, settings.model, attention) for arm in arms}
   return dataclasses.replace(settings, runs=runs)

@@ -4,13 +4,16 @@ cells with a final row are not trained again."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from stableattn.auditing import captures
 from stableattn.experiments.stability.settings import Arm, Settings
 from stableattn.numerics.metrics import signed_share
 from stableattn.training import data as data_lib
@@ -67,13 +70,52 @@ def _log_row(trainer, state, eval_batch, heads: int) -> dict:
   }
 
 
+def _capture(trainer, state, s: Settings, tokens, step, replicate, folder):
+  """Every layer's q, k, v and dO on the batch of the next update."""
+  batch = data_lib.batch_at(
+    tokens,
+    seed=s.data_seed,
+    step=step,
+    batch_size=s.batch_size,
+    seq_len=s.seq_len,
+    replicate=replicate,
+  )[: s.capture_rows]
+  layers = trainer.capture(state, jnp.asarray(batch))
+  attention = trainer.run.attention
+  captures.save(
+    folder,
+    step,
+    {
+      i: {t: np.asarray(jnp.asarray(a, jnp.float32)) for t, a in x.items()}
+      for i, x in enumerate(layers)
+    },
+    dtype=str(layers[0]["q"].dtype),
+    features={"causal": True},
+    metadata={
+      "attention": attention.kind,
+      "policy": attention.options.precision.name,
+      "model": dataclasses.asdict(s.model),
+      "batch_rows": len(batch),
+    },
+  )
+
+
 def train_cell(
-  trainer, s: Settings, arm: Arm, lr: float, replicate: int, tokens, eval_batch
+  trainer,
+  s: Settings,
+  arm: Arm,
+  lr: float,
+  replicate: int,
+  tokens,
+  eval_batch,
+  capture_dir=None,
 ):
   """Rows of one cell: a "log" row every `log_every` steps and a "final"
   row. A run whose training loss is not finite or exceeds the divergence
   threshold stops there; it is a row (diverged, with its step), not an
-  error, and its final loss is the clip value."""
+  error, and its final loss is the clip value. With `capture_dir`, the
+  first logging step whose largest logit reaches `s.capture_logit` saves
+  the attention tensors there (`_capture`)."""
   tag = {
     "arm": arm.name,
     "variant": arm.variant,
@@ -102,6 +144,9 @@ def train_cell(
       break
     if (step + 1) % s.log_every == 0 or step + 1 == s.steps:
       row = _log_row(trainer, state, eval_batch, heads)
+      if capture_dir is not None and row["max_logit"] >= s.capture_logit:
+        _capture(trainer, state, s, tokens, step + 1, replicate, capture_dir)
+        capture_dir = None  # once per cell
       rows.append(
         {
           "kind": "log",
@@ -169,8 +214,15 @@ def sweep(s: Settings, arms, run_dir, done: set) -> None:
       trainers[arm] = Trainer(model, run, s.optimizer(), s.batch_size)
     trainer = trainers[arm]
     eval_sharded = trainer.shard_batch(eval_batch)
+    capture_dir = None
+    flash = trainer.run.attention.kind == "pallas"
+    if s.capture_logit and replicate == 0 and flash:
+      name = arm.name.replace("/", "_")
+      capture_dir = run_dir.path / "captures" / f"{name}-lr{lr:g}"
     run_dir.append_metrics(
-      train_cell(trainer, s, arm, lr, replicate, tokens, eval_sharded)
+      train_cell(
+        trainer, s, arm, lr, replicate, tokens, eval_sharded, capture_dir
+      )
     )
     bar.update()
   bar.close()
