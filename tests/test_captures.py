@@ -181,3 +181,22 @@ def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
   assert {r["detail"] for r in rows if r["regime"] == "captured"} == {
     f"step {s}, layer {i}" for s in (0, 12) for i in (0, 1)
   }
+
+
+@pytest.mark.slow
+def test_the_stability_sweep_captures_where_the_largest_logit_passes(tmp_path):
+  from configs import stability as stability_config
+  from stableattn.experiments import stability
+
+  config = stability_config.get_config("smoke")
+  config.variants = "flash"
+  config.mitigations = "none"
+  config.train.replicates = 1
+  config.train.machine_pair = False
+  config.train.capture_logit = 1e-3  # every cell's first logging step
+  stability.run(config, tmp_path)
+  layers = captures.load(tmp_path / "captures")
+  sources = {x.source for x in layers}
+  rates = [float(x) for x in str(config.train.learning_rates).split(",")]
+  assert sources == {f"flash_bf16_none-lr{lr:g}" for lr in rates}, sources
+  assert all("flash_" in x.label and "layer" in x.label for x in layers)
