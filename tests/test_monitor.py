@@ -68,13 +68,26 @@ def test_flax_drop_in_sows_the_monitor_and_its_inputs_when_asked():
   with pytest.raises(ValueError, match="sow_weights=True"):
     layer(monitor=True)(x, is_causal=True)
   mha = layer(monitor=True, capture=True)
-  mha(x, is_causal=True, sow_weights=True)
-  sown = nnx.pop(mha, nnx.Intermediate)
+
+  def loss(mha, x):
+    return jnp.sum(mha(x, is_causal=True, sow_weights=True) ** 2)
+
+  _, perturbations = nnx.capture(loss, nnx.Perturbation)(mha, x)
+  captured = nnx.capture(loss, nnx.Intermediate, init=perturbations)
+  (value, sown), (_, d_outs) = nnx.value_and_grad(
+    lambda m, p, x: nnx.capture(loss, nnx.Intermediate, init=p)(m, x),
+    argnums=(0, 1),
+    has_aux=True,
+  )(mha, perturbations, x)
+  assert float(value) == float(captured(mha, x)[0])
   stats = sown["attention_statistics"][0]
   q, k, v = sown["attention_inputs"][0]
   assert q.shape == (1, 8, 2, 8)
   expected = attention_statistics(q, k, causal=True)
   assert float(stats["max_logit"]) == float(expected["max_logit"])
+  # dO of sum(out_projected ** 2) reaches the attention output: not zero.
+  d_out = d_outs["attention_output"][...]
+  assert d_out.shape == q.shape and float(jnp.max(jnp.abs(d_out))) > 0
 
 
 def test_non_causal_statistics_count_the_first_row_and_every_key():

@@ -79,6 +79,19 @@ def save(
   return folder
 
 
+def save_layers(root, step: int, layers, *, features: dict, metadata: dict):
+  """`save` of a trainer's capture (a list over layers of {q, k, v, d_out}
+  arrays, `stableattn.training.trainer.Trainer.capture`): the dtype
+  recorded is q's, the residual stream's format they arrived in."""
+  arrays = {
+    i: {t: np.asarray(a, np.float32) for t, a in layer.items()}
+    for i, layer in enumerate(layers)
+  }
+  dtype = str(np.dtype(layers[0]["q"].dtype))
+  return save(root, step, arrays, dtype=dtype, features=features,
+              metadata=metadata)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class CapturedLayer:
   step: int

@@ -35,7 +35,7 @@ def _refuse_unsupported(dropout_rate, deterministic, module, sows) -> None:
 
 def _sow(module, query, key, value, causal: bool, monitor: bool, capture: bool):
   """Flax's convention for values a training step reads back:
-  `nnx.Intermediate`s, popped with `nnx.pop(model, nnx.Intermediate)`."""
+  `nnx.Intermediate`s, collected by `nnx.capture(fn, nnx.Intermediate)`."""
   from flax import nnx
 
   if monitor:
@@ -97,7 +97,9 @@ def make_attention_fn(
       `nnx.Intermediate` "attention_statistics". The module must be
       called with `sow_weights=True`, which asks for exactly this.
     capture: sow (q, k, v) as the kernel receives them as the
-      `nnx.Intermediate` "attention_inputs", for
+      `nnx.Intermediate` "attention_inputs", and perturb the output
+      ("attention_output", an `nnx.Perturbation`) so that `nnx.capture`
+      with `nnx.grad` gives its cotangent dO (docs/monitor.md), for
       `stableattn.auditing.captures.save`.
     **keywords: fields of `Options` or `Features` by name, over the two.
 
@@ -148,7 +150,12 @@ def make_attention_fn(
       options=options,
       features=call_features,
     )
-    return out.astype(query.dtype)
+    out = out.astype(query.dtype)
+    if capture:
+      # Flax's gradient extraction: under nnx.capture with perturbations,
+      # the gradient of this zero perturbation is dO.
+      out = module.perturb("attention_output", out)
+    return out
 
   return attention_fn
 

@@ -70,26 +70,26 @@ def _log_row(trainer, state, eval_batch, heads: int) -> dict:
   }
 
 
-def _capture(trainer, state, s: Settings, tokens, step, replicate, folder):
-  """Every layer's q, k, v and dO on the batch of the next update."""
-  batch = data_lib.batch_at(
+def _batch(tokens, s: Settings, step: int, replicate: int) -> np.ndarray:
+  return data_lib.batch_at(
     tokens,
     seed=s.data_seed,
     step=step,
     batch_size=s.batch_size,
     seq_len=s.seq_len,
     replicate=replicate,
-  )[: s.capture_rows]
+  )
+
+
+def _capture(trainer, state, s: Settings, tokens, step, replicate, folder):
+  """Every layer's q, k, v and dO on the batch of the next update."""
+  batch = _batch(tokens, s, step, replicate)[: s.capture_rows]
   layers = trainer.capture(state, jnp.asarray(batch))
   attention = trainer.run.attention
-  captures.save(
+  captures.save_layers(
     folder,
     step,
-    {
-      i: {t: np.asarray(jnp.asarray(a, jnp.float32)) for t, a in x.items()}
-      for i, x in enumerate(layers)
-    },
-    dtype=str(layers[0]["q"].dtype),
+    layers,
     features={"causal": True},
     metadata={
       "attention": attention.kind,
@@ -129,14 +129,7 @@ def train_cell(
   state = trainer.init_state(replicate)
   rows, diverged_at, train_loss = [], None, float("nan")
   for step in range(s.steps):
-    batch = data_lib.batch_at(
-      tokens,
-      seed=s.data_seed,
-      step=step,
-      batch_size=s.batch_size,
-      seq_len=s.seq_len,
-      replicate=replicate,
-    )
+    batch = _batch(tokens, s, step, replicate)
     state, metrics = trainer.step(state, trainer.shard_batch(batch), lr)
     train_loss = float(metrics["loss"])
     if not math.isfinite(train_loss) or train_loss > s.divergence_loss:

@@ -228,18 +228,10 @@ class Lockstep:
     tokens = tokens[: self.s.capture_rows]
     layers = trainer.capture(self.states[name, replicate], jnp.asarray(tokens))
     attention = trainer.run.attention
-    captures.save(
+    captures.save_layers(
       self.run_dir.path / "captures",
       step,
-      {
-        i: {
-          t: np.asarray(jnp.asarray(a, jnp.float32)) for t, a in layer.items()
-        }
-        for i, layer in enumerate(layers)
-      },
-      # The residual stream's format, which q, k and v arrive in (the
-      # attention policy rounds them to its own input format).
-      dtype=str(layers[0]["q"].dtype),
+      layers,
       features={"causal": True},
       metadata={
         "run": name,
