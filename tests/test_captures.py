@@ -200,3 +200,36 @@ def test_the_stability_sweep_captures_where_the_largest_logit_passes(tmp_path):
   rates = [float(x) for x in str(config.train.learning_rates).split(",")]
   assert sources == {f"flash_bf16_none-lr{lr:g}" for lr in rates}, sources
   assert all("flash_" in x.label and "layer" in x.label for x in layers)
+
+
+@pytest.mark.slow
+def test_a_high_learning_rate_run_breaks_a_kernel_that_drawn_inputs_pass(
+  tmp_path,
+):
+  """At learning rate 0.3 the smoke model's logits pass 88 by step 20 (on
+  this corpus and seed, 198 and 263); a softmax without max subtraction
+  passes the grid and fails those layers, named by step and layer."""
+  from stableattn.experiments import training_drift
+
+  config = drift_config.get_config("smoke")
+  config.pairs = "flash_vs_baseline"
+  config.train.replicates = 1
+  config.train.grad_error = False
+  config.attention.context_parallel = 0
+  config.train.learning_rate = 0.3
+  config.train.total_steps = 20
+  config.train.log_every = 10
+  config.train.checkpoint_every = 20
+  config.train.capture_steps = "20"
+  training_drift.run(config, tmp_path)
+  layers = captures.load(tmp_path / "captures")
+  assert max(captures.statistics(x)["max_logit"] for x in layers) > 88
+  report = sa.audit(
+    unshifted_softmax, shapes=((1, 32, 2, 16),), causal=True, repeats=2,
+    inputs=tmp_path / "captures",
+  )  # fmt: skip
+  assert not report.passed
+  grid = [r for r in report.rows if r["regime"] != "captured"]
+  assert grid and all(r["nonfinite"] == 0 for r in grid)
+  failing = {r["detail"] for r in report.rows if r["nonfinite"]}
+  assert failing and all(d.startswith("step 20, layer ") for d in failing)

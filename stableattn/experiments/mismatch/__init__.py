@@ -179,6 +179,16 @@ def trained_model(run_dir: RunDir, s: Settings):
   return nnx.merge(trainer.graphdef, state.params), log
 
 
+def attention_of(model, s: Settings, held_out) -> list[dict]:
+  """The monitor's statistics per layer of the trained model on a held-out
+  batch (FP32 attention, as it trained)."""
+  batch = data.batch_at(
+    held_out, seed=1, step=0, batch_size=s.train_batch, seq_len=s.model.max_len
+  )
+  _, layers = model(jax.numpy.asarray(batch[:, :-1]), collect_stats=True)
+  return [{k: float(v) for k, v in layer.items()} for layer in layers]
+
+
 def prompts_of(s: Settings, held_out, seed: int) -> np.ndarray:
   """Windows of the held-out corpus: the same prompts for every pair."""
   windows = data.batch_at(
@@ -275,7 +285,16 @@ def run(config, workdir, *, restart: bool = False) -> dict:
       for r in rows
       if r.get("arm") in arms and r["replicate"] < s.rl.replicates
     ]
-    result = report.write_report(run_dir, s, pair_rows, training_log, rl_rows)
+    if held_out is None:
+      _, held_out = data.stdlib_corpus()
+    result = report.write_report(
+      run_dir,
+      s,
+      pair_rows,
+      training_log,
+      rl_rows,
+      attention_of(model, s, held_out),
+    )
     return {
       "workdir": str(run_dir.path),
       "measured": measured,

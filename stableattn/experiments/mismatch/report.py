@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from stableattn.auditing import thresholds
 from stableattn.experiments import environment
 from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
 from stableattn.experiments.mismatch.policy_gradient import collapse_step
@@ -355,8 +356,10 @@ def _write_data(run_dir: RunDir, found, rl_found, stats, training_log, env):
 
 
 def write_report(
-  run_dir: RunDir, s, rows, training_log: dict, rl_rows=()
+  run_dir: RunDir, s, rows, training_log: dict, rl_rows=(), attention=()
 ) -> dict:
+  """report.md and its data; `attention`: the trained model's monitor
+  statistics per layer (`stableattn.numerics.monitor`), if measured."""
   if not rows:
     raise ValueError(
       "the mismatch run measured nothing: no verdict from 0 rows."
@@ -416,6 +419,37 @@ def write_report(
     f"![mismatch per pair]({mismatch_png.name})",
     f"![importance ratios]({ratio_png.name})",
     *_rl_section(run_dir, rl_rows, rl_found),
+    *attention_section(attention),
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return {"verdicts": {**found, **rl_found}, "environment": env}
+
+
+def attention_section(attention) -> list[str]:
+  """The trained model's attention among the audit's regimes: per layer,
+  the monitor's statistics on a held-out batch, and the calibrated
+  kernels that miss a rule at its largest logit."""
+  if not attention:
+    return []
+  keys = ("max_logit", "min_row_lse", "near_tied_share", "fp16_underflow_share",
+          "k_outlier_ratio")  # fmt: skip
+  body = [
+    [i, *(num(layer[k]) for k in keys)] for i, layer in enumerate(attention)
+  ]
+  peak = max(layer["max_logit"] for layer in attention)
+  missing = thresholds.kernels_missing_at(peak)
+  return [
+    "",
+    "## The trained model's attention",
+    "",
+    "The monitor's statistics on a held-out batch (docs/monitor.md). "
+    + (
+      f"At its largest logit ({num(peak)}) these calibrated kernels miss a "
+      f"rule: {', '.join(missing)}."
+      if missing
+      else f"No calibrated kernel misses a rule at its largest logit "
+      f"({num(peak)})."
+    ),
+    "",
+    table(["layer", *keys], body),
+  ]
