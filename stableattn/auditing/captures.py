@@ -151,6 +151,8 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
       with np.load(folder / f"layer_{layer:02d}.npz") as data:
         tensors = {t: np.asarray(data[t], np.float64) for t in data.files}
       nested = folder.parent.relative_to(root) if folder != root else None
+      if nested is not None and nested.parts[:1] == ("captures",):
+        nested = pathlib.Path(*nested.parts[1:])  # a run directory's own
       found.append(
         CapturedLayer(
           record["step"],
