@@ -104,6 +104,7 @@ def _default() -> ml_collections.ConfigDict:
   # under <workdir>/captures for the audit (--config.inputs); e.g. "0,75".
   c.train.capture_steps = ""
   c.train.capture_rows = 2  # batch rows kept per capture
+  c.train.capture_layers = ""  # layers kept, e.g. "0,11"; "": every layer
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # your tokens: .npy, .bin (uint16) or text; else corpus

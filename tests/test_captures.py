@@ -233,3 +233,10 @@ def test_a_high_learning_rate_run_breaks_a_kernel_that_drawn_inputs_pass(
   assert grid and all(r["nonfinite"] == 0 for r in grid)
   failing = {r["detail"] for r in report.rows if r["nonfinite"]}
   assert failing and all(d.startswith("step 20, layer ") for d in failing)
+
+
+def test_capture_layers_beyond_the_model_are_refused_before_training():
+  config = drift_config.get_config("smoke")
+  config.train.capture_layers = "0,5"
+  with pytest.raises(ValueError, match=r"capture_layers \[5\] do not exist"):
+    settings_from_config(config)

@@ -79,13 +79,23 @@ def save(
   return folder
 
 
-def save_layers(root, step: int, layers, *, features: dict, metadata: dict):
+def save_layers(
+  root, step: int, layers, *, features: dict, metadata: dict, keep=()
+):
   """`save` of a trainer's capture (a list over layers of {q, k, v, d_out}
-  arrays, `stableattn.training.trainer.Trainer.capture`): the dtype
-  recorded is q's, the residual stream's format they arrived in."""
+  arrays, `stableattn.training.trainer.Trainer.capture`), the layers in
+  `keep` only (empty: all); the dtype recorded is q's, the residual
+  stream's format they arrived in."""
+  unknown = [i for i in keep if not 0 <= i < len(layers)]
+  if unknown:
+    raise ValueError(
+      f"capture layers {unknown} do not exist; the model has layers "
+      f"0-{len(layers) - 1}."
+    )
   arrays = {
     i: {t: np.asarray(a, np.float32) for t, a in layer.items()}
     for i, layer in enumerate(layers)
+    if not keep or i in keep
   }
   dtype = str(np.dtype(layers[0]["q"].dtype))
   return save(root, step, arrays, dtype=dtype, features=features,

@@ -31,6 +31,15 @@ def _refuse_unsupported(dropout_rate, deterministic, module, sows) -> None:
       "make_attention_fn(monitor=True or capture=True) sows through the "
       "module: call nnx.MultiHeadAttention with sow_weights=True."
     )
+  if sows:
+    from flax import nnx
+
+    if not isinstance(module, nnx.Module):
+      raise ValueError(
+        "make_attention_fn(monitor=True or capture=True) sows into a "
+        f"flax.nnx module; got {type(module).__name__} (a linen module "
+        "takes the drop-in without them)."
+      )
 
 
 def _sow(module, query, key, value, causal: bool, monitor: bool, capture: bool):

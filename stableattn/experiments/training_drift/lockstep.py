@@ -232,6 +232,7 @@ class Lockstep:
       self.run_dir.path / "captures",
       step,
       layers,
+      keep=self.s.capture_layers,
       features={"causal": True},
       metadata={
         "run": name,

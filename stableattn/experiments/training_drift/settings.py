@@ -56,6 +56,7 @@ class Settings:
   grad_error: bool  # measure flash runs' attention-gradient error
   capture_steps: tuple[int, ...]  # steps whose attention tensors are saved
   capture_rows: int
+  capture_layers: tuple[int, ...]
   compare: str  # "natural": each kernel's own policy; "shared": Flash's
   # XLA_FLAGS of the other machine the base run is trained on again (pair
   # other_machine), and its label; None and the reason where there is none.
@@ -121,6 +122,8 @@ class TrainSection:
   # batch, `capture_rows` rows of it); empty: none.
   capture_steps: tuple[int, ...] = spec(minimum=0, allow_empty=True)
   capture_rows: int = spec(minimum=1)
+  # The layers kept (a large model's subset); empty: every layer.
+  capture_layers: tuple[int, ...] = spec(minimum=0, allow_empty=True)
 
   def __post_init__(self):
     if self.total_steps <= self.warmup_steps:
@@ -213,6 +216,12 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
   attention = from_section(AttentionSection, c, "attention")
   data = from_section(DataSection, c, "data")
   devices = train.devices or jax.device_count()
+  beyond = [i for i in train.capture_layers if i >= model.depth]
+  if beyond:
+    raise ValueError(
+      f"train.capture_layers {beyond} do not exist; the model has layers "
+      f"0-{model.depth - 1}."
+    )
   pairs = _pairs(c, attention, devices)
   flags, machine = None, Settings.machine
   if MACHINE_PAIR in pairs and not twin:
@@ -256,6 +265,7 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
     grad_error=train.grad_error and not twin,
     capture_steps=() if twin else train.capture_steps,
     capture_rows=train.capture_rows,
+    capture_layers=train.capture_layers,
     compare=attention.compare,
     machine_flags=flags,
     machine=machine,
