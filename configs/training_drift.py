@@ -81,11 +81,10 @@ def _default() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # compute format of the base run
-  # Each replicate: its own shared initialization and data order; ratios
-  # between pairs get intervals over replicates. Five: an interval over
-  # two or three rests on one or two degrees of freedom and moves
-  # several-fold from one machine to the next. Steps were shortened so
-  # that five fit the time budget.
+  # Each replicate: its own initialization and data order; ratios between
+  # pairs get intervals over replicates. Five: an interval over two or
+  # three moves several-fold from one machine to the next (steps were
+  # shortened so that five fit the time budget).
   c.train.replicates = 5
   c.train.batch_size = 16
   c.train.total_steps = 75
@@ -100,11 +99,11 @@ def _default() -> ml_collections.ConfigDict:
   # At each log: flash attention-gradient error vs FP32 attention, its
   # cosine with the previous log's error and its top singular value share.
   c.train.grad_error = True
-  # Steps after which every attention layer's q, k, v and dO are saved
-  # under <workdir>/captures for the audit (--config.inputs); e.g. "0,75".
+  # Steps after which attention's q, k, v and dO are saved under captures/
+  # for the audit (--config.inputs), e.g. "0,75"; the rows and layers kept.
   c.train.capture_steps = ""
-  c.train.capture_rows = 2  # batch rows kept per capture
-  c.train.capture_layers = ""  # layers kept, e.g. "0,11"; "": every layer
+  c.train.capture_rows = 2
+  c.train.capture_layers = ""  # e.g. "0,11"; "": every layer
 
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # your tokens: .npy, .bin (uint16) or text; else corpus

@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 
-from stableattn.auditing import thresholds
 from stableattn.experiments import environment
 from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
 from stableattn.experiments.mismatch.policy_gradient import collapse_step
+from stableattn.experiments.monitor_report import attention_section
 from stableattn.experiments.plotting import Series, interval_plot, line_plot
 from stableattn.experiments.reporting import (
   Interval,
@@ -423,33 +423,3 @@ def write_report(
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return {"verdicts": {**found, **rl_found}, "environment": env}
-
-
-def attention_section(attention) -> list[str]:
-  """The trained model's attention among the audit's regimes: per layer,
-  the monitor's statistics on a held-out batch, and the calibrated
-  kernels that miss a rule at its largest logit."""
-  if not attention:
-    return []
-  keys = ("max_logit", "min_row_lse", "near_tied_share", "fp16_underflow_share",
-          "k_outlier_ratio")  # fmt: skip
-  body = [
-    [i, *(num(layer[k]) for k in keys)] for i, layer in enumerate(attention)
-  ]
-  peak = max(layer["max_logit"] for layer in attention)
-  missing = thresholds.kernels_missing_at(peak)
-  return [
-    "",
-    "## The trained model's attention",
-    "",
-    "The monitor's statistics on a held-out batch (docs/monitor.md). "
-    + (
-      f"At its largest logit ({num(peak)}) these calibrated kernels miss a "
-      f"rule: {', '.join(missing)}."
-      if missing
-      else f"No calibrated kernel misses a rule at its largest logit "
-      f"({num(peak)})."
-    ),
-    "",
-    table(["layer", *keys], body),
-  ]
