@@ -92,6 +92,12 @@ def _default() -> ml_collections.ConfigDict:
   # A model's own tensors, audited beside the grid: a training run with
   # capture_steps set, its captures/ folder or one step's folder.
   c.inputs = ""
+  # CI: JUnit XML written here (""); a baseline of known findings: with
+  # update_baseline the current failures are recorded, without it only a
+  # new failure or one worse than recorded fails (docs/audit.md).
+  c.junit = ""
+  c.baseline = ""
+  c.update_baseline = False
   return c
 
 

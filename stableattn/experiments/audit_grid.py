@@ -13,11 +13,14 @@ CI.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 import shlex
 
 from tqdm.auto import tqdm
 
-from stableattn.auditing import captures, invariance, regimes
+from stableattn.auditing import captures, ci_reports, invariance, regimes
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
 from stableattn.auditing.kernel_audit import (
   TENSORS,
@@ -77,6 +80,11 @@ class Settings:
   # A model's captured tensors (`stableattn.auditing.captures`): a run's
   # directory, its captures/ or one step's folder; "": none.
   inputs: str = ""
+  # CI: a JUnit XML path (""), a baseline of known findings ("") and
+  # whether to record the current failures as it.
+  junit: str = ""
+  baseline: str = ""
+  update_baseline: bool = False
 
 
 def settings_from_config(c) -> Settings:
@@ -128,6 +136,9 @@ def settings_from_config(c) -> Settings:
     forward_only=forward_only(kernel),
     layout=_layout(c),
     inputs=_inputs(c),
+    junit=str(c.get("junit", "") or ""),
+    baseline=str(c.get("baseline", "") or ""),
+    update_baseline=bool(c.get("update_baseline", False)),
   )
 
 
@@ -243,7 +254,8 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     progress.close()
     if probes:
       run_dir.write_csv("invariance.csv", probes)
-    return write_report(run_dir, s, rows, probes, notes, errors)
+    result = write_report(run_dir, s, rows, probes, notes, errors)
+    return ci_verdict(run_dir, s, result, rows, notes, errors)
 
 
 def _steps(s: Settings) -> int:
@@ -302,3 +314,45 @@ def _with_command(s: Settings, error: dict, spec, case=None) -> dict:
       f"--config.features={case.features_label}",
     ]
   return {"kernel": s.kernel, **error, "command": " ".join(parts)}
+
+
+def ci_verdict(run_dir, s: Settings, result, rows, notes, errors) -> dict:
+  """The verdict against a baseline of known findings (or recorded as
+  it), the JUnit file, and the GitHub step summary and annotations. A run
+  that judged nothing is not a pass; writing a summary never changes the
+  verdict."""
+  gate = [g for g in s.gate if g in RULES]
+  rows = [{"kernel": s.kernel, **r} for r in rows]
+  found = ci_reports.failing(rows, gate, errors)
+  judged = None
+  if not rows and result["passed"]:  # every case n/a: nothing passed
+    result["passed"], result["verdict"] = False, "NOTHING JUDGED"
+  if s.baseline and s.update_baseline:
+    ci_reports.write_baseline(s.baseline, found)
+    result["baseline"] = f"recorded {len(found)} failures in {s.baseline}"
+    result["passed"] = bool(rows)
+  elif s.baseline:
+    judged = ci_reports.judge(found, ci_reports.load_baseline(s.baseline))
+    result["baseline"] = judged
+    result["passed"] = bool(rows) and not judged["new"] and not judged["worse"]
+  if s.baseline:
+    result["verdict"] = "passed" if result["passed"] else "FAILED"
+  if s.baseline or not rows:
+    text = json.dumps(result, indent=2, default=str) + "\n"
+    run_dir.write_text("headline.json", text)
+  if s.junit:
+    pathlib.Path(s.junit).write_text(
+      ci_reports.junit_xml(s.kernel, rows, gate, errors, notes)
+    )
+  summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
+  if summary_path:
+    try:
+      with open(summary_path, "a") as f:
+        f.write(
+          ci_reports.summary_markdown(s.kernel, result["passed"], judged, found)
+        )
+    except OSError as e:  # the verdict stands; say why there is no summary
+      print(f"warning: no step summary written to {summary_path}: {e}")
+    for line in ci_reports.annotations(judged, found):
+      print(line)
+  return result

@@ -195,6 +195,15 @@ def summary_text(result: dict, most: int = 5) -> str:
       f"  smallest failure: {found}\n  report: {result['workdir']}/report.md"
     )
   lines = [f"{result['kernel']}: {result['verdict']}"]
+  judged = result.get("baseline")
+  if isinstance(judged, str):
+    lines.append(f"  baseline: {judged}")
+  elif judged:
+    counts = ", ".join(f"{len(judged[k])} {k}" for k in judged)
+    lines.append(f"  against the baseline: {counts}")
+    lines += [f"  - {k}: {key}" for k in ("new", "worse") for key in judged[k]][
+      :most
+    ]
   for rule, per_tensor in result.get("worst_ratio", {}).items():
     cells = ", ".join(f"{t} {v:.3g}" for t, v in per_tensor.items())
     lines.append(f"  worst {rule} value/limit: {cells}")

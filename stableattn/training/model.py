@@ -32,7 +32,7 @@ from flax import nnx
 
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
-from stableattn.numerics.monitor import FP16_TINY, attention_statistics  # noqa: F401
+from stableattn.numerics.monitor import attention_statistics
 from stableattn.ops import registry
 from stableattn.ops.ring import ring_attention
 from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh

@@ -1,0 +1,194 @@
+"""The audit's verdict in the forms CI systems read, and known findings as
+a baseline.
+
+* JUnit XML: one testcase per audited row and gated rule (kernel x format
+  x shape x features x regime x tensor x rule), the ratio and limit as
+  properties; a raised case is an error, a case the kernel cannot take is
+  skipped.
+* A GitHub step summary (markdown appended to `$GITHUB_STEP_SUMMARY`) and
+  `::error` annotations for what failed.
+* A baseline: the current failures under stable keys (kernel, format,
+  regime, features, rule, tensor) with their worst ratio. Judged against
+  one, an audit passes when only recorded findings fail, and names new
+  failures, findings that got worse beyond a margin, and fixed ones (the
+  pattern of pytest-benchmark's `--benchmark-compare-fail` and snapshot
+  tests).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import xml.etree.ElementTree as ET
+
+KEY_FIELDS = ("kernel", "policy", "regime", "features", "rule", "tensor")
+BASELINE_FORMAT = 1
+WORSE_MARGIN = 1.25  # a recorded ratio may grow this much before it fails
+
+
+def _ratio(row, rule) -> float:
+  value, limit = row[f"{rule}_value"], row[f"{rule}_limit"]
+  if isinstance(value, float) and math.isnan(value):
+    return math.inf
+  if limit > 0:
+    return value / limit
+  return math.inf if value > 0 else 0.0
+
+
+def _checks(row, gate):
+  """(rule, failed, ratio or None) of one row: each gated rule that
+  applies, then the NaN scan and determinism."""
+  for rule in gate:
+    if row.get(f"{rule}_applies"):
+      yield rule, not row[f"{rule}_passed"], _ratio(row, rule)
+  yield "finite", row["nonfinite"] > 0, None
+  yield "deterministic", not row["deterministic"], None
+
+
+def key(row, rule: str) -> str:
+  fields = {**row, "rule": rule, "regime": row.get("regime", "none")}
+  return " | ".join(str(fields.get(f, "")) for f in KEY_FIELDS)
+
+
+def failing(rows, gate, errors=()) -> dict[str, float | None]:
+  """{key: the worst ratio (None for the NaN scan, determinism and
+  errors)} of everything that failed."""
+  found: dict[str, float | None] = {}
+  for row in rows:
+    for rule, failed, ratio in _checks(row, gate):
+      if failed:
+        k = key(row, rule)
+        seen = found.get(k)
+        found[k] = ratio if seen is None else max(seen, ratio or 0.0)
+  for e in errors:
+    found[key({"kernel": e.get("kernel", ""), **e, "tensor": "-"}, "error")] = (
+      None
+    )
+  return found
+
+
+def junit_xml(suite: str, rows, gate, errors=(), notes=()) -> str:
+  cases = ET.Element("testsuite", name=suite)
+  counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+  for row in rows:
+    for rule, failed, ratio in _checks(row, gate):
+      where = (
+        row.get("kernel", suite),
+        row["policy"],
+        row.get("regime", "none"),
+      )
+      what = (
+        row["shape"],
+        row["features"],
+        row.get("detail", ""),
+        row["tensor"],
+      )
+      case = ET.SubElement(
+        cases,
+        "testcase",
+        classname=".".join(where),
+        name=" ".join(x for x in (*what, rule) if x),
+      )
+      counts["tests"] += 1
+      if ratio is not None:
+        props = ET.SubElement(case, "properties")
+        ET.SubElement(props, "property", name="ratio", value=f"{ratio:.6g}")
+        ET.SubElement(
+          props, "property", name="limit", value=f"{row[f'{rule}_limit']:.6g}"
+        )
+      if failed:
+        counts["failures"] += 1
+        text = f"{rule} fails" + (f": {ratio:.3g}x its limit" if ratio else "")
+        ET.SubElement(case, "failure", message=text)
+  extra = [
+    ("errors", "error", e.get("policy", ""),
+     f"{e.get('shape', '')} {e.get('features', '')} raised", e.get("error", ""))
+    for e in errors
+  ] + [
+    ("skipped", "skipped", n.get("policy", ""),
+     f"{n.get('regime', '')} {n.get('detail', '')} n/a", n.get("reason", ""))
+    for n in notes
+  ]  # fmt: skip
+  for count, tag, policy, name, message in extra:
+    counts["tests"] += 1
+    counts[count] += 1
+    case = ET.SubElement(
+      cases, "testcase", classname=f"{suite}.{policy}", name=name
+    )
+    ET.SubElement(case, tag, message=str(message))
+  for name, count in counts.items():
+    cases.set(name, str(count))
+  return ET.tostring(cases, encoding="unicode")
+
+
+def write_baseline(path, found: dict) -> None:
+  data = {"format": BASELINE_FORMAT, "failures": found}
+  pathlib.Path(path).write_text(
+    json.dumps(data, indent=2, sort_keys=True) + "\n"
+  )
+
+
+def load_baseline(path) -> dict:
+  path = pathlib.Path(path)
+  if not path.exists():
+    raise ValueError(
+      f"no baseline at {path}: record one with --config.update_baseline=True."
+    )
+  data = json.loads(path.read_text())
+  if data.get("format") != BASELINE_FORMAT:
+    raise ValueError(f"{path} is not a baseline of format {BASELINE_FORMAT}.")
+  return data["failures"]
+
+
+def judge(found: dict, baseline: dict, margin: float = WORSE_MARGIN) -> dict:
+  """{new, worse, fixed, known}: keys failing now and not recorded, those
+  recorded whose ratio grew beyond `margin`, recorded ones that pass now,
+  and recorded ones within their margin."""
+  new = sorted(k for k in found if k not in baseline)
+  worse = sorted(
+    k
+    for k in found
+    if k in baseline
+    and found[k] is not None
+    and baseline[k] is not None
+    and found[k] > margin * baseline[k]
+  )
+  fixed = sorted(k for k in baseline if k not in found)
+  known = sorted(k for k in found if k in baseline and k not in worse)
+  return {"new": new, "worse": worse, "fixed": fixed, "known": known}
+
+
+def summary_markdown(
+  kernel: str, passed: bool, judged: dict | None, found: dict
+) -> str:
+  lines = [
+    f"### stableattn audit: `{kernel}` {'passed' if passed else 'FAILED'}",
+    "",
+  ]
+  if judged is not None:
+    lines.append(
+      f"Against the baseline: {len(judged['new'])} new, {len(judged['worse'])} "
+      f"worse, {len(judged['fixed'])} fixed, {len(judged['known'])} known."
+    )
+    lines.append("")
+    shown = [("new", k) for k in judged["new"]] + [
+      ("worse", k) for k in judged["worse"]
+    ]
+  else:
+    shown = [("failing", k) for k in found]
+  if shown:
+    columns = " \\| ".join(KEY_FIELDS)
+    lines += [f"| status | {columns} | ratio |", "|---|---|---|"]
+    for status, k in shown[:50]:
+      ratio = found.get(k)
+      shown_ratio = "-" if ratio is None else f"{ratio:.3g}"
+      escaped = k.replace("|", "\\|")
+      lines.append(f"| {status} | {escaped} | {shown_ratio} |")
+  return "\n".join(lines) + "\n"
+
+
+def annotations(judged: dict | None, found: dict) -> list[str]:
+  """`::error` lines GitHub Actions turns into annotations."""
+  keys = found if judged is None else judged["new"] + judged["worse"]
+  return [f"::error title=stableattn audit::{k}" for k in keys]
