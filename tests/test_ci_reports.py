@@ -114,3 +114,44 @@ def test_a_recorded_finding_passes_and_a_new_or_worse_one_fails(tmp_path):
     f"new: {keys[0]}" in worse.stdout and f"worse: {keys[1]}" in worse.stdout
   )
   assert f"::error title=stableattn audit::{keys[0]}" in worse.stdout
+
+
+def test_compare_names_regressions_across_versions_whatever_the_kernel_name():
+  old = ci_reports.ratios(
+    [_row("dq", value=1.0), _row("dk", value=6.0), _row("dv", value=1.0)],
+    ["flashattention"],
+    with_kernel=False,
+  )
+  new = ci_reports.ratios(
+    [
+      _row("dq", value=3.0, kernel="k2"),  # 0.5 -> 1.5: crosses its limit
+      _row("dk", value=6.6, kernel="k2"),  # 3.0 -> 3.3: within the margin
+      _row("out", value=1.0, kernel="k2"),
+    ],
+    ["flashattention"],
+    with_kernel=False,
+  )
+  found = ci_reports.compare(old, new)
+  assert [k.split(" | ")[-1] for k, _, _ in found["regressions"]] == ["dq"]
+  assert found["improvements"] == []
+  assert [k.split(" | ")[-1] for k in found["only_old"]] == ["dv"]
+  assert [k.split(" | ")[-1] for k in found["only_new"]] == ["out"]
+
+
+def test_the_compare_launcher_exits_1_on_a_regression(tmp_path):
+  for name, value in (("old", 1.0), ("new", 5.0)):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "headline.json").write_text(
+      json.dumps({"gate": ["flashattention"]})
+    )
+    (folder / "metrics.jsonl").write_text(json.dumps(_row(value=value)) + "\n")
+  done = subprocess.run(
+    [
+      sys.executable, str(REPO / "launch" / "audit_compare.py"),
+      f"--old={tmp_path / 'old'}", f"--new={tmp_path / 'new'}",
+    ],
+    capture_output=True, text=True, cwd=REPO, timeout=120,
+  )  # fmt: skip
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "regressions: 1" in done.stdout and "0.5 -> 2.5" in done.stdout

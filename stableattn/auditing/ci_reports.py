@@ -192,3 +192,43 @@ def annotations(judged: dict | None, found: dict) -> list[str]:
   """`::error` lines GitHub Actions turns into annotations."""
   keys = found if judged is None else judged["new"] + judged["worse"]
   return [f"::error title=stableattn audit::{k}" for k in keys]
+
+
+def ratios(rows, gate, with_kernel: bool = True) -> dict[str, float]:
+  """{key: the worst ratio to its limit} of every gated rule over `rows`,
+  passing or not (an audit's whole state, for `compare`); without the
+  kernel's name in the key, two versions of a kernel compare."""
+  out: dict[str, float] = {}
+  for row in rows:
+    for rule, _, ratio in _checks(row, gate):
+      if ratio is not None:
+        k = key(row if with_kernel else {**row, "kernel": "*"}, rule)
+        out[k] = max(out.get(k, 0.0), ratio)
+  return out
+
+
+def compare(old: dict, new: dict, growth: float = WORSE_MARGIN) -> dict:
+  """Two audits' `ratios` (another kernel version, commit or jax
+  version): {regressions, improvements, only_old, only_new}, each a list
+  of (key, old ratio, new ratio). A regression crosses its limit (ratio
+  above 1 where it was not) or grows more than `growth` times; an
+  improvement is the reverse."""
+
+  def crossed(a, b):
+    return a <= 1 < b
+
+  both = sorted(set(old) & set(new))
+  return {
+    "regressions": [
+      (k, old[k], new[k])
+      for k in both
+      if crossed(old[k], new[k]) or (new[k] > 1 and new[k] > growth * old[k])
+    ],
+    "improvements": [
+      (k, old[k], new[k])
+      for k in both
+      if crossed(new[k], old[k]) or (old[k] > 1 and old[k] > growth * new[k])
+    ],
+    "only_old": sorted(set(old) - set(new)),
+    "only_new": sorted(set(new) - set(old)),
+  }
