@@ -130,21 +130,20 @@ def _step_folders(path: pathlib.Path) -> list[pathlib.Path]:
   return sorted(p.parent for p in path.rglob("capture.json"))
 
 
-def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
-  """Every captured layer under `path`: a run directory, its `captures/`
-  folder or one step's folder; `layers`, `steps`: keep only these."""
+def index(path) -> list[tuple[pathlib.Path, dict]]:
+  """(step folder, its capture.json) of every capture under `path`,
+  checked without reading the arrays."""
   path = pathlib.Path(path)
   if not path.exists():
     raise ValueError(f"no captures at {path}: the path does not exist.")
   folders = _step_folders(path)
-  root = path if path.is_dir() else path.parent
   if not folders:
     raise ValueError(
       f"no captures under {path}: expected step_NNNNNN/capture.json "
       "folders (a training run with capture_steps set writes them to "
       "<workdir>/captures)."
     )
-  found = []
+  records = []
   for folder in folders:
     record = json.loads((folder / "capture.json").read_text())
     if record.get("format") != CAPTURE_FORMAT:
@@ -152,6 +151,17 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
         f"{folder}/capture.json has format {record.get('format')!r}; this "
         f"version reads format {CAPTURE_FORMAT}."
       )
+    records.append((folder, record))
+  return records
+
+
+def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
+  """Every captured layer under `path`: a run directory, its `captures/`
+  folder or one step's folder; `layers`, `steps`: keep only these."""
+  path = pathlib.Path(path)
+  root = path if path.is_dir() else path.parent
+  found = []
+  for folder, record in index(path):
     if steps is not None and record["step"] not in steps:
       continue
     for name in sorted(record["layers"], key=int):
@@ -200,6 +210,19 @@ def edge_cases(inputs) -> list[EdgeCase]:
   return cases
 
 
+def logits(q, k, causal: bool) -> np.ndarray:
+  """Scores [b, h, t, s] in float64 of q [b, t, h, d] and k [b, s, hkv,
+  d] (each KV head over its group of query heads), -inf where a causal
+  row may not look (bottom-right aligned)."""
+  k = np.repeat(np.asarray(k, np.float64), q.shape[2] // k.shape[2], axis=2)
+  s = np.einsum("bthd,bshd->bhts", np.asarray(q, np.float64), k)
+  s = s * q.shape[-1] ** -0.5
+  if causal:
+    t, n = s.shape[-2:]
+    s = np.where(np.tril(np.ones((t, n), bool), n - t), s, -np.inf)
+  return s
+
+
 def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
   """Where a captured layer sits among the audit's regimes: its largest
   logit and the share of rows whose two largest logits tie within one
@@ -207,18 +230,11 @@ def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
   dtype), causal rows with two keys or more."""
   import ml_dtypes
 
-  q, k = layer.tensors["q"], layer.tensors["k"]
-  groups = q.shape[2] // k.shape[2]
-  k = np.repeat(k, groups, axis=2)
-  s = np.einsum("bthd,bshd->bhts", q, k) * q.shape[-1] ** -0.5
-  if layer.features.get("causal"):
-    t, n = s.shape[-2:]
-    s = np.where(np.tril(np.ones((t, n), bool), n - t), s, -np.inf)
+  s = logits(
+    layer.tensors["q"], layer.tensors["k"], layer.features.get("causal")
+  )
   top = np.sort(s, axis=-1)[..., -2:]
-  mantissa = {
-    "bfloat16": ml_dtypes.finfo(ml_dtypes.bfloat16).nmant,
-    "float16": 10,
-  }.get(input_format or layer.dtype, 23)
+  mantissa = ml_dtypes.finfo(np.dtype(input_format or layer.dtype)).nmant
   magnitude = np.maximum(np.abs(top[..., 1]), 2.0**-100)
   ulp = 2.0 ** (np.floor(np.log2(magnitude)) - mantissa)
   rows = top[..., 1:, :] if layer.features.get("causal") else top

@@ -20,6 +20,7 @@ import pathlib
 
 import numpy as np
 
+from stableattn.auditing.captures import logits
 from stableattn.auditing.edge_case import EdgeCase
 from stableattn.auditing.measure import TENSORS
 from stableattn.auditing.regimes import measure_cases
@@ -62,11 +63,7 @@ def _case(std: float, shape, causal: bool, seed: int = 0) -> EdgeCase:
 
 
 def _max_logit(case: EdgeCase) -> float:
-  s = np.einsum("bthd,bshd->bhts", case.q, case.k) / np.sqrt(case.q.shape[-1])
-  t = s.shape[-1]
-  if case.features.get("causal"):
-    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
-  return float(np.max(s))
+  return float(np.max(logits(case.q, case.k, case.features.get("causal"))))
 
 
 def sweep(kernels=None, stds=SCORE_STDS) -> list[dict]:

@@ -147,7 +147,7 @@ def _inputs(c) -> str:
   path = str(c.get("inputs", "") or "").strip()
   if path:
     try:
-      captures.load(path)
+      captures.index(path)  # the folders and their records; arrays later
     except ValueError as e:
       raise ValueError(f"config.inputs: {e}") from None
   return path
@@ -318,15 +318,13 @@ def _with_command(s: Settings, error: dict, spec, case=None) -> dict:
 
 def ci_verdict(run_dir, s: Settings, result, rows, notes, errors) -> dict:
   """The verdict against a baseline of known findings (or recorded as
-  it), the JUnit file, and the GitHub step summary and annotations. A run
-  that judged nothing is not a pass; writing a summary never changes the
-  verdict."""
+  it), the JUnit file, and the GitHub step summary and annotations
+  (`write_report` has already refused a run that measured nothing);
+  writing a summary never changes the verdict."""
   gate = [g for g in s.gate if g in RULES]
   rows = [{"kernel": s.kernel, **r} for r in rows]
   found = ci_reports.failing(rows, gate, errors)
   judged = None
-  if not rows and result["passed"]:  # every case n/a: nothing passed
-    result["passed"], result["verdict"] = False, "NOTHING JUDGED"
   if s.baseline and s.update_baseline:
     ci_reports.write_baseline(s.baseline, found)
     result["baseline"] = f"recorded {len(found)} failures in {s.baseline}"
@@ -337,7 +335,7 @@ def ci_verdict(run_dir, s: Settings, result, rows, notes, errors) -> dict:
     result["passed"] = bool(rows) and not judged["new"] and not judged["worse"]
   if s.baseline:
     result["verdict"] = "passed" if result["passed"] else "FAILED"
-  if s.baseline or not rows:
+  if s.baseline:
     text = json.dumps(result, indent=2, default=str) + "\n"
     run_dir.write_text("headline.json", text)
   if s.junit:

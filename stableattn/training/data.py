@@ -146,6 +146,19 @@ def batch_at(
   return tokens[index].astype(np.int32)
 
 
+def settings_batch(tokens: np.ndarray, s, step: int, replicate: int):
+  """`batch_at` with an experiment's settings `s` (its `data_seed`,
+  `batch_size` and `seq_len`)."""
+  return batch_at(
+    tokens,
+    seed=s.data_seed,
+    step=step,
+    batch_size=s.batch_size,
+    seq_len=s.seq_len,
+    replicate=replicate,
+  )
+
+
 def eval_batch(
   tokens: np.ndarray, *, seed: int, batch_size: int, seq_len: int
 ) -> np.ndarray:

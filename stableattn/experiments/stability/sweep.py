@@ -70,20 +70,9 @@ def _log_row(trainer, state, eval_batch, heads: int) -> dict:
   }
 
 
-def _batch(tokens, s: Settings, step: int, replicate: int) -> np.ndarray:
-  return data_lib.batch_at(
-    tokens,
-    seed=s.data_seed,
-    step=step,
-    batch_size=s.batch_size,
-    seq_len=s.seq_len,
-    replicate=replicate,
-  )
-
-
 def _capture(trainer, state, s: Settings, tokens, step, replicate, folder):
   """Every layer's q, k, v and dO on the batch of the next update."""
-  batch = _batch(tokens, s, step, replicate)[: s.capture_rows]
+  batch = data_lib.settings_batch(tokens, s, step, replicate)[: s.capture_rows]
   layers = trainer.capture(state, jnp.asarray(batch))
   attention = trainer.run.attention
   captures.save_layers(
@@ -129,7 +118,7 @@ def train_cell(
   state = trainer.init_state(replicate)
   rows, diverged_at, train_loss = [], None, float("nan")
   for step in range(s.steps):
-    batch = _batch(tokens, s, step, replicate)
+    batch = data_lib.settings_batch(tokens, s, step, replicate)
     state, metrics = trainer.step(state, trainer.shard_batch(batch), lr)
     train_loss = float(metrics["loss"])
     if not math.isfinite(train_loss) or train_loss > s.divergence_loss:

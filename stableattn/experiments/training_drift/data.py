@@ -27,11 +27,4 @@ def load_data(s: Settings) -> tuple[np.ndarray, np.ndarray]:
 
 def batch_at(tokens, s: Settings, step: int, replicate: int) -> np.ndarray:
   """The training batch of one step of one replicate."""
-  return data_lib.batch_at(
-    tokens,
-    seed=s.data_seed,
-    step=step,
-    batch_size=s.batch_size,
-    seq_len=s.seq_len,
-    replicate=replicate,
-  )
+  return data_lib.settings_batch(tokens, s, step, replicate)
