@@ -62,8 +62,6 @@ def edge_section(rows, headline) -> list[str]:
   return [
     "## Edges in training",
     "",
-    *regime_verdicts(rows),
-    "",
     "Largest over replicates, logging steps and layers (evaluation batch, "
     "causal rows with two keys or more): the share of rows whose two "
     "largest logits lie within one ulp of the training format, where our "
@@ -76,6 +74,7 @@ def edge_section(rows, headline) -> list[str]:
     "",
     table(["run", *(EDGE_STATS[s][0] for s in logged)], body),
     "",
+    *regime_verdicts(rows),
   ]
 
 
