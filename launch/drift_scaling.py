@@ -1,20 +1,15 @@
 r"""Drift-scaling launcher: the drift study at several sizes, and the trend.
 
   python launch/drift_scaling.py --workdir=runs/drift_scaling \
-      [--config=configs/drift_scaling.py[:smoke]] \
-      [--config.scaling.sizes=w64-d2-s64,w128-d4-s64,...]
+      [--config=smoke] [--config.scaling.sizes=w64-d2-s64,w128-d4-s64,...]
 
-A killed run resumes: rerun the same command.
+A killed run resumes: rerun the same command. The same as
+`stableattn drift_scaling`.
 """
 
-from stableattn.experiments import drift_scaling
-from stableattn.experiments.cli import launch
+import sys
+
+from stableattn.commands.main import run_experiment
 
 if __name__ == "__main__":
-  launch(
-    __file__,
-    drift_scaling.run,
-    config="drift_scaling.py",
-    workdir="runs/drift_scaling",
-    workdir_holds="config.json, metrics.jsonl, sizes/ and the report",
-  )
+  run_experiment("drift_scaling", sys.argv)

@@ -1,19 +1,15 @@
 r"""Training-inference mismatch experiment launcher.
 
   python launch/mismatch.py --workdir=runs/mismatch \
-      [--config=configs/mismatch.py[:smoke|:paper|:gpu]]
+      [--config=smoke|paper|gpu]
 
-A stopped run resumes: rerun the same command.
+A stopped run resumes: rerun the same command. The same as
+`stableattn mismatch`.
 """
 
-from stableattn.experiments import mismatch
-from stableattn.experiments.cli import launch
+import sys
+
+from stableattn.commands.main import run_experiment
 
 if __name__ == "__main__":
-  launch(
-    __file__,
-    mismatch.run,
-    config="mismatch.py",
-    workdir="runs/mismatch",
-    workdir_holds="config.json, metrics.jsonl, the report and figures",
-  )
+  run_experiment("mismatch", sys.argv)

@@ -91,7 +91,7 @@ def sampled(cases, keep: int, *, seed: int = 0, ids=None, unpack=False):
 
 def smoke_audit_config(kernel: str, **changes):
   """The audit launcher's `smoke` config for `kernel`, with fields set."""
-  from configs import audit as audit_config
+  from stableattn.configs import audit as audit_config
 
   config = audit_config.get_config("smoke")
   config.kernel = kernel

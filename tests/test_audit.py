@@ -14,8 +14,8 @@ import pytest
 from helpers import smoke_audit_config
 
 import stableattn as sa
-from stableattn.experiments import audit_grid as audit
-from stableattn.experiments import audit_report
+from stableattn.auditing import grid as audit
+from stableattn.auditing import report as audit_report
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,7 @@ def _launch(*flags):
 
 
 def test_launcher_exit_code_gates_ci(tmp_path):
-  smoke = f"--config={REPO / 'configs' / 'audit.py'}:smoke"
+  smoke = "--config=smoke"
   bad = _launch(
     f"--workdir={tmp_path / 'bad'}",
     smoke,

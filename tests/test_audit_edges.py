@@ -174,7 +174,7 @@ def test_the_search_finds_a_planted_bug_and_its_reproducer_fails(tmp_path):
   launcher = tests.parent / "launch" / "audit.py"
   found = subprocess.run(
     [sys.executable, str(launcher), f"--workdir={tmp_path / 'search'}",
-     f"--config={tests.parent / 'configs' / 'audit.py'}:search",
+     "--config=search",
      "--config.search_budget=10",
      "--config.kernel=edge_kernels:drops_last_partial_tile"],
     capture_output=True, text=True, env=env, cwd=tmp_path,

@@ -10,9 +10,9 @@ import pytest
 from helpers import smoke_audit_config
 
 import stableattn as sa
+from stableattn.auditing import grid as audit
+from stableattn.auditing import report as audit_report
 from stableattn.contract import golden as sa_golden
-from stableattn.experiments import audit_grid as audit
-from stableattn.experiments import audit_report
 
 FAST = dict(precisions="fp32", features="causal")
 
@@ -138,7 +138,7 @@ def test_logits_an_ulp_apart_set_the_fp32_floor_at_large_logits():
 
 
 def test_a_launchers_summary_puts_verdicts_first_and_points_to_json():
-  from stableattn.experiments.cli import summary
+  from stableattn.commands.launcher import summary
 
   result = {
     "workdir": "runs/x",

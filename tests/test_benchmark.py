@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from configs import benchmark as benchmark_config
+from stableattn.configs import benchmark as benchmark_config
 from stableattn.experiments import benchmark
 from stableattn.experiments.benchmark import report
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from configs import training_drift as drift_config
 from stableattn.auditing import captures
+from stableattn.configs import training_drift as drift_config
 from stableattn.experiments.training_drift.settings import settings_from_config
 from stableattn.training.trainer import Trainer
 
@@ -145,7 +145,7 @@ def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
     + [
       "launch/training_drift.py",
       f"--workdir={run}",
-      "--config=configs/training_drift.py:smoke",
+      "--config=smoke",
       "--config.pairs=flash_vs_baseline",
       "--config.train.replicates=1",
       "--config.train.grad_error=False",
@@ -166,7 +166,7 @@ def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
     + [
       "launch/audit.py",
       f"--workdir={tmp_path / 'audit'}",
-      "--config=configs/audit.py:smoke",
+      "--config=smoke",
       "--config.kernel=xla",
       f"--config.inputs={run}/captures",
     ],
@@ -185,7 +185,7 @@ def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
 
 @pytest.mark.slow
 def test_the_stability_sweep_captures_where_the_largest_logit_passes(tmp_path):
-  from configs import stability as stability_config
+  from stableattn.configs import stability as stability_config
   from stableattn.experiments import stability
 
   config = stability_config.get_config("smoke")

@@ -72,7 +72,7 @@ def _audit(tmp_path, name, kernel, *flags, env=None):
     [
       sys.executable, str(REPO / "launch" / "audit.py"),
       f"--workdir={tmp_path / name}",
-      f"--config={REPO / 'configs' / 'audit.py'}:smoke",
+      "--config=smoke",
       f"--config.kernel=audit_kernels:{kernel}", "--config.precisions=fp32",
       *flags,
     ],
@@ -148,8 +148,8 @@ def test_the_compare_launcher_exits_1_on_a_regression(tmp_path):
     (folder / "metrics.jsonl").write_text(json.dumps(_row(value=value)) + "\n")
   done = subprocess.run(
     [
-      sys.executable, str(REPO / "launch" / "audit_compare.py"),
-      f"--old={tmp_path / 'old'}", f"--new={tmp_path / 'new'}",
+      sys.executable, "-m", "stableattn", "compare",
+      str(tmp_path / "old"), str(tmp_path / "new"),
     ],
     capture_output=True, text=True, cwd=REPO, timeout=120,
   )  # fmt: skip

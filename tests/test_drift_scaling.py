@@ -4,7 +4,7 @@ its verdicts, and (slow) the smoke sweep end to end, killed and resumed."""
 import numpy as np
 import pytest
 
-from configs import drift_scaling as scaling_config
+from stableattn.configs import drift_scaling as scaling_config
 from stableattn.experiments import drift_scaling
 from stableattn.experiments.drift_scaling import report, trend
 from stableattn.experiments.drift_scaling.sizes import (
@@ -251,8 +251,8 @@ VERDICTS = ("grows", "shrinks", "no trend told apart")
 def test_a_sweep_from_before_the_fixed_step_arm_extends_into_it(tmp_path):
   """Units recorded without arms (before the fixed-step arm) are tagged
   from their plans, so both arms are fitted."""
-  from stableattn.experiments.environment import describe
-  from stableattn.experiments.rundir import RunDir
+  from stableattn.harness.environment import describe
+  from stableattn.harness.rundir import RunDir
 
   scaling = _scaling(
     sizes="w64-d2-s64,w96-d3-s64,w128-d4-s64",

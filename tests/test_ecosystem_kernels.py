@@ -10,7 +10,7 @@ import pytest
 from helpers import smoke_audit_config
 
 import stableattn as sa
-from stableattn.experiments import audit_grid
+from stableattn.auditing import grid as audit_grid
 from stableattn.ops import registry
 
 

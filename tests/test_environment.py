@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from stableattn.experiments import environment
+from stableattn.harness import environment
 
 
 @pytest.fixture

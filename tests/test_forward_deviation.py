@@ -9,9 +9,10 @@ import sys
 import pytest
 from helpers import run_once
 
-from configs import forward_deviation as forward_config
-from stableattn.experiments import environment, forward
+from stableattn.configs import forward_deviation as forward_config
+from stableattn.experiments import forward
 from stableattn.experiments.forward import STUDIES
+from stableattn.harness import environment
 from stableattn.numerics.metrics import Deviation
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -278,7 +279,7 @@ def test_launcher_accepts_command_line_overrides(tmp_path):
     sys.executable,
     str(REPO / "launch" / "forward_deviation.py"),
     f"--workdir={tmp_path}",
-    f"--config={REPO / 'configs' / 'forward_deviation.py'}:smoke",
+    "--config=smoke",
     "--config.studies=seq_len",
     "--config.seq_len.lengths=32,48",
     "--config.common.seeds=1",
@@ -318,8 +319,8 @@ def test_overflow_is_recorded_and_named_not_hidden(tmp_path):
 def test_every_value_lives_in_the_config_file(variant):
   """Each block holds exactly its dataclass's fields, so a study has no
   default of its own; a missing or unknown field is named."""
-  from stableattn.experiments.config_values import from_section
   from stableattn.experiments.forward.study import Common
+  from stableattn.harness.config_values import from_section
 
   c = forward_config.get_config(variant)
   from_section(Common, c, "common")

@@ -3,7 +3,7 @@ values a study measures, and each section's findings follow its rows."""
 
 import pytest
 
-from configs import forward_deviation as forward_config
+from stableattn.configs import forward_deviation as forward_config
 from stableattn.experiments import forward
 from stableattn.experiments.forward import STUDIES
 from stableattn.experiments.forward.study import ReportContext

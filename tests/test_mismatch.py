@@ -117,7 +117,7 @@ def test_bad_paths_and_lengths_say_what_is_valid(model, prompts):
 
 
 def _experiment_config(**changes):
-  from configs import mismatch as mismatch_config
+  from stableattn.configs import mismatch as mismatch_config
 
   config = mismatch_config.get_config("smoke")
   config.train.steps = 4
@@ -245,7 +245,7 @@ def test_a_killed_run_restarts_to_the_same_rows(tmp_path):
     sys.executable,
     str(repo / "launch" / "mismatch.py"),
     f"--workdir={killed}",
-    f"--config={repo / 'configs' / 'mismatch.py'}:smoke",
+    "--config=smoke",
     "--json",
     *overrides,
   ]

@@ -269,7 +269,7 @@ def test_stage_claims_are_computed_from_rows():
 
 @pytest.mark.slow
 def test_fp8_studies_run_end_to_end(tmp_path):
-  from configs import forward_deviation as forward_config
+  from stableattn.configs import forward_deviation as forward_config
   from stableattn.experiments import forward
 
   config = forward_config.get_config("smoke")

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from configs import benchmark as benchmark_config
-from configs import forward_deviation as forward_config
-from configs import training_drift as drift_config
+from stableattn.configs import benchmark as benchmark_config
+from stableattn.configs import forward_deviation as forward_config
+from stableattn.configs import training_drift as drift_config
 from stableattn.experiments import benchmark, forward, training_drift
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness.rundir import RunDir
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -204,7 +204,7 @@ def test_launcher_prints_the_error_line_not_a_traceback(tmp_path):
       sys.executable,
       str(REPO / "launch" / "forward_deviation.py"),
       f"--workdir={tmp_path}",
-      f"--config={REPO / 'configs' / 'forward_deviation.py'}:smoke",
+      "--config=smoke",
       "--config.studies=format_sweep,fig9",
     ],
     capture_output=True,
@@ -224,7 +224,7 @@ def test_every_experiment_opens_its_run_directory_one_way(tmp_path):
   measured anew each time keeps no rows."""
   import ml_collections
 
-  from stableattn.experiments.rundir import opened
+  from stableattn.harness.rundir import opened
 
   def config(seeds, width):
     return ml_collections.ConfigDict(

@@ -225,7 +225,7 @@ def test_no_policy_lets_padding_reach_a_result(precision):
 
 
 def test_the_report_says_whether_poisoned_runs_were_the_clean_runs():
-  from stableattn.experiments.audit_report import edge_checks_section
+  from stableattn.auditing.report import edge_checks_section
 
   def row(tensor, bitwise, moved, **more):
     return {"policy": "fp32", "shape": "B2 T8", "detail": "lengths (NaN)",

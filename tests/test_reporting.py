@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from stableattn.experiments.reporting import (
+from stableattn.harness.reporting import (
   Interval,
   band_verdict,
   finding_lines,

@@ -8,7 +8,7 @@ import pytest
 from helpers import golden_value_and_grads, random_qkv, sampled
 
 import stableattn as sa
-from configs import forward_deviation as forward_config
+from stableattn.configs import forward_deviation as forward_config
 from stableattn.experiments import forward
 from stableattn.ops.ring_plan import context_mesh
 

@@ -4,10 +4,11 @@ import json
 
 import pytest
 
-from configs import stability as stability_config
-from stableattn.experiments import environment, stability
-from stableattn.experiments.reporting import mean_interval, resolution
+from stableattn.configs import stability as stability_config
+from stableattn.experiments import stability
 from stableattn.experiments.stability import analysis, report
+from stableattn.harness import environment
+from stableattn.harness.reporting import mean_interval, resolution
 
 
 def _final(arm, lr, replicate, loss, diverged=False, max_logit=1.0):
@@ -191,7 +192,7 @@ def test_launcher_names_a_bad_field_in_one_line(tmp_path):
       sys.executable,
       str(repo / "launch" / "stability.py"),
       f"--workdir={tmp_path}",
-      f"--config={repo / 'configs' / 'stability.py'}:smoke",
+      "--config=smoke",
       "--config.mitigations=none,dropout",
     ],
     capture_output=True,

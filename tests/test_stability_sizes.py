@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from configs import stability as stability_config
+from stableattn.configs import stability as stability_config
 from stableattn.experiments import stability
 from stableattn.experiments.stability import across_sizes
 

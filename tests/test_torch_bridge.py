@@ -119,8 +119,8 @@ def test_bf16_crosses_to_torch_and_back_bit_for_bit(torch):
 
 
 def test_the_launcher_audits_a_torch_kernel(tmp_path):
-  from configs import audit as audit_config
-  from stableattn.experiments import audit_grid
+  from stableattn.auditing import grid as audit_grid
+  from stableattn.configs import audit as audit_config
 
   config = audit_config.get_config("smoke")
   config.kernel = "torch_sdpa_flash"
@@ -136,7 +136,7 @@ def test_the_launcher_audits_a_torch_kernel(tmp_path):
 def test_a_torch_kernel_trains_as_a_subject_in_the_drift_study(tmp_path):
   """Inside jit and grad, through pure_callback: the drift study trains
   with PyTorch's flash kernel and divides its drift by a reference."""
-  from configs import training_drift as drift_config
+  from stableattn.configs import training_drift as drift_config
   from stableattn.experiments import training_drift
 
   config = drift_config.get_config("smoke")

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 from helpers import run_once
 
-from configs import training_drift as drift_config
-from stableattn.experiments import environment, training_drift
-from stableattn.experiments.reporting import mean_interval
+from stableattn.configs import training_drift as drift_config
+from stableattn.experiments import training_drift
 from stableattn.experiments.training_drift.analysis import (
   drift_ratios,
   paper_verdict,
   ratio_summary,
 )
 from stableattn.experiments.training_drift.pairs import BY_NAME
+from stableattn.harness import environment
+from stableattn.harness.reporting import mean_interval
 from stableattn.training.trainer import Trainer
 
 # Trains the smoke model end to end (minutes cold): CI's slow step.

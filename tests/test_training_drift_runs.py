@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import stableattn as sa
-from configs import training_drift as drift_config
-from stableattn.experiments import environment, training_drift
+from stableattn.configs import training_drift as drift_config
+from stableattn.experiments import training_drift
+from stableattn.harness import environment
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
@@ -76,7 +77,7 @@ def test_verdicts_not_bits_travel_to_another_instruction_set(tmp_path):
       sys.executable,
       str(REPO / "launch" / "training_drift.py"),
       f"--workdir={tmp_path / name}",
-      f"--config={REPO / 'configs' / 'training_drift.py'}:smoke",
+      "--config=smoke",
       "--config.pairs=flash_vs_baseline,bf16_vs_fp32,fp16_vs_bf16,"
       "different_seed,identical_rerun",
       "--config.train.grad_error=False",
@@ -98,7 +99,7 @@ def test_batch_is_sharded_over_four_simulated_devices(tmp_path):
     sys.executable,
     str(REPO / "launch" / "training_drift.py"),
     f"--workdir={tmp_path}",
-    f"--config={REPO / 'configs' / 'training_drift.py'}:smoke",
+    "--config=smoke",
     "--config.pairs=one_vs_n_devices",
     "--json",
     "--config.train.devices=0",

@@ -157,7 +157,7 @@ def test_readme_check_example_warns_nothing_with_x64_off():
 
 
 def test_empty_workdir_is_refused():
-  from stableattn.experiments.rundir import RunDir
+  from stableattn.harness.rundir import RunDir
 
   with pytest.raises(ValueError, match="workdir is empty"):
     RunDir("")

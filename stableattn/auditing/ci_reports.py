@@ -209,10 +209,11 @@ def ratios(rows, gate, with_kernel: bool = True) -> dict[str, float]:
 
 def compare(old: dict, new: dict, growth: float = WORSE_MARGIN) -> dict:
   """Two audits' `ratios` (another kernel version, commit or jax
-  version): {regressions, improvements, only_old, only_new}, each a list
-  of (key, old ratio, new ratio). A regression crosses its limit (ratio
-  above 1 where it was not) or grows more than `growth` times; an
-  improvement is the reverse."""
+  version): {regressions, growth, improvements, only_old, only_new}, the
+  first three lists of (key, old ratio, new ratio). A regression crosses
+  its limit (ratio above 1 where it was not) or grows more than `growth`
+  times past it; growth is any ratio that grew more than `growth` times,
+  under its limit too; an improvement is a regression's reverse."""
 
   def crossed(a, b):
     return a <= 1 < b
@@ -224,6 +225,7 @@ def compare(old: dict, new: dict, growth: float = WORSE_MARGIN) -> dict:
       for k in both
       if crossed(old[k], new[k]) or (new[k] > 1 and new[k] > growth * old[k])
     ],
+    "growth": [(k, old[k], new[k]) for k in both if new[k] > growth * old[k]],
     "improvements": [
       (k, old[k], new[k])
       for k in both

@@ -6,7 +6,7 @@ to."""
 from __future__ import annotations
 
 from stableattn.auditing import thresholds
-from stableattn.experiments.reporting import num, table
+from stableattn.harness.reporting import num, table
 
 
 def attention_section(attention) -> list[str]:

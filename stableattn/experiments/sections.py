@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.experiments.config_values import spec
+from stableattn.harness.config_values import spec
 from stableattn.training.model import ModelSpec
 
 CORPORA = ("generated", "python_stdlib")

@@ -21,8 +21,8 @@ import multiprocessing
 import re
 import time
 
-from stableattn.experiments.config_values import field
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness.config_values import field
+from stableattn.harness.rundir import RunDir
 
 UNIT_ROW = "size.json"
 # Fields that say how the sweep is spread, never what it measures: shards

@@ -203,7 +203,7 @@ def _one_query(q, kernel: str) -> None:
     raise ValueError(
       f"jax's {kernel} kernel takes one query per sequence (q_len 1), got "
       f"q_len {q.shape[1]}; audit it at decode shapes, e.g. "
-      "--config=configs/audit.py:decode."
+      "--config=decode."
     )
 
 

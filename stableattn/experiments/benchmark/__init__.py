@@ -29,7 +29,7 @@ from stableattn.experiments.benchmark.timing import (
   time_masks,
   time_point,
 )
-from stableattn.experiments.rundir import opened
+from stableattn.harness.rundir import opened
 
 __all__ = ["MODES", "Settings", "flops", "run", "settings_from_config"]
 

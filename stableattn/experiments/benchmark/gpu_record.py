@@ -23,8 +23,8 @@ import json
 import pathlib
 
 from stableattn.experiments.benchmark.report import masks_section, search_cells
-from stableattn.experiments.plotting import Series, line_panels
-from stableattn.experiments.reporting import num, table
+from stableattn.harness.plotting import Series, line_panels
+from stableattn.harness.reporting import num, table
 
 OURS = "bf16-fa2"  # the preset whose speed the goals are about
 LEVER = "bf16-fa2+exp2=on"  # the same with the softmax in base 2

@@ -7,12 +7,12 @@ import json
 
 import jax
 
-from stableattn.experiments import environment
 from stableattn.experiments.benchmark import monitor_overhead
 from stableattn.experiments.benchmark.settings import Settings
-from stableattn.experiments.plotting import Series, line_panels, line_plot
-from stableattn.experiments.reporting import num, table
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness import environment
+from stableattn.harness.plotting import Series, line_panels, line_plot
+from stableattn.harness.reporting import num, table
+from stableattn.harness.rundir import RunDir
 
 
 def write_report(run_dir: RunDir, s: Settings, rows) -> dict:

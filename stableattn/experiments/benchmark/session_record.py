@@ -24,7 +24,7 @@ import dataclasses
 import json
 import pathlib
 
-from stableattn.experiments.reporting import num, table
+from stableattn.harness.reporting import num, table
 
 GOAL_LENGTH = 8192
 # Speed goals of the session: (what, least or most, which way).

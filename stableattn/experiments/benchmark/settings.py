@@ -8,7 +8,7 @@ import importlib.util
 import jax
 
 from stableattn.contract.features import Features
-from stableattn.experiments.config_values import (
+from stableattn.harness.config_values import (
   as_tuple,
   booleans,
   field,

@@ -14,8 +14,7 @@ and the fit's prediction at a larger size.
 
 from __future__ import annotations
 
-from stableattn.experiments import environment, training_drift
-from stableattn.experiments.config_values import as_tuple
+from stableattn.experiments import training_drift
 from stableattn.experiments.drift_scaling.report import write_report
 from stableattn.experiments.drift_scaling.sizes import (
   ModelSize,
@@ -25,6 +24,8 @@ from stableattn.experiments.drift_scaling.sizes import (
 from stableattn.experiments.shards import run_units
 from stableattn.experiments.training_drift.analysis import RATIO_METRICS
 from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
+from stableattn.harness import environment
+from stableattn.harness.config_values import as_tuple
 
 __all__ = ["ModelSize", "run"]
 

@@ -10,8 +10,8 @@ import pathlib
 import numpy as np
 
 from stableattn.experiments.drift_scaling.trend import AXES
-from stableattn.experiments.plotting import plt, save_figure
-from stableattn.experiments.reporting import num
+from stableattn.harness.plotting import plt, save_figure
+from stableattn.harness.reporting import num
 
 
 def _held_values(ratios, axis: str, held: list[str]) -> dict:

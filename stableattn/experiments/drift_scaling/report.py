@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import json
 
-from stableattn.experiments import environment
 from stableattn.experiments.drift_scaling.plots import write_figure
 from stableattn.experiments.drift_scaling.trend import AXES, MIN_DISTINCT, fit
-from stableattn.experiments.reporting import (
+from stableattn.experiments.training_drift.analysis import (
+  replicate_ratios,
+  unbounded_replicates,
+)
+from stableattn.harness import environment
+from stableattn.harness.reporting import (
   finding_lines,
   mean_interval,
   num,
   table,
 )
-from stableattn.experiments.rundir import RunDir
-from stableattn.experiments.training_drift.analysis import (
-  replicate_ratios,
-  unbounded_replicates,
-)
+from stableattn.harness.rundir import RunDir
 
 SUBJECT = "flash_vs_baseline"
 RESOLVES = 1.5  # an interval resolves 1.5x when high/mean and mean/low <= it

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 
-from stableattn.experiments.config_values import as_tuple
+from stableattn.harness.config_values import as_tuple
 
 _SIZE = re.compile(r"^w(\d+)-d(\d+)-s(\d+)$")
 

@@ -14,7 +14,7 @@ from stableattn.experiments.forward.runner import (
   run,
   settings_from_config,
 )
-from stableattn.experiments.reporting import summarize
+from stableattn.harness.reporting import summarize
 
 __all__ = [
   "EXTENDABLE",

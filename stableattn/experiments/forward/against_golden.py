@@ -8,7 +8,6 @@ import dataclasses
 
 import numpy as np
 
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   Claim,
@@ -21,8 +20,9 @@ from stableattn.experiments.forward.study import (
   require,
   verdict,
 )
-from stableattn.experiments.plotting import bar_plot, ratio_heatmaps
-from stableattn.experiments.reporting import num, one, select, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import bar_plot, ratio_heatmaps
+from stableattn.harness.reporting import num, one, select, table
 from stableattn.numerics.formats import MANTISSA_BITS
 from stableattn.numerics.precision import natural_policy
 

@@ -7,7 +7,6 @@ import dataclasses
 
 import numpy as np
 
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   Section,
@@ -19,8 +18,9 @@ from stableattn.experiments.forward.study import (
   range_text,
   row,
 )
-from stableattn.experiments.plotting import Series, line_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import Series, line_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.metrics import safe_ratio
 from stableattn.numerics.precision import Precision
 

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from stableattn.auditing.invariance import ulp_at
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   Claim,
@@ -39,8 +38,9 @@ from stableattn.experiments.forward.study import (
   row,
   verdict,
 )
-from stableattn.experiments.plotting import Series, line_plot
-from stableattn.experiments.reporting import num, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import Series, line_plot
+from stableattn.harness.reporting import num, table
 from stableattn.numerics.metrics import rounding_floor, safe_ratio
 from stableattn.numerics.precision import Precision
 from stableattn.ops.ring import ring_attention

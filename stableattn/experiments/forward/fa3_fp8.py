@@ -19,7 +19,6 @@ import math
 
 from stableattn.auditing.inputs import Shape
 from stableattn.contract.options import Options
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward.study import (
   Section,
@@ -28,8 +27,9 @@ from stableattn.experiments.forward.study import (
   row,
   verdict,
 )
-from stableattn.experiments.plotting import bar_plot
-from stableattn.experiments.reporting import num, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import bar_plot
+from stableattn.harness.reporting import num, table
 
 # Table 3's rows: name -> (implementation, policy, FlashAttention-3's RMSE).
 # The published numbers are compared with, never measured here.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.auditing.inputs import Shape
-from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   Section,
@@ -16,8 +15,9 @@ from stableattn.experiments.forward.study import (
   flash,
   range_text,
 )
-from stableattn.experiments.plotting import bar_plot
-from stableattn.experiments.reporting import num, one, table
+from stableattn.harness.config_values import as_tuple, spec
+from stableattn.harness.plotting import bar_plot
+from stableattn.harness.reporting import num, one, table
 
 # FlashAttention-3 (Shah et al. 2024), Table 3, FP16 RMSE; compared, never
 # measured here.

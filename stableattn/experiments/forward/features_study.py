@@ -10,7 +10,6 @@ import dataclasses
 
 from stableattn.auditing.feature_recipes import FeatureRecipe
 from stableattn.auditing.inputs import Shape
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   Section,
@@ -21,8 +20,9 @@ from stableattn.experiments.forward.study import (
   range_text,
   verdict,
 )
-from stableattn.experiments.plotting import bar_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import bar_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.metrics import safe_ratio
 from stableattn.numerics.precision import Precision
 

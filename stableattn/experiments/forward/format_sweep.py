@@ -14,8 +14,8 @@ from stableattn.experiments.forward.study import (
   same_policy,
   verdict,
 )
-from stableattn.experiments.plotting import Series, line_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.plotting import Series, line_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.formats import MANTISSA_BITS
 from stableattn.numerics.precision import natural_policy
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.auditing.inputs import DISTRIBUTIONS, Shape
-from stableattn.experiments.config_values import booleans, spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward import policy_rows
 from stableattn.experiments.forward.study import Section, Study
-from stableattn.experiments.reporting import table
+from stableattn.harness.config_values import booleans, spec
+from stableattn.harness.reporting import table
 
 BASES = {"fp8-fa3": "fp8-fa3", "P only": "fp16-fa2+probs=fp8_e4m3"}
 ORDERS = ("forward", "reversed")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.forward import inference_rows
 from stableattn.experiments.forward.study import (
   Claim,
@@ -27,8 +26,9 @@ from stableattn.experiments.forward.study import (
   require,
   verdict,
 )
-from stableattn.experiments.plotting import Series, line_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import Series, line_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.precision import Precision
 
 PARTIALS = ("fp32", "input")

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from stableattn.contract.golden import golden_attention
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.forward import long_context_report
 from stableattn.experiments.forward.study import (
   Study,
@@ -35,6 +34,7 @@ from stableattn.experiments.forward.study import (
   policies,
   row,
 )
+from stableattn.harness.config_values import spec
 from stableattn.numerics.rounding import round_to
 from stableattn.ops.dispatch import attention
 

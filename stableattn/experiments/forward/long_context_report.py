@@ -11,8 +11,8 @@ from stableattn.experiments.forward.study import (
   require,
   verdict,
 )
-from stableattn.experiments.plotting import Series, line_panels
-from stableattn.experiments.reporting import num, one, select, table
+from stableattn.harness.plotting import Series, line_panels
+from stableattn.harness.reporting import num, one, select, table
 from stableattn.numerics.metrics import power_law
 
 ONE_LEVEL = "fp8 one-level (Hopper)"

@@ -11,8 +11,8 @@ from stableattn.experiments.forward.study import (
   row,
   verdict,
 )
-from stableattn.experiments.plotting import bar_plot
-from stableattn.experiments.reporting import num, one
+from stableattn.harness.plotting import bar_plot
+from stableattn.harness.reporting import num, one
 
 
 def measure(engine: Engine, common, case: Case, rows: dict) -> list[dict]:

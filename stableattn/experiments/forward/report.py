@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import jax
 
-from stableattn.experiments import environment
 from stableattn.experiments.forward.registry import CLAIMS, STUDIES
 from stableattn.experiments.forward.study import ReportContext
-from stableattn.experiments.reporting import section, select, table
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness import environment
+from stableattn.harness.reporting import section, select, table
+from stableattn.harness.rundir import RunDir
 
 
 def paper_claims(summary, studies) -> dict[str, dict]:

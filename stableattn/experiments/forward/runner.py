@@ -16,13 +16,13 @@ import time
 import jax
 from tqdm.auto import tqdm
 
-from stableattn.experiments.config_values import as_tuple, from_section
 from stableattn.experiments.engine import Engine
 from stableattn.experiments.forward.registry import STUDIES
 from stableattn.experiments.forward.report import write_report
 from stableattn.experiments.forward.study import Common
-from stableattn.experiments.reporting import summarize
-from stableattn.experiments.rundir import RunDir, opened
+from stableattn.harness.config_values import as_tuple, from_section
+from stableattn.harness.reporting import summarize
+from stableattn.harness.rundir import RunDir, opened
 
 # Fields whose change only adds measurements to a run directory.
 EXTENDABLE = ("studies", "common.seeds") + tuple(

@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.auditing.inputs import DISTRIBUTIONS, Shape
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward import policy_rows
 from stableattn.experiments.forward.study import Section, Study
-from stableattn.experiments.reporting import table
+from stableattn.harness.config_values import spec
+from stableattn.harness.reporting import table
 
 ROWS = {
   "sage": ("pallas", "fp8-sage"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   FLAT_SLOPE,
@@ -19,8 +18,9 @@ from stableattn.experiments.forward.study import (
   trend_text,
   verdict,
 )
-from stableattn.experiments.plotting import Series, line_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import Series, line_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.metrics import power_law
 from stableattn.numerics.precision import Precision
 

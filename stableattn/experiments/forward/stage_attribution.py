@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 
 from stableattn.contract.options import Options
-from stableattn.experiments.config_values import spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward.study import (
   Section,
@@ -17,8 +16,9 @@ from stableattn.experiments.forward.study import (
   against_golden,
   formats,
 )
-from stableattn.experiments.plotting import bar_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.config_values import spec
+from stableattn.harness.plotting import bar_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.precision import Precision
 
 # Stages that the all-format presets round and the -fa2 presets keep in FP32.

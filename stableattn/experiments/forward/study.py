@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from stableattn.auditing.inputs import DISTRIBUTIONS, Shape
 from stableattn.contract.options import SCHEMES, Options
-from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case, Engine, Kernel
-from stableattn.experiments.reporting import num, one
+from stableattn.harness.config_values import as_tuple, spec
+from stableattn.harness.reporting import num, one
 from stableattn.numerics.formats import format_name
 from stableattn.numerics.metrics import compare, safe_ratio
 from stableattn.numerics.precision import Precision

@@ -15,7 +15,6 @@ import numpy as np
 
 from stableattn.auditing.inputs import Shape, TiedMaximaSpec, untied_mass_ratio
 from stableattn.contract.options import Options
-from stableattn.experiments.config_values import as_tuple, spec
 from stableattn.experiments.engine import Case, Kernel
 from stableattn.experiments.forward import tied_maxima_report
 from stableattn.experiments.forward.study import (
@@ -24,6 +23,7 @@ from stableattn.experiments.forward.study import (
   policies,
   row,
 )
+from stableattn.harness.config_values import as_tuple, spec
 from stableattn.numerics.precision import Precision
 
 # V for Qiu & Yao's conditions: one sign in one binade, or zero-mean.

@@ -5,8 +5,8 @@ measurement for length; `tied_maxima.py` is the study)."""
 from __future__ import annotations
 
 from stableattn.experiments.forward.study import Section
-from stableattn.experiments.plotting import signed_share_panels
-from stableattn.experiments.reporting import one, table
+from stableattn.harness.plotting import signed_share_panels
+from stableattn.harness.reporting import one, table
 from stableattn.numerics.precision import Precision
 
 # Signed share (see `metrics.signed_share`) from which errors are called

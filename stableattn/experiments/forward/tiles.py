@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 from stableattn.contract.tiling import tiles_from_sram
-from stableattn.experiments.config_values import spec, tile_pairs
 from stableattn.experiments.engine import Case
 from stableattn.experiments.forward.study import (
   FLAT_SLOPE,
@@ -22,8 +21,9 @@ from stableattn.experiments.forward.study import (
   trend_text,
   verdict,
 )
-from stableattn.experiments.plotting import Series, line_plot
-from stableattn.experiments.reporting import num, select, table
+from stableattn.harness.config_values import spec, tile_pairs
+from stableattn.harness.plotting import Series, line_plot
+from stableattn.harness.reporting import num, select, table
 from stableattn.numerics.formats import MANTISSA_BITS
 from stableattn.numerics.metrics import power_law
 

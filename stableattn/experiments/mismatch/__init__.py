@@ -2,7 +2,7 @@
 disagreement with the trainer does attention cause?
 
   python launch/mismatch.py --workdir=runs/mismatch \
-      [--config=configs/mismatch.py:smoke]
+      [--config=smoke]
 
 It trains the byte-level model (or loads the one it trained before, from
 the run directory), then for each pair (`pairs.PAIRS`) and seed samples
@@ -27,11 +27,11 @@ import numpy as np
 from flax import nnx
 
 from stableattn.contract.options import Options
-from stableattn.experiments import environment
-from stableattn.experiments.config_values import field
 from stableattn.experiments.mismatch import policy_gradient, report
 from stableattn.experiments.mismatch.pairs import Pair, resolve
-from stableattn.experiments.rundir import RunDir, opened
+from stableattn.harness import environment
+from stableattn.harness.config_values import field
+from stableattn.harness.rundir import RunDir, opened
 from stableattn.training import data, rollout
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer

@@ -7,19 +7,19 @@ import json
 
 import numpy as np
 
-from stableattn.experiments import environment
 from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
 from stableattn.experiments.mismatch.policy_gradient import collapse_step
 from stableattn.experiments.monitor_report import attention_section
-from stableattn.experiments.plotting import Series, interval_plot, line_plot
-from stableattn.experiments.reporting import (
+from stableattn.harness import environment
+from stableattn.harness.plotting import Series, interval_plot, line_plot
+from stableattn.harness.reporting import (
   Interval,
   mean_interval,
   num,
   resolution,
   table,
 )
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness.rundir import RunDir
 
 # Bins of |log(p_train / p_sample)| for the importance-ratio figure: exact
 # zeros, then two bins per decade from 1e-10 to 10, then beyond.

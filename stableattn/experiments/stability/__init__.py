@@ -17,8 +17,6 @@ autotuning), the reference for how far Flash moves the sensitivity.
 
 from __future__ import annotations
 
-from stableattn.experiments import machine_twin
-from stableattn.experiments.rundir import RunDir, opened
 from stableattn.experiments.stability import across_sizes
 from stableattn.experiments.stability.report import write_report
 from stableattn.experiments.stability.settings import (
@@ -26,6 +24,8 @@ from stableattn.experiments.stability.settings import (
   settings_from_config,
 )
 from stableattn.experiments.stability.sweep import sweep
+from stableattn.harness import machine_twin
+from stableattn.harness.rundir import RunDir, opened
 
 # Config fields a rerun may raise to add cells without changing any.
 EXTENDABLE = ("train.replicates",)

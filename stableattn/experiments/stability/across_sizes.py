@@ -18,13 +18,13 @@ import re
 import numpy as np
 from scipy import stats
 
-from stableattn.experiments import environment
 from stableattn.experiments.drift_scaling.sizes import ModelSize
 from stableattn.experiments.drift_scaling.trend import MIN_DISTINCT, Slope
-from stableattn.experiments.plotting import plt, save_figure
-from stableattn.experiments.reporting import finding_lines, num, table
-from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.shards import run_units
+from stableattn.harness import environment
+from stableattn.harness.plotting import plt, save_figure
+from stableattn.harness.reporting import finding_lines, num, table
+from stableattn.harness.rundir import RunDir
 
 _SIZE = re.compile(r"^w(\d+)-d(\d+)$")
 # A sweep over sizes may grow by sizes and replicates.

@@ -15,7 +15,7 @@ import math
 import numpy as np
 from scipy import stats
 
-from stableattn.experiments.reporting import Interval, mean_interval
+from stableattn.harness.reporting import Interval, mean_interval
 
 # What a cell's final row records of its logged steps (Wortsman et al.:
 # logit growth, output log-partition; Qiu & Yao: tied maxima, W_Q's

@@ -7,12 +7,12 @@ import json
 
 import numpy as np
 
-from stableattn.experiments import environment
-from stableattn.experiments.plotting import Series, line_panels
-from stableattn.experiments.reporting import Interval, num, resolution, table
 from stableattn.experiments.stability import analysis
 from stableattn.experiments.stability.settings import Arm, Settings
 from stableattn.experiments.stability.sweep import load_tokens
+from stableattn.harness import environment
+from stableattn.harness.plotting import Series, line_panels
+from stableattn.harness.reporting import Interval, num, resolution, table
 
 
 def numbers_of(s: Settings, rows) -> dict:

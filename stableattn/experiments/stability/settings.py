@@ -14,17 +14,17 @@ from stableattn.contract import features as features_lib
 from stableattn.contract import options as options_lib
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
-from stableattn.experiments import environment
-from stableattn.experiments.config_values import (
-  as_tuple,
-  from_section,
-  ring_devices,
-  spec,
-)
 from stableattn.experiments.sections import (
   DataSection,
   ModelSection,
   TileSection,
+)
+from stableattn.harness import environment
+from stableattn.harness.config_values import (
+  as_tuple,
+  from_section,
+  ring_devices,
+  spec,
 )
 from stableattn.numerics.precision import (
   Precision,

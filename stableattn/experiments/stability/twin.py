@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import sys
 
-from stableattn.experiments import machine_twin
-from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.stability import _done
 from stableattn.experiments.stability.settings import settings_from_config
 from stableattn.experiments.stability.sweep import sweep
+from stableattn.harness import machine_twin
+from stableattn.harness.rundir import RunDir
 
 
 def main(argv) -> None:

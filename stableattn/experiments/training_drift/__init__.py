@@ -19,7 +19,6 @@ identically.
 
 from __future__ import annotations
 
-from stableattn.experiments.rundir import opened
 from stableattn.experiments.training_drift.checkpoints import load_checkpoint
 from stableattn.experiments.training_drift.data import load_data
 from stableattn.experiments.training_drift.lockstep import Lockstep
@@ -28,6 +27,7 @@ from stableattn.experiments.training_drift.settings import (
   Settings,
   settings_from_config,
 )
+from stableattn.harness.rundir import opened
 
 __all__ = [
   "PAIRS",

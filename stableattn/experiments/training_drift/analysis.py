@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.experiments.reporting import (
+from stableattn.experiments.training_drift.pairs import Pair
+from stableattn.harness.reporting import (
   Interval,
   band_verdict,
   mean_interval,
 )
-from stableattn.experiments.training_drift.pairs import Pair
 
 RATIO_METRICS = ("wasserstein", "max_abs")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import orbax.checkpoint as ocp
 
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness.rundir import RunDir
 from stableattn.training.trainer import TrainState
 
 

@@ -12,12 +12,12 @@ logit; this section gives their largest values per run.
 from __future__ import annotations
 
 from stableattn.auditing import thresholds
-from stableattn.experiments.reporting import num, table
 from stableattn.experiments.training_drift.analysis import (
   ratio_summary,
   worst_max_abs,
 )
 from stableattn.experiments.training_drift.ratio_report import below_text
+from stableattn.harness.reporting import num, table
 
 # Monitor statistics (`stableattn.numerics.monitor.attention_statistics`):
 # name -> (column, the extreme that places a run: max or min).

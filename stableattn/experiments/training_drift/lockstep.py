@@ -14,14 +14,14 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from stableattn.auditing import captures
-from stableattn.experiments import environment
-from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift import checkpoints, probes
 from stableattn.experiments.training_drift.data import batch_at
 from stableattn.experiments.training_drift.pairs import BY_NAME, MACHINE_RUN
 from stableattn.experiments.training_drift.report import write_report
 from stableattn.experiments.training_drift.settings import Settings
 from stableattn.experiments.training_drift.snapshots import Snapshots
+from stableattn.harness import environment
+from stableattn.harness.rundir import RunDir
 from stableattn.training import data as data_lib
 from stableattn.training.trainer import RunSpec, Trainer
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from stableattn.experiments.plotting import Series, line_plot
 from stableattn.experiments.training_drift.analysis import (
   model_drift,
   replicates_of,
 )
 from stableattn.experiments.training_drift.pairs import with_role
+from stableattn.harness.plotting import Series, line_plot
 
 
 def replicate_series(rows, pair: str, metric: str, label: str) -> Series:

@@ -4,12 +4,6 @@ verdicts; a reference identical in some replicates gives no ratio."""
 
 from __future__ import annotations
 
-from stableattn.experiments.reporting import (
-  Interval,
-  num,
-  resolution,
-  table,
-)
 from stableattn.experiments.training_drift.analysis import (
   RATIO_METRICS,
   model_drift,
@@ -18,6 +12,12 @@ from stableattn.experiments.training_drift.analysis import (
   replicates_of,
 )
 from stableattn.experiments.training_drift.pairs import with_role
+from stableattn.harness.reporting import (
+  Interval,
+  num,
+  resolution,
+  table,
+)
 
 RATIO_INTRO = (
   "Drift of each subject pair divided by the drift of each reference pair "

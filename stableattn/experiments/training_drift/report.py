@@ -8,14 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from stableattn.experiments import environment
-from stableattn.experiments.reporting import (
-  finding_lines,
-  num,
-  spread,
-  table,
-)
-from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift.analysis import (
   model_drift,
   ratio_summary,
@@ -35,6 +27,14 @@ from stableattn.experiments.training_drift.ratio_report import (
   below_text,
   ratio_section,
 )
+from stableattn.harness import environment
+from stableattn.harness.reporting import (
+  finding_lines,
+  num,
+  spread,
+  table,
+)
+from stableattn.harness.rundir import RunDir
 from stableattn.numerics.metrics import power_law
 from stableattn.ops.dispatch import IMPLEMENTATIONS
 from stableattn.training.drift import top_singular_share
@@ -48,7 +48,7 @@ def write_report(
 ) -> dict:
   """report.md, summary.csv and the plots; returns the headline numbers.
 
-  env: `stableattn.experiments.environment.describe()` of the run (with its
+  env: `stableattn.harness.environment.describe()` of the run (with its
   corpus digest); None: this process's, without one.
   """
   env = environment.describe() if env is None else env

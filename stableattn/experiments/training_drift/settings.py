@@ -7,13 +7,7 @@ import dataclasses
 import jax
 
 from stableattn.contract.options import SCHEMES, Options
-from stableattn.experiments import environment, sections
-from stableattn.experiments.config_values import (
-  as_tuple,
-  from_section,
-  ring_devices,
-  spec,
-)
+from stableattn.experiments import sections
 from stableattn.experiments.sections import ModelSection
 from stableattn.experiments.training_drift.pairs import (
   BY_NAME,
@@ -21,6 +15,13 @@ from stableattn.experiments.training_drift.pairs import (
   PAIRS,
 )
 from stableattn.experiments.training_drift.variants import VARIANTS, Variant
+from stableattn.harness import environment
+from stableattn.harness.config_values import (
+  as_tuple,
+  from_section,
+  ring_devices,
+  spec,
+)
 from stableattn.numerics.precision import (
   Precision,
   natural_policy,

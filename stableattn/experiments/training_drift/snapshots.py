@@ -17,9 +17,9 @@ import shutil
 import jax
 import numpy as np
 
-from stableattn.experiments import machine_twin
-from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift.settings import Settings
+from stableattn.harness import machine_twin
+from stableattn.harness.rundir import RunDir
 
 TWIN_DIR = "machine_twin"
 CHILD = "stableattn.experiments.training_drift.twin"

@@ -10,12 +10,12 @@ import sys
 import jax
 import numpy as np
 
-from stableattn.experiments import machine_twin
-from stableattn.experiments.rundir import RunDir
 from stableattn.experiments.training_drift.data import load_data
 from stableattn.experiments.training_drift.lockstep import Lockstep
 from stableattn.experiments.training_drift.settings import settings_from_config
 from stableattn.experiments.training_drift.snapshots import snapshot_path
+from stableattn.harness import machine_twin
+from stableattn.harness.rundir import RunDir
 
 
 class TwinLockstep(Lockstep):

@@ -3,7 +3,7 @@
 Run:
   python launch/benchmark.py --workdir=runs/benchmark
   python launch/benchmark.py --workdir=runs/bench_smoke \
-      --config=configs/benchmark.py:smoke
+      --config=smoke
 
 Variants: default (CPU: lengths 256-4096, memory up to 8192; GPU: lengths
 512-16384 with a tile search), `smoke` (CPU, under 2 minutes; tests).
@@ -15,7 +15,7 @@ length while the reference's grows quadratically.
 
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
+from stableattn.harness.config_values import with_variant
 
 
 def _default() -> ml_collections.ConfigDict:
@@ -31,7 +31,7 @@ def _default() -> ml_collections.ConfigDict:
   # Block skipping: our kernel with each mask vs "full", at masks_seq_len.
   c.mask_settings = "full,causal,window_256,window_1024"
   # The attention monitor's cost to a training step, at the drift study's
-  # default sizes (configs/training_drift.py).
+  # default sizes (stableattn/configs/training_drift.py).
   c.monitor_overhead = True
   c.monitor = ml_collections.ConfigDict(
     dict(width=128, depth=4, heads=4, seq_len=64, batch_size=16, log_every=15)

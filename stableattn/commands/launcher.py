@@ -66,8 +66,41 @@ def summary(result: dict, most: int = 12) -> str:
   )
 
 
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_argument(
+  argv: list[str], config: str, shortcuts: tuple[str, ...] = ()
+) -> list[str]:
+  """`argv` with a bare variant name given to --config (`--config=smoke`)
+  spelled as the command's packaged file (`.../configs/audit.py:smoke`),
+  so an installed wheel needs no path; a value naming a `.py` file, with
+  or without `:variant`, passes unchanged. `--name=value` for a name in
+  `shortcuts` is `--config.name=value` (`--name` alone: True)."""
+  out, it = [], iter(argv)
+  for arg in it:
+    name, _, given = arg.removeprefix("--").partition("=")
+    if arg.startswith("--") and name in shortcuts:
+      out.append(f"--config.{name}={given if _ else True}")
+      continue
+    if arg.startswith("--no") and name[2:] in shortcuts and not _:
+      out.append(f"--config.{name[2:]}=False")
+      continue
+    value = None
+    if arg.startswith("--config="):
+      value = arg.split("=", 1)[1]
+    elif arg == "--config":
+      value = next(it, "")
+    if value is None:
+      out.append(arg)
+      continue
+    if ".py" not in value:
+      value = f"{CONFIGS / config}:{value.removeprefix(':')}"
+    out.append(f"--config={value}")
+  return out
+
+
 def launch(
-  launcher_file: str,
   run,
   *,
   config: str,
@@ -76,25 +109,29 @@ def launch(
   before_run=None,
   failed=None,
   summarize=None,
+  argv: list[str] | None = None,
+  shortcuts: tuple[str, ...] = (),
 ) -> None:
   """Defines a launcher's flags and runs it under absl.
 
-  Flags: --config (`configs/<config>` beside the launcher's folder, with
-  an optional :variant, and --config.field overrides), --workdir (default
-  `workdir`; it holds `workdir_holds`) and --restart.
-  `before_run(config)` runs after the flags are parsed and before the
-  experiment (e.g. to simulate CPU devices before JAX starts); `failed`
-  and `summarize` are `run_and_print`'s. --json prints the whole result
-  as JSON instead of the summary.
+  Flags: --config (`stableattn/configs/<config>`, with an optional
+  :variant, a variant's name alone, or another file; --config.field
+  overrides), --workdir (default `workdir`; it holds `workdir_holds`) and
+  --restart. `before_run(config)` runs after the flags are parsed and
+  before the experiment (e.g. to simulate CPU devices before JAX starts);
+  `failed` and `summarize` are `run_and_print`'s. --json prints the whole
+  result as JSON instead of the summary. `argv` (the program's name
+  first) defaults to sys.argv; `shortcuts` are config fields that are
+  flags of their own (`--junit=PATH` for `--config.junit=PATH`).
   """
   from absl import app, flags
   from ml_collections import config_flags
 
-  configs = pathlib.Path(launcher_file).resolve().parent.parent / "configs"
   config_flags.DEFINE_config_file(
     "config",
-    str(configs / config),
-    "Experiment configuration file (with an optional :variant).",
+    str(CONFIGS / config),
+    "Experiment configuration: a variant's name (`smoke`), or a file with"
+    " an optional :variant.",
   )
   flags.DEFINE_string("workdir", workdir, f"Directory for {workdir_holds}.")
   flags.DEFINE_bool(
@@ -123,4 +160,5 @@ def launch(
       summarize=summarize,
     )
 
-  app.run(main)
+  argv = list(sys.argv if argv is None else argv)
+  app.run(main, argv=[argv[0], *config_argument(argv[1:], config, shortcuts)])

@@ -21,6 +21,7 @@ import shlex
 from tqdm.auto import tqdm
 
 from stableattn.auditing import captures, ci_reports, invariance, regimes
+from stableattn.auditing import shrinking_search as audit_search
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
 from stableattn.auditing.kernel_audit import (
   TENSORS,
@@ -31,11 +32,10 @@ from stableattn.auditing.kernel_audit import (
   measured_or_error,
   regime_rows,
 )
+from stableattn.auditing.report import write_report
 from stableattn.contract.options import Options
-from stableattn.experiments import audit_search
-from stableattn.experiments.audit_report import write_report
-from stableattn.experiments.config_values import as_tuple, field
-from stableattn.experiments.rundir import opened
+from stableattn.harness.config_values import as_tuple, field
+from stableattn.harness.rundir import opened
 from stableattn.numerics.formats import format_name
 from stableattn.numerics.precision import (
   Precision,

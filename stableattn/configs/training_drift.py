@@ -3,7 +3,7 @@
 Run:
   python launch/training_drift.py --workdir=runs/drift
   python launch/training_drift.py --workdir=runs/drift_smoke \
-      --config=configs/training_drift.py:smoke
+      --config=smoke
   python launch/training_drift.py --workdir=runs/x --config.train.precision=fp32
 
 Variants: default (4 layers, width 128, sequence 64, 75 steps on the
@@ -34,7 +34,7 @@ to the next.
 
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
+from stableattn.harness.config_values import with_variant
 
 
 def _default() -> ml_collections.ConfigDict:

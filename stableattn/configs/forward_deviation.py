@@ -3,7 +3,7 @@
 Run:
   python launch/forward_deviation.py --workdir=runs/forward
   python launch/forward_deviation.py --workdir=runs/paper \
-      --config=configs/forward_deviation.py:paper
+      --config=paper
   python launch/forward_deviation.py --workdir=runs/x \
       --config.studies=seq_len --config.seq_len.lengths=256,1024
 
@@ -51,8 +51,8 @@ computes each of these verdicts from its rows.
 
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
 from stableattn.experiments.forward import STUDIES
+from stableattn.harness.config_values import with_variant
 
 # Studies a default run leaves out (attention features, below 16 bits,
 # inference, context parallelism; 20 seconds to 5 minutes each cold); the

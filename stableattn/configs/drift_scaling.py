@@ -4,9 +4,9 @@ trend.
 Run:
   python launch/drift_scaling.py --workdir=runs/drift_scaling
   python launch/drift_scaling.py --workdir=runs/drift_scaling_smoke \
-      --config=configs/drift_scaling.py:smoke
+      --config=smoke
 
-Each unit is a whole drift study (`configs/training_drift.py`, the
+Each unit is a whole drift study (`stableattn/configs/training_drift.py`, the
 `drift` section below) with the pairs that carry the verdicts: Flash vs
 Baseline against BF16-vs-FP32 training, another seed and the base run
 compiled for another machine. Sizes are "w<width>-d<depth>-s<context>";
@@ -29,21 +29,15 @@ shards here. `smoke`: tiny sizes on a generated corpus, five units (three
 values of each axis), for tests (under a minute).
 """
 
-import importlib.util
-import pathlib
-
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
+from stableattn.configs import training_drift
+from stableattn.harness.config_values import with_variant
 
 
 def _drift_config() -> ml_collections.ConfigDict:
-  """The drift study's default config, read from its file beside this."""
-  path = pathlib.Path(__file__).with_name("training_drift.py")
-  spec = importlib.util.spec_from_file_location("training_drift_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  """The drift study's default config."""
+  return training_drift.get_config()
 
 
 def _default() -> ml_collections.ConfigDict:

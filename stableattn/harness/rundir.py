@@ -22,7 +22,7 @@ import pathlib
 import shutil
 from collections.abc import Iterable
 
-from stableattn.experiments import machine_twin
+from stableattn.harness import machine_twin
 
 # Files and folders a restart removes: everything a run wrote.
 RUN_OUTPUTS = (

@@ -3,7 +3,7 @@
 Run:
   python launch/mismatch.py --workdir=runs/mismatch
   python launch/mismatch.py --workdir=runs/mismatch_smoke \
-      --config=configs/mismatch.py:smoke
+      --config=smoke
 
 Trains the byte-level model in FP32 (or loads it from the run directory),
 then samples continuations of held-out prompts with each pair's sampler
@@ -18,7 +18,7 @@ see stableattn/experiments/mismatch/pairs.py.
 
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
+from stableattn.harness.config_values import with_variant
 
 
 def _default() -> ml_collections.ConfigDict:

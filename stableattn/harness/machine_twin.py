@@ -22,7 +22,7 @@ import sys
 
 import ml_collections
 
-from stableattn.experiments import environment
+from stableattn.harness import environment
 
 CONFIG_NAME = "machine_twin_config.json"
 

@@ -4,7 +4,7 @@ sensitivity, Flash against Baseline).
 Run:
   python launch/stability.py --workdir=runs/stability
   python launch/stability.py --workdir=runs/stability_smoke \
-      --config=configs/stability.py:smoke
+      --config=smoke
 
 Variants: default (5 replicates; 17 minutes on 2 CPU cores), `smoke`
 (seconds; tests), `paper` (a wider grid, more replicates, every
@@ -16,7 +16,7 @@ sizes).
 
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
+from stableattn.harness.config_values import with_variant
 
 
 def _default() -> ml_collections.ConfigDict:

@@ -15,10 +15,10 @@ from stableattn.auditing.kernel_audit import (
   error_lines,
   failures,
 )
-from stableattn.experiments import environment
-from stableattn.experiments.plotting import bar_plot
-from stableattn.experiments.reporting import num, table
-from stableattn.experiments.rundir import RunDir
+from stableattn.harness import environment
+from stableattn.harness.plotting import bar_plot
+from stableattn.harness.reporting import num, table
+from stableattn.harness.rundir import RunDir
 from stableattn.numerics.rules import RULES
 
 

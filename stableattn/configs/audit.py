@@ -5,7 +5,7 @@ Run:
   python launch/audit.py --workdir=runs/audit_mine \
       --config.kernel=my_package.my_module:my_attention
   python launch/audit.py --workdir=runs/audit_smoke \
-      --config=configs/audit.py:smoke --config.kernel=jax_mha
+      --config=smoke --config.kernel=jax_mha
 
   python launch/audit.py --workdir=runs/audit_window --config.kernel=xla \
       --config.features=causal,window
@@ -34,7 +34,7 @@ The exit code is 1 when the kernel fails.
 
 import ml_collections
 
-from stableattn.experiments.config_values import with_variant
+from stableattn.harness.config_values import with_variant
 
 
 def _default() -> ml_collections.ConfigDict:

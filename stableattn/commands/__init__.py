@@ -1,0 +1,1 @@
+"""The command line: `stableattn <command>` and the launchers beside it."""

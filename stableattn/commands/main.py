@@ -1,0 +1,170 @@
+"""`stableattn <command> [flags]`: the audit and the experiments from an
+installed wheel (also `python -m stableattn`, and `launch/<command>.py`
+from a checkout, which run the same code with the same flags).
+
+  stableattn audit --config.kernel=mypackage.kernels:attention
+  stableattn audit --config=edges --config.kernel=xla --junit=audit.xml
+  stableattn compare runs/audit_v1 runs/audit_v2
+  stableattn forward_deviation --config=smoke
+
+`--config=<variant>` picks one of the command's packaged variants
+(`stableattn/configs/<command>.py`); `--config=path/to/file.py[:variant]`
+reads another file. The current directory is importable, so a kernel in
+`./mymodule.py` is `--config.kernel=mymodule:fn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """A command that runs `module.run(config, workdir)` under its config
+  file's flags (commands.launcher.launch)."""
+
+  module: str
+  config: str
+  workdir: str
+  workdir_holds: str
+  about: str
+  before_run: str | None = None  # a function of commands.device_setup
+  audit: bool = False  # exit 1 on a failed verdict; the audit's summary
+  shortcuts: tuple[str, ...] = ()  # --name for --config.name
+
+
+EXPERIMENTS = {
+  "audit": Experiment(
+    "stableattn.auditing.grid",
+    "audit.py",
+    "runs/audit",
+    "config.json, metrics.jsonl, the report and headline.json",
+    "is this attention kernel accurate? (exit 0 pass, 1 fail, 2 bad config)",
+    audit=True,
+    shortcuts=("junit", "baseline", "update_baseline"),
+  ),
+  "forward_deviation": Experiment(
+    "stableattn.experiments.forward",
+    "forward_deviation.py",
+    "runs/forward_deviation",
+    "config.json, metrics.jsonl and the report",
+    "the forward-deviation report (the paper's forward claims)",
+    before_run="forward_ring_devices",
+  ),
+  "training_drift": Experiment(
+    "stableattn.experiments.training_drift",
+    "training_drift.py",
+    "runs/training_drift",
+    "config.json, metrics.jsonl, checkpoints and the report",
+    "weight drift of flash against baseline training, beside seeds",
+    before_run="drift_ring_devices",
+  ),
+  "drift_scaling": Experiment(
+    "stableattn.experiments.drift_scaling",
+    "drift_scaling.py",
+    "runs/drift_scaling",
+    "config.json, metrics.jsonl, sizes/ and the report",
+    "the drift study at several model sizes, and the trend",
+  ),
+  "stability": Experiment(
+    "stableattn.experiments.stability",
+    "stability.py",
+    "runs/stability",
+    "config.json, metrics.jsonl, the report and figures",
+    "learning-rate sensitivity of flash against baseline training",
+    before_run="stability_ring_devices",
+  ),
+  "mismatch": Experiment(
+    "stableattn.experiments.mismatch",
+    "mismatch.py",
+    "runs/mismatch",
+    "config.json, metrics.jsonl, the report and figures",
+    "training-inference mismatch of the kernels a model trains and serves",
+  ),
+  "benchmark": Experiment(
+    "stableattn.experiments.benchmark",
+    "benchmark.py",
+    "runs/benchmark",
+    "config.json, metrics.jsonl, the report and plots",
+    "time and memory of the kernels and presets",
+    before_run="no_preallocation",
+  ),
+}
+OTHER_COMMANDS = {
+  "compare": "two audits key by key: regressions and improvements",
+}
+
+
+def usage() -> str:
+  width = max(map(len, [*EXPERIMENTS, *OTHER_COMMANDS]))
+  rows = [(n, e.about) for n, e in EXPERIMENTS.items()]
+  rows += list(OTHER_COMMANDS.items())
+  lines = [f"  {name:<{width}}  {about}" for name, about in rows]
+  return "\n".join(
+    [
+      "usage: stableattn <command> [flags]  (stableattn <command> --help)",
+      "",
+      "commands:",
+      *lines,
+    ]
+  )
+
+
+def run_experiment(name: str, argv: list[str]) -> None:
+  """Runs EXPERIMENTS[name] with `argv` (the program's name first)."""
+  from stableattn.commands import device_setup
+  from stableattn.commands.launcher import launch
+
+  spec = EXPERIMENTS[name]
+  hook = spec.before_run and getattr(device_setup, spec.before_run)
+  if hook is device_setup.no_preallocation:
+    hook(None)  # before JAX starts, so before the module's import
+    hook = None
+  module = importlib.import_module(spec.module)
+  extra = {}
+  if spec.audit:
+    from stableattn.auditing.report import summary_text
+
+    extra = {
+      "failed": lambda result: not result["passed"],
+      "summarize": summary_text,
+    }
+  launch(
+    module.run,
+    config=spec.config,
+    workdir=spec.workdir,
+    workdir_holds=spec.workdir_holds,
+    before_run=hook,
+    argv=argv,
+    shortcuts=spec.shortcuts,
+    **extra,
+  )
+
+
+def main(argv: list[str] | None = None) -> int:
+  """The console script: `stableattn <command> [flags]`."""
+  argv = list(sys.argv if argv is None else argv)
+  if os.getcwd() not in sys.path:  # a kernel beside the user, as `python -m`
+    sys.path.insert(0, os.getcwd())
+  if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+    print(usage())
+    return 0 if len(argv) >= 2 else 2
+  name, rest = argv[1], argv[2:]
+  program = f"stableattn {name}"
+  if name == "compare":
+    from stableattn.commands import compare
+
+    return compare.main([program, *rest])
+  if name not in EXPERIMENTS:
+    valid = ", ".join([*EXPERIMENTS, *OTHER_COMMANDS])
+    print(f"error: unknown command {name!r}; valid: {valid}", file=sys.stderr)
+    return 2
+  run_experiment(name, [program, *rest])
+  return 0  # not reached: absl's app.run exits with the command's code
+
+
+if __name__ == "__main__":
+  sys.exit(main())
