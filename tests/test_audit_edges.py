@@ -182,7 +182,7 @@ def test_the_search_finds_a_planted_bug_and_its_reproducer_fails(tmp_path):
   assert found.returncode == 1, found.stderr[-2000:]
   (line,) = [s for s in found.stdout.splitlines() if s.startswith("reproduce:")]
   command = shlex.split(line.removeprefix("reproduce: "))
-  assert command[:2] == ["python", "launch/audit.py"]
+  assert command[:2] == ["stableattn", "audit"]
   shape = next(c for c in command if c.startswith("--config.shapes="))
   kv_len = ast.literal_eval(shape.split("=", 1)[1])[0][2]
   assert kv_len > 64 and kv_len % 64  # the planted bug's only trigger

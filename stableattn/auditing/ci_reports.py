@@ -51,10 +51,26 @@ def key(row, rule: str) -> str:
   return " | ".join(str(fields.get(f, "")) for f in KEY_FIELDS)
 
 
-def failing(rows, gate, errors=()) -> dict[str, float | None]:
-  """{key: the worst ratio (None for the NaN scan, determinism and
-  errors)} of everything that failed."""
+def probe_key(probe: dict) -> str:
+  """An invariance probe's key: its invariance is the rule, its detail
+  (how the row was computed) the features."""
+  fields = {**probe, "regime": "invariance", "tensor": "out"}
+  return key(
+    {**fields, "features": probe.get("detail", "")}, probe["invariance"]
+  )
+
+
+def probe_failed(probe: dict) -> bool:
+  return probe["invariant"] is False or bool(probe.get("error"))
+
+
+def failing(rows, gate, errors=(), probes=()) -> dict[str, float | None]:
+  """{key: the worst ratio (None for the NaN scan, determinism, errors
+  and invariance probes)} of everything that failed; `probes` count
+  when "invariance" is in `gate`."""
   found: dict[str, float | None] = {}
+  if "invariance" in gate:
+    found.update({probe_key(p): None for p in probes if probe_failed(p)})
   for row in rows:
     for rule, failed, ratio in _checks(row, gate):
       if failed:
@@ -68,9 +84,25 @@ def failing(rows, gate, errors=()) -> dict[str, float | None]:
   return found
 
 
-def junit_xml(suite: str, rows, gate, errors=(), notes=()) -> str:
+def junit_xml(suite: str, rows, gate, errors=(), notes=(), probes=()) -> str:
+  """One testcase per row and check, per error (an error case), per n/a
+  note (a skipped case) and, when "invariance" is gated, per probe."""
   cases = ET.Element("testsuite", name=suite)
   counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+  for probe in probes if "invariance" in gate else ():
+    case = ET.SubElement(
+      cases,
+      "testcase",
+      classname=f"{probe.get('kernel', suite)}.{probe['policy']}.invariance",
+      name=f"{probe['invariance']} {probe.get('detail', '')}".strip(),
+    )
+    counts["tests"] += 1
+    if probe_failed(probe):
+      counts["failures"] += 1
+      text = (
+        probe.get("error") or f"rows differ by {probe['diff_ulps']:.3g} ulps"
+      )
+      ET.SubElement(case, "failure", message=str(text))
   for row in rows:
     for rule, failed, ratio in _checks(row, gate):
       where = (
@@ -139,6 +171,20 @@ def load_baseline(path) -> dict:
   if data.get("format") != BASELINE_FORMAT:
     raise ValueError(f"{path} is not a baseline of format {BASELINE_FORMAT}.")
   return data["failures"]
+
+
+def of_kernel(found: dict, kernel: str) -> dict:
+  """The entries of `found` (failing keys or a baseline) of one kernel."""
+  return {k: v for k, v in found.items() if k.split(" | ")[0] == kernel}
+
+
+def merge_baseline(path, found: dict, kernel: str) -> None:
+  """Records `kernel`'s failures in the baseline at `path`, keeping the
+  other kernels' entries (one file serves a suite of kernels)."""
+  path = pathlib.Path(path)
+  kept = load_baseline(path) if path.exists() else {}
+  kept = {k: v for k, v in kept.items() if k not in of_kernel(kept, kernel)}
+  write_baseline(path, {**kept, **of_kernel(found, kernel)})
 
 
 def judge(found: dict, baseline: dict, margin: float = WORSE_MARGIN) -> dict:

@@ -24,6 +24,7 @@ from stableattn.auditing import captures, ci_reports, invariance, regimes
 from stableattn.auditing import shrinking_search as audit_search
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
 from stableattn.auditing.kernel_audit import (
+  INVARIANCE_GATE,
   TENSORS,
   case_label,
   cases,
@@ -33,6 +34,7 @@ from stableattn.auditing.kernel_audit import (
   regime_rows,
 )
 from stableattn.auditing.report import write_report
+from stableattn.auditing.shrinking_search import REPRODUCE
 from stableattn.contract.options import Options
 from stableattn.harness.config_values import as_tuple, field
 from stableattn.harness.rundir import opened
@@ -255,7 +257,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     if probes:
       run_dir.write_csv("invariance.csv", probes)
     result = write_report(run_dir, s, rows, probes, notes, errors)
-    return ci_verdict(run_dir, s, result, rows, notes, errors)
+    return ci_verdict(run_dir, s, result, rows, notes, errors, probes)
 
 
 def _steps(s: Settings) -> int:
@@ -293,7 +295,7 @@ def _measure(fn, policy, case, s: Settings):
 def _with_command(s: Settings, error: dict, spec, case=None) -> dict:
   """An error row with the one launcher command that reproduces it."""
   parts = [
-    "python launch/audit.py --workdir=runs/audit_reproduce --restart",
+    REPRODUCE,
     f"--config.kernel={shlex.quote(s.kernel)}",
     f"--config.precisions={error['policy']}",
     f"--config.shapes={shlex.quote(str((tuple(spec),)))}",
@@ -316,14 +318,16 @@ def _with_command(s: Settings, error: dict, spec, case=None) -> dict:
   return {"kernel": s.kernel, **error, "command": " ".join(parts)}
 
 
-def ci_verdict(run_dir, s: Settings, result, rows, notes, errors) -> dict:
+def ci_verdict(
+  run_dir, s: Settings, result, rows, notes, errors, probes=()
+) -> dict:
   """The verdict against a baseline of known findings (or recorded as
   it), the JUnit file, and the GitHub step summary and annotations
   (`write_report` has already refused a run that measured nothing);
   writing a summary never changes the verdict."""
-  gate = [g for g in s.gate if g in RULES]
+  gate = [g for g in s.gate if g in RULES or g == INVARIANCE_GATE]
   rows = [{"kernel": s.kernel, **r} for r in rows]
-  found = ci_reports.failing(rows, gate, errors)
+  found = ci_reports.failing(rows, gate, errors, probes)
   judged = None
   if s.baseline and s.update_baseline:
     ci_reports.write_baseline(s.baseline, found)
@@ -340,7 +344,7 @@ def ci_verdict(run_dir, s: Settings, result, rows, notes, errors) -> dict:
     run_dir.write_text("headline.json", text)
   if s.junit:
     pathlib.Path(s.junit).write_text(
-      ci_reports.junit_xml(s.kernel, rows, gate, errors, notes)
+      ci_reports.junit_xml(s.kernel, rows, gate, errors, notes, probes)
     )
   summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
   if summary_path:

@@ -22,6 +22,10 @@ from stableattn.auditing.kernel_audit import audit
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES
 
+# A reproducer runs in an installed wheel as in a checkout
+# (`python launch/audit.py` takes the same flags).
+REPRODUCE = "stableattn audit --workdir=runs/audit_reproduce --restart"
+
 DISTRIBUTIONS = ("normal", "uniform", "outliers")
 # A kernel raising these on a drawn case refuses it (a length or feature
 # it does not take): not a wrong number. Any other error is a failure.
@@ -71,7 +75,7 @@ def reproducer(kernel: str, policy: str, case: dict, gate) -> str:
   shape = (case["batch"], case["q_len"], case["kv_len"], case["heads"],
            case["heads"], case["head_dim"])  # fmt: skip
   parts = [
-    "python launch/audit.py --workdir=runs/audit_reproduce --restart",
+    REPRODUCE,
     f"--config.kernel={shlex.quote(kernel)}",
     f"--config.precisions={policy}",
     f"--config.shapes={shlex.quote(str((shape,)))}",

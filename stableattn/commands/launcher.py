@@ -127,6 +127,10 @@ def launch(
   from absl import app, flags
   from ml_collections import config_flags
 
+  argv = list(sys.argv if argv is None else argv)
+  argv = [argv[0], *config_argument(argv[1:], config, shortcuts)]
+  # config_flags finds the --config.field overrides to define in sys.argv.
+  sys.argv = argv
   config_flags.DEFINE_config_file(
     "config",
     str(CONFIGS / config),
@@ -160,5 +164,4 @@ def launch(
       summarize=summarize,
     )
 
-  argv = list(sys.argv if argv is None else argv)
-  app.run(main, argv=[argv[0], *config_argument(argv[1:], config, shortcuts)])
+  app.run(main, argv=argv)

@@ -1,0 +1,70 @@
+"""stableattn's pytest plugin (the `pytest11` entry point `stableattn`).
+
+It imports nothing beyond pytest until a test asks for its fixture, so
+it costs nothing in a suite that does not use it:
+
+  def test_my_kernel(attention_audit):
+    attention_audit(my_attention, precision="bf16-framework",
+                    features="causal")
+
+`--stableattn-baseline=PATH` (or the ini option `stableattn_baseline`)
+judges every audit against a file of known findings;
+`--stableattn-update-baseline` records the current failures there
+instead (run it without -n: the tests share the file).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+
+def pytest_addoption(parser):
+  group = parser.getgroup("stableattn", "attention kernel audits")
+  group.addoption(
+    "--stableattn-baseline",
+    default=None,
+    help="A file of known audit findings: only new or worse ones fail.",
+  )
+  group.addoption(
+    "--stableattn-update-baseline",
+    action="store_true",
+    default=False,
+    help="Record the audits' current failures in the baseline file.",
+  )
+  parser.addini(
+    "stableattn_baseline",
+    "A file of known audit findings, relative to the rootdir.",
+    default="",
+  )
+
+
+def baseline_path(config) -> pathlib.Path | None:
+  given = config.getoption("stableattn_baseline")
+  if given:
+    return pathlib.Path(given)
+  ini = config.getini("stableattn_baseline")
+  return pathlib.Path(config.rootpath, ini) if ini else None
+
+
+@pytest.fixture
+def attention_audit(request):
+  """`attention_audit(fn, **keywords)`: `stableattn.testing.
+  assert_audit_passes` under the session's baseline options."""
+  from stableattn.testing import assert_audit_passes
+
+  baseline = baseline_path(request.config)
+  update = request.config.getoption("stableattn_update_baseline")
+  if update and baseline is None:
+    raise pytest.UsageError(
+      "--stableattn-update-baseline needs --stableattn-baseline=PATH "
+      "(or the ini option stableattn_baseline)."
+    )
+
+  def run(fn, **keywords):
+    keywords.setdefault("baseline", baseline)
+    keywords.setdefault("update_baseline", update)
+    return assert_audit_passes(fn, **keywords)
+
+  return run

@@ -1,0 +1,114 @@
+"""`stableattn <command>`: variants by name, the audit's CI flags as flags
+of their own, the command table, and `stableattn compare`."""
+
+import importlib.util
+import json
+import types
+
+import pytest
+
+from stableattn.commands import compare, launcher
+from stableattn.commands import main as commands
+
+
+def test_a_variant_name_is_the_commands_packaged_file():
+  packaged = f"--config={launcher.CONFIGS / 'audit.py'}"
+  assert launcher.config_argument(["--config=smoke"], "audit.py") == [
+    f"{packaged}:smoke"
+  ]
+  assert launcher.config_argument(["--config", ":edges", "-x"], "audit.py") == [
+    f"{packaged}:edges",
+    "-x",
+  ]
+  own = ["--config=my/file.py:fast", "--config.kernel=m:f"]
+  assert launcher.config_argument(own, "audit.py") == own
+
+
+def test_shortcuts_are_config_fields():
+  got = launcher.config_argument(
+    ["--junit=a.xml", "--update_baseline", "--nojunit", "--junitx=1"],
+    "audit.py",
+    ("junit", "update_baseline"),
+  )
+  assert got == [
+    "--config.junit=a.xml",
+    "--config.update_baseline=True",
+    "--config.junit=False",
+    "--junitx=1",
+  ]
+
+
+def test_every_command_has_its_module_and_config():
+  for name, spec in commands.EXPERIMENTS.items():
+    assert importlib.util.find_spec(spec.module), name
+    assert (launcher.CONFIGS / spec.config).exists(), name
+    assert spec.workdir.startswith("runs/"), name
+
+
+def test_usage_and_an_unknown_command(capsys):
+  assert commands.main(["stableattn", "--help"]) == 0
+  listed = capsys.readouterr().out
+  assert all(name in listed for name in [*commands.EXPERIMENTS, "compare"])
+  assert commands.main(["stableattn"]) == 2
+  assert commands.main(["stableattn", "audti"]) == 2
+  said = capsys.readouterr().err
+  assert "unknown command 'audti'" in said and "audit, " in said
+
+
+def _audit_dir(path, ratios: dict):
+  path.mkdir()
+  (path / "headline.json").write_text(json.dumps({"gate": ["flashattention"]}))
+  rows = [
+    {
+      "kernel": "k",
+      "policy": "fp32",
+      "regime": "none",
+      "features": "none",
+      "shape": "B1",
+      "tensor": tensor,
+      "flashattention_applies": True,
+      "flashattention_passed": value <= 1,
+      "flashattention_value": value,
+      "flashattention_limit": 1.0,
+      "nonfinite": 0,
+      "deterministic": True,
+    }  # fmt: skip
+    for tensor, value in ratios.items()
+  ]
+  (path / "metrics.jsonl").write_text(
+    "".join(json.dumps(r) + "\n" for r in rows)
+  )
+  return str(path)
+
+
+def _settings(fail_on=("regressions",), growth=1.25):
+  return types.SimpleNamespace(fail_on=list(fail_on), growth=growth)
+
+
+def test_compare_fails_on_what_it_is_told(tmp_path, capsys):
+  old = _audit_dir(tmp_path / "old", {"out": 0.2, "dq": 0.5, "dk": 0.5})
+  new = _audit_dir(tmp_path / "new", {"out": 0.6, "dq": 0.5})
+  assert compare.compare_folders([old, new], _settings()) == 0
+  assert compare.compare_folders([old, new], _settings(["growth"])) == 1
+  said = capsys.readouterr().out
+  assert "growth: 1" in said and "0.2 -> 0.6" in said
+  assert compare.compare_folders([old, new], _settings(["missing"])) == 1
+  assert "failed on: missing" in capsys.readouterr().out
+  worse = _audit_dir(tmp_path / "worse", {"out": 1.5, "dq": 0.5, "dk": 0.5})
+  assert compare.compare_folders([old, worse], _settings()) == 1
+  assert compare.compare_folders([worse, old], _settings()) == 0
+  assert "improvements: 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+  "folders, fail_on, said",
+  [
+    (["a"], ["regressions"], "takes two audit run directories"),
+    (["a", "b"], ["typo"], "unknown --fail_on"),
+    (["a", "b"], ["regressions"], "holds no audit"),
+  ],
+)
+def test_compare_says_what_was_wrong(tmp_path, capsys, folders, fail_on, said):
+  folders = [str(tmp_path / f) for f in folders]
+  assert compare.compare_folders(folders, _settings(fail_on)) == 2
+  assert said in capsys.readouterr().out
