@@ -15,6 +15,7 @@ instead (run it without -n: the tests share the file).
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -46,6 +47,17 @@ def baseline_path(config) -> pathlib.Path | None:
     return pathlib.Path(given)
   ini = config.getini("stableattn_baseline")
   return pathlib.Path(config.rootpath, ini) if ini else None
+
+
+def pytest_configure(config):
+  """The options reach `stableattn.testing.AttentionAuditTestBase`
+  suites too, which read them from the environment (they run under
+  absltest as well)."""
+  baseline = baseline_path(config)
+  if baseline is not None:
+    os.environ["STABLEATTN_BASELINE"] = str(baseline)
+  if config.getoption("stableattn_update_baseline"):
+    os.environ["STABLEATTN_UPDATE_BASELINE"] = "1"
 
 
 @pytest.fixture

@@ -155,3 +155,28 @@ def test_the_compare_launcher_exits_1_on_a_regression(tmp_path):
   )  # fmt: skip
   assert done.returncode == 1, done.stdout + done.stderr
   assert "regressions: 1" in done.stdout and "0.5 -> 2.5" in done.stdout
+
+
+def test_gated_invariance_probes_are_failures_and_testcases():
+  probes = [
+    {"kernel": "k", "policy": "fp32", "invariance": "batch", "detail": "4 rows",
+     "invariant": False, "diff_ulps": 3.0},
+    {"kernel": "k", "policy": "fp32", "invariance": "decode", "detail": "q=1",
+     "invariant": True, "diff_ulps": 0.0},
+    {"kernel": "k", "policy": "fp32", "invariance": "splits", "detail": "2",
+     "invariant": None, "error": "ValueError: no splits"},
+  ]  # fmt: skip
+  gate = ["flashattention", "invariance"]
+  found = ci_reports.failing([_row()], gate, probes=probes)
+  assert found == {
+    "k | fp32 | invariance | 4 rows | batch | out": None,
+    "k | fp32 | invariance | 2 | splits | out": None,
+  }
+  assert ci_reports.failing([_row()], ["flashattention"], probes=probes) == {}
+  root = ET.fromstring(ci_reports.junit_xml("k", [_row()], gate, probes=probes))
+  assert root.attrib["tests"] == str(3 + 3)  # the row's three checks
+  assert root.attrib["failures"] == "2"
+  (batch,) = [
+    c for c in root.iter("testcase") if c.attrib["name"] == "batch 4 rows"
+  ]
+  assert "3 ulps" in batch.find("failure").attrib["message"]

@@ -112,3 +112,29 @@ def test_compare_says_what_was_wrong(tmp_path, capsys, folders, fail_on, said):
   folders = [str(tmp_path / f) for f in folders]
   assert compare.compare_folders(folders, _settings(fail_on)) == 2
   assert said in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_compilation_cache_is_written_and_read(tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  cache = tmp_path / "cache"
+  command = [
+    sys.executable, "-m", "stableattn", "audit", "--config=smoke",
+    "--config.kernel=xla", "--config.precisions=fp32",
+    f"--workdir={tmp_path / 'run'}", f"--compilation_cache={cache}",
+  ]  # fmt: skip
+  env = {k: v for k, v in os.environ.items() if "JAX_COMPILATION" not in k}
+  env["JAX_DEBUG_LOG_MODULES"] = "jax._src.compiler"  # logs each cache hit
+  hits = []
+  for _ in range(2):
+    done = subprocess.run(
+      command, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    hits.append(done.stderr.lower().count("cache hit"))
+    command.append("--restart")
+  assert len(list(cache.iterdir())) >= 8  # programs below JAX's 1 s, too
+  assert hits[1] >= 8 and hits[1] > hits[0], hits

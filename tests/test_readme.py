@@ -94,7 +94,7 @@ def test_the_docs_show_the_launchers_in_shell_blocks():
 @pytest.mark.parametrize(
   "command",
   _shell_commands(),
-  ids=lambda c: re.search(r"launch/(\w+)\.py", c).group(1),
+  ids=lambda c: re.search(r"(?:launch/|stableattn )(\w+)", c).group(1),
 )
 def test_shell_commands_run(command):
   env = dict(os.environ)

@@ -330,7 +330,7 @@ def ci_verdict(
   found = ci_reports.failing(rows, gate, errors, probes)
   judged = None
   if s.baseline and s.update_baseline:
-    ci_reports.write_baseline(s.baseline, found)
+    ci_reports.merge_baseline(s.baseline, found, s.kernel)
     result["baseline"] = f"recorded {len(found)} failures in {s.baseline}"
     result["passed"] = bool(rows)
   elif s.baseline:

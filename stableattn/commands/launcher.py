@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 
@@ -64,6 +65,20 @@ def summary(result: dict, most: int = 12) -> str:
   return "\n".join(
     [*shown, f"  report: {report if report.exists() else where}"]
   )
+
+
+CACHE_VARIABLE = "STABLEATTN_COMPILATION_CACHE"
+
+
+def use_compilation_cache(folder: str) -> None:
+  """JAX's persistent cache in `folder`, for every program: the audit
+  compiles hundreds of small ones (0.2 s each on a CPU), each under JAX's
+  default threshold of 1 s for caching."""
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", str(folder))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -149,9 +164,18 @@ def launch(
     "Print the whole result as JSON on stdout instead of a short summary.",
   )
 
+  flags.DEFINE_string(
+    "compilation_cache",
+    os.environ.get(CACHE_VARIABLE, ""),
+    "A folder for compiled programs, reused by later runs (a CI lane"
+    f" caches it between jobs); also ${CACHE_VARIABLE}. Empty: none.",
+  )
+
   def main(argv):
     del argv
     parsed = flags.FLAGS.config
+    if flags.FLAGS.compilation_cache:
+      use_compilation_cache(flags.FLAGS.compilation_cache)
     if before_run is not None:
       before_run(parsed)
     return run_and_print(
