@@ -26,15 +26,15 @@ def test_a_variant_name_is_the_commands_packaged_file():
 
 def test_shortcuts_are_config_fields():
   got = launcher.config_argument(
-    ["--junit=a.xml", "--update_baseline", "--nojunit", "--junitx=1"],
+    ["--junit=a.xml", "--update_baseline", "--junitx=1", "-junit"],
     "audit.py",
     ("junit", "update_baseline"),
   )
   assert got == [
     "--config.junit=a.xml",
     "--config.update_baseline=True",
-    "--config.junit=False",
     "--junitx=1",
+    "-junit",
   ]
 
 
@@ -43,6 +43,13 @@ def test_every_command_has_its_module_and_config():
     assert importlib.util.find_spec(spec.module), name
     assert (launcher.CONFIGS / spec.config).exists(), name
     assert spec.workdir.startswith("runs/"), name
+
+
+def test_a_commands_help_names_its_variants_and_shortcuts():
+  audit = commands.command_usage("audit")
+  assert "(default, smoke, paper, edges, search, decode, stable_grid)" in audit
+  assert "--junit, --baseline, --update_baseline" in audit
+  assert "--junit" not in commands.command_usage("benchmark")
 
 
 def test_usage_and_an_unknown_command(capsys):

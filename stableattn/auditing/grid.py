@@ -20,8 +20,13 @@ import shlex
 
 from tqdm.auto import tqdm
 
-from stableattn.auditing import captures, ci_reports, invariance, regimes
-from stableattn.auditing import shrinking_search as audit_search
+from stableattn.auditing import (
+  captures,
+  ci_reports,
+  invariance,
+  regimes,
+  shrinking_search,
+)
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
 from stableattn.auditing.kernel_audit import (
   INVARIANCE_GATE,
@@ -72,7 +77,7 @@ class Settings:
   # edge regimes of `stableattn.auditing.regimes`, built from every shape
   regimes: tuple[str, ...] = ()
   # > 0: search this many drawn cases for the smallest failing one instead
-  # of auditing the grid (`audit_search.py`)
+  # of auditing the grid (`shrinking_search.py`)
   search_budget: int = 0
   # Why the kernel has no gradients here (judged on `out` alone), or None.
   forward_only: str | None = None
@@ -208,7 +213,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
   s = settings_from_config(config)
   with opened(workdir, config, restart=restart) as (run_dir, _):
     if s.search_budget:
-      return audit_search.run(run_dir, s, kernel_fn)
+      return shrinking_search.run(run_dir, s, kernel_fn)
     progress = tqdm(total=_steps(s), desc=f"audit {s.kernel}", unit="case",
                     disable=None)  # fmt: skip
     rows, notes, errors, probes = [], [], [], []

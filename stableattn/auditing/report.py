@@ -24,7 +24,7 @@ from stableattn.numerics.rules import RULES
 
 def headline(s, rows, probes=(), errors=()) -> dict:
   """What headline.json holds: the verdict and why; `s` is the audit's
-  `audit_grid.Settings`."""
+  `grid.Settings`."""
   # Failures list what the gate, determinism and the NaN scan failed, so
   # the kernel passed exactly when there are none and nothing raised.
   found = failures(rows, [g for g in s.gate if g in RULES])

@@ -57,6 +57,9 @@ def main(argv: list[str]) -> int:
     "fail_on", ["regressions"], f"Exit 1 on any of {', '.join(FAIL_ON)}."
   )
   codes = []
+  sys.modules["__main__"].__doc__ = __doc__  # what --help prints
+  for name in ("growth", "fail_on"):
+    flags.FLAGS.register_flag_by_module(argv[0], flags.FLAGS[name])
 
   def run(args):
     codes.append(compare_folders(args[1:], flags.FLAGS))

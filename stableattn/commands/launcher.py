@@ -98,9 +98,6 @@ def config_argument(
     if arg.startswith("--") and name in shortcuts:
       out.append(f"--config.{name}={given if _ else True}")
       continue
-    if arg.startswith("--no") and name[2:] in shortcuts and not _:
-      out.append(f"--config.{name[2:]}=False")
-      continue
     value = None
     if arg.startswith("--config="):
       value = arg.split("=", 1)[1]
@@ -126,6 +123,7 @@ def launch(
   summarize=None,
   argv: list[str] | None = None,
   shortcuts: tuple[str, ...] = (),
+  usage: str = "",
 ) -> None:
   """Defines a launcher's flags and runs it under absl.
 
@@ -137,7 +135,8 @@ def launch(
   `failed` and `summarize` are `run_and_print`'s. --json prints the whole
   result as JSON instead of the summary. `argv` (the program's name
   first) defaults to sys.argv; `shortcuts` are config fields that are
-  flags of their own (`--junit=PATH` for `--config.junit=PATH`).
+  flags of their own (`--junit=PATH` for `--config.junit=PATH`); `usage`
+  heads --help.
   """
   from absl import app, flags
   from ml_collections import config_flags
@@ -170,6 +169,11 @@ def launch(
     "A folder for compiled programs, reused by later runs (a CI lane"
     f" caches it between jobs); also ${CACHE_VARIABLE}. Empty: none.",
   )
+  # --help lists the main module's flags: these are the command's.
+  for name in ("config", "workdir", "restart", "json", "compilation_cache"):
+    flags.FLAGS.register_flag_by_module(argv[0], flags.FLAGS[name])
+  if usage:
+    sys.modules["__main__"].__doc__ = usage
 
   def main(argv):
     del argv

@@ -113,6 +113,23 @@ def usage() -> str:
   )
 
 
+def command_usage(name: str) -> str:
+  spec = EXPERIMENTS[name]
+  config = importlib.import_module(f"stableattn.configs.{spec.config[:-3]}")
+  lines = [
+    f"stableattn {name} [flags]: {spec.about}.",
+    "",
+    f"--config=<variant> picks a variant of stableattn/configs/{spec.config}",
+    f"({', '.join(config.VARIANTS)}), --config=path/to/file.py[:variant]",
+    "reads another file, and --config.<field>=value sets a field",
+    "(--helpfull lists them).",
+  ]
+  if spec.shortcuts:
+    shortcuts = ", ".join(f"--{s}" for s in spec.shortcuts)
+    lines.append(f"{shortcuts}: the same as --config.<name>.")
+  return "\n".join(lines)
+
+
 def run_experiment(name: str, argv: list[str]) -> None:
   """Runs EXPERIMENTS[name] with `argv` (the program's name first)."""
   from stableattn.commands import device_setup
@@ -140,6 +157,7 @@ def run_experiment(name: str, argv: list[str]) -> None:
     before_run=hook,
     argv=argv,
     shortcuts=spec.shortcuts,
+    usage=command_usage(name),
     **extra,
   )
 
