@@ -53,11 +53,23 @@ def pytest_configure(config):
   """The options reach `stableattn.testing.AttentionAuditTestBase`
   suites too, which read them from the environment (they run under
   absltest as well)."""
+  settings = {}
   baseline = baseline_path(config)
   if baseline is not None:
-    os.environ["STABLEATTN_BASELINE"] = str(baseline)
+    settings["STABLEATTN_BASELINE"] = str(baseline)
   if config.getoption("stableattn_update_baseline"):
-    os.environ["STABLEATTN_UPDATE_BASELINE"] = "1"
+    settings["STABLEATTN_UPDATE_BASELINE"] = "1"
+  before = {name: os.environ.get(name) for name in settings}
+  os.environ.update(settings)
+
+  def restore():  # a session run inside another (pytester) leaves no trace
+    for name, value in before.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+
+  config.add_cleanup(restore)
 
 
 @pytest.fixture

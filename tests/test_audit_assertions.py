@@ -2,6 +2,7 @@
 base class, and the pytest plugin (which imports nothing heavy)."""
 
 import json
+import os
 import subprocess
 import sys
 import unittest
@@ -132,3 +133,5 @@ def test_the_fixture_records_and_judges_a_baseline(pytester):
   assert pytester.runpytest("--stableattn-baseline=known.json").ret == 0
   unset = pytester.runpytest("--stableattn-update-baseline")
   assert unset.ret != 0
+  assert "STABLEATTN_UPDATE_BASELINE" not in os.environ  # restored
+  assert "STABLEATTN_BASELINE" not in os.environ
