@@ -86,6 +86,7 @@ def test_bad_capture_paths_are_refused_saying_what_is_valid(tmp_path):
     captures.load(root)
 
 
+@pytest.mark.slow  # a model or a sweep end to end; CI's slow tier
 def test_a_kernel_broken_at_large_logits_fails_on_the_layer_that_has_them(
   tmp_path,
 ):
@@ -110,6 +111,7 @@ def test_a_kernel_broken_at_large_logits_fails_on_the_layer_that_has_them(
   ).passed  # fmt: skip
 
 
+@pytest.mark.slow  # a model or a sweep end to end; CI's slow tier
 def test_the_trainer_captures_what_the_kernel_receives_and_its_cotangent():
   config = drift_config.get_config("smoke")
   s = settings_from_config(config)

@@ -53,6 +53,7 @@ def test_the_monitor_overhead_is_measured_per_step_at_the_logging_interval():
   assert jnp.isfinite(row["overhead_at_every_step"])
 
 
+@pytest.mark.slow  # a model or a sweep end to end; CI's slow tier
 def test_flax_drop_in_sows_the_monitor_and_its_inputs_when_asked():
   from flax import nnx
 

@@ -3,6 +3,8 @@ read off a sweep by the largest logit and stored as data."""
 
 import pathlib
 
+import pytest
+
 from stableattn.auditing import thresholds
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -51,6 +53,7 @@ def test_the_stored_calibration_is_its_rows_read_off_and_the_docs_quote_it():
   assert thresholds.table(data) in docs
 
 
+@pytest.mark.slow  # a model or a sweep end to end; CI's slow tier
 def test_a_sweep_row_records_the_logit_and_what_missed():
   rows = thresholds.sweep(["xla fp32"], stds=(1.0,))
   assert len(rows) == len(thresholds.SHAPES) * 2  # causal and not
