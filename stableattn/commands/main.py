@@ -135,6 +135,8 @@ def run_experiment(name: str, argv: list[str]) -> None:
   from stableattn.commands import device_setup
   from stableattn.commands.launcher import launch
 
+  if os.getcwd() not in sys.path:  # a kernel beside the user, as `python -m`
+    sys.path.insert(0, os.getcwd())
   spec = EXPERIMENTS[name]
   hook = spec.before_run and getattr(device_setup, spec.before_run)
   if hook is device_setup.no_preallocation:
@@ -165,8 +167,6 @@ def run_experiment(name: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
   """The console script: `stableattn <command> [flags]`."""
   argv = list(sys.argv if argv is None else argv)
-  if os.getcwd() not in sys.path:  # a kernel beside the user, as `python -m`
-    sys.path.insert(0, os.getcwd())
   if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
     print(usage())
     return 0 if len(argv) >= 2 else 2
