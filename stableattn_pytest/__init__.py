@@ -20,6 +20,11 @@ import pathlib
 
 import pytest
 
+# Read by stableattn.testing.AttentionAuditTestBase (which also runs
+# under absltest, outside pytest).
+BASELINE_VARIABLE = "STABLEATTN_BASELINE"
+UPDATE_VARIABLE = "STABLEATTN_UPDATE_BASELINE"
+
 
 def pytest_addoption(parser):
   group = parser.getgroup("stableattn", "attention kernel audits")
@@ -56,9 +61,9 @@ def pytest_configure(config):
   settings = {}
   baseline = baseline_path(config)
   if baseline is not None:
-    settings["STABLEATTN_BASELINE"] = str(baseline)
+    settings[BASELINE_VARIABLE] = str(baseline)
   if config.getoption("stableattn_update_baseline"):
-    settings["STABLEATTN_UPDATE_BASELINE"] = "1"
+    settings[UPDATE_VARIABLE] = "1"
   before = {name: os.environ.get(name) for name in settings}
   os.environ.update(settings)
 

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import shlex
 
 from tqdm.auto import tqdm
 
@@ -25,6 +24,7 @@ from stableattn.auditing import (
   ci_reports,
   invariance,
   regimes,
+  reproducers,
   shrinking_search,
 )
 from stableattn.auditing.feature_recipes import RECIPE_NAMES, FeatureRecipe
@@ -39,7 +39,6 @@ from stableattn.auditing.kernel_audit import (
   regime_rows,
 )
 from stableattn.auditing.report import write_report
-from stableattn.auditing.shrinking_search import REPRODUCE
 from stableattn.contract.options import Options
 from stableattn.harness.config_values import as_tuple, field
 from stableattn.harness.rundir import opened
@@ -299,28 +298,25 @@ def _measure(fn, policy, case, s: Settings):
 
 def _with_command(s: Settings, error: dict, spec, case=None) -> dict:
   """An error row with the one launcher command that reproduces it."""
-  parts = [
-    REPRODUCE,
-    f"--config.kernel={shlex.quote(s.kernel)}",
-    f"--config.precisions={error['policy']}",
-    f"--config.shapes={shlex.quote(str((tuple(spec),)))}",
-    "--config.repeats=2",
-  ]
-  if s.layout != "bshd":
-    parts.append(f"--config.layout={s.layout}")
-  if s.kernel_precision != "auto":
-    parts.append(f"--config.kernel_precision={s.kernel_precision}")
-  if s.kernel_options:
-    parts.append(f"--config.kernel_options={shlex.quote(s.kernel_options)}")
+  own = {
+    "layout": None if s.layout == "bshd" else s.layout,
+    "kernel_precision": None
+    if s.kernel_precision == "auto"
+    else s.kernel_precision,
+    "kernel_options": s.kernel_options or None,
+  }
   if case is None:  # an edge regime's case, built from the audit shape
-    parts += ["--config.features=none", f"--config.regimes={error['regime']}"]
+    case_fields = {"features": "none", "regimes": error["regime"]}
   else:
-    parts += [
-      f"--config.distributions={case.distribution}",
-      f"--config.seeds={case.seed + 1}",
-      f"--config.features={case.features_label}",
-    ]
-  return {"kernel": s.kernel, **error, "command": " ".join(parts)}
+    case_fields = {
+      "distributions": case.distribution,
+      "seeds": case.seed + 1,
+      "features": case.features_label,
+    }
+  command = reproducers.command(
+    s.kernel, error["policy"], (spec,), **own, **case_fields
+  )
+  return {"kernel": s.kernel, **error, "command": command}
 
 
 def ci_verdict(
@@ -344,7 +340,6 @@ def ci_verdict(
     result["passed"] = bool(rows) and not judged["new"] and not judged["worse"]
   if s.baseline:
     result["verdict"] = "passed" if result["passed"] else "FAILED"
-  if s.baseline:
     text = json.dumps(result, indent=2, default=str) + "\n"
     run_dir.write_text("headline.json", text)
   if s.junit:

@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 
 from tqdm.auto import tqdm
 
-from stableattn.auditing import regimes
+from stableattn.auditing import regimes, reproducers
 from stableattn.auditing.kernel_audit import audit
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES
-
-# A reproducer runs in an installed wheel as in a checkout
-# (`python launch/audit.py` takes the same flags).
-REPRODUCE = "stableattn audit --workdir=runs/audit_reproduce --restart"
 
 DISTRIBUTIONS = ("normal", "uniform", "outliers")
 # A kernel raising these on a drawn case refuses it (a length or feature
@@ -74,19 +69,15 @@ def reproducer(kernel: str, policy: str, case: dict, gate) -> str:
   """One launcher command that audits exactly `case`."""
   shape = (case["batch"], case["q_len"], case["kv_len"], case["heads"],
            case["heads"], case["head_dim"])  # fmt: skip
-  parts = [
-    REPRODUCE,
-    f"--config.kernel={shlex.quote(kernel)}",
-    f"--config.precisions={policy}",
-    f"--config.shapes={shlex.quote(str((shape,)))}",
-    f"--config.distributions={case['distribution']}",
-    f"--config.features={'causal' if case['causal'] else 'none'}",
-    f"--config.gate={','.join(gate)}",
-    "--config.repeats=2",
-  ]
-  if case["regime"] != "none":
-    parts.append(f"--config.regimes={case['regime']}")
-  return " ".join(parts)
+  return reproducers.command(
+    kernel,
+    policy,
+    (shape,),
+    distributions=case["distribution"],
+    features="causal" if case["causal"] else "none",
+    gate=",".join(gate),
+    regimes=None if case["regime"] == "none" else case["regime"],
+  )
 
 
 def search(fn, kernel: str, policy: str, *, budget: int, gate):

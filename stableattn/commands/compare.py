@@ -20,6 +20,7 @@ import pathlib
 import sys
 
 from stableattn.auditing import ci_reports
+from stableattn.harness.rundir import RunDir
 
 FAIL_ON = ("regressions", "growth", "missing")
 
@@ -30,8 +31,7 @@ def audit_ratios(folder: str) -> dict[str, float]:
   if not (path / "metrics.jsonl").exists():
     raise ValueError(f"{folder} holds no audit (metrics.jsonl missing).")
   gate = json.loads((path / "headline.json").read_text())["gate"]
-  rows = [json.loads(x) for x in (path / "metrics.jsonl").open() if x.strip()]
-  kept = [r for r in rows if "policy" in r]
+  kept = [r for r in RunDir(path).read_metrics() if "policy" in r]
   return ci_reports.ratios(kept, gate, with_kernel=False)
 
 

@@ -1,10 +1,7 @@
-"""What a command sets up before JAX starts: the CPU devices a ring
-(context-parallel) study simulates, and no GPU memory preallocation for a
-benchmark that measures memory."""
+"""What a command sets up before its experiment runs: the CPU devices a
+ring (context-parallel) study simulates."""
 
 from __future__ import annotations
-
-import os
 
 import jax
 
@@ -29,8 +26,3 @@ def drift_ring_devices(config) -> None:
 
 def stability_ring_devices(config) -> None:
   distributed.simulate_cpu_devices(int(config.context_parallel or 0))
-
-
-def no_preallocation(config) -> None:
-  del config
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -112,6 +112,41 @@ def config_argument(
   return out
 
 
+def _define_flags(argv, config: str, workdir: str, workdir_holds: str):
+  """Every command's flags, listed by --help as the command's own."""
+  from absl import flags
+  from ml_collections import config_flags
+
+  # config_flags finds the --config.field overrides to define in sys.argv.
+  sys.argv = argv
+  config_flags.DEFINE_config_file(
+    "config",
+    str(CONFIGS / config),
+    "Experiment configuration: a variant's name (`smoke`), or a file with"
+    " an optional :variant.",
+  )
+  flags.DEFINE_string("workdir", workdir, f"Directory for {workdir_holds}.")
+  flags.DEFINE_bool(
+    "restart",
+    False,
+    "Delete the results of an earlier run in --workdir before running.",
+  )
+  flags.DEFINE_bool(
+    "json",
+    False,
+    "Print the whole result as JSON on stdout instead of a short summary.",
+  )
+  flags.DEFINE_string(
+    "compilation_cache",
+    os.environ.get(CACHE_VARIABLE, ""),
+    "A folder for compiled programs, reused by later runs (a CI lane"
+    f" caches it between jobs); also ${CACHE_VARIABLE}. Empty: none.",
+  )
+  # --help lists the main module's flags: these are the command's.
+  for name in ("config", "workdir", "restart", "json", "compilation_cache"):
+    flags.FLAGS.register_flag_by_module(argv[0], flags.FLAGS[name])
+
+
 def launch(
   run,
   *,
@@ -139,39 +174,10 @@ def launch(
   heads --help.
   """
   from absl import app, flags
-  from ml_collections import config_flags
 
   argv = list(sys.argv if argv is None else argv)
   argv = [argv[0], *config_argument(argv[1:], config, shortcuts)]
-  # config_flags finds the --config.field overrides to define in sys.argv.
-  sys.argv = argv
-  config_flags.DEFINE_config_file(
-    "config",
-    str(CONFIGS / config),
-    "Experiment configuration: a variant's name (`smoke`), or a file with"
-    " an optional :variant.",
-  )
-  flags.DEFINE_string("workdir", workdir, f"Directory for {workdir_holds}.")
-  flags.DEFINE_bool(
-    "restart",
-    False,
-    "Delete the results of an earlier run in --workdir before running.",
-  )
-  flags.DEFINE_bool(
-    "json",
-    False,
-    "Print the whole result as JSON on stdout instead of a short summary.",
-  )
-
-  flags.DEFINE_string(
-    "compilation_cache",
-    os.environ.get(CACHE_VARIABLE, ""),
-    "A folder for compiled programs, reused by later runs (a CI lane"
-    f" caches it between jobs); also ${CACHE_VARIABLE}. Empty: none.",
-  )
-  # --help lists the main module's flags: these are the command's.
-  for name in ("config", "workdir", "restart", "json", "compilation_cache"):
-    flags.FLAGS.register_flag_by_module(argv[0], flags.FLAGS[name])
+  _define_flags(argv, config, workdir, workdir_holds)
   if usage:
     sys.modules["__main__"].__doc__ = usage
 

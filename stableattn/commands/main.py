@@ -32,6 +32,8 @@ class Experiment:
   workdir_holds: str
   about: str
   before_run: str | None = None  # a function of commands.device_setup
+  # Set (unless already set) before the experiment's module imports JAX.
+  environment: tuple[tuple[str, str], ...] = ()
   audit: bool = False  # exit 1 on a failed verdict; the audit's summary
   shortcuts: tuple[str, ...] = ()  # --name for --config.name
 
@@ -90,7 +92,8 @@ EXPERIMENTS = {
     "runs/benchmark",
     "config.json, metrics.jsonl, the report and plots",
     "time and memory of the kernels and presets",
-    before_run="no_preallocation",
+    # Memory is measured per program, not as XLA's preallocated pool.
+    environment=(("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),),
   ),
 }
 OTHER_COMMANDS = {
@@ -138,10 +141,9 @@ def run_experiment(name: str, argv: list[str]) -> None:
   if os.getcwd() not in sys.path:  # a kernel beside the user, as `python -m`
     sys.path.insert(0, os.getcwd())
   spec = EXPERIMENTS[name]
+  for name, value in spec.environment:
+    os.environ.setdefault(name, value)
   hook = spec.before_run and getattr(device_setup, spec.before_run)
-  if hook is device_setup.no_preallocation:
-    hook(None)  # before JAX starts, so before the module's import
-    hook = None
   module = importlib.import_module(spec.module)
   extra = {}
   if spec.audit:

@@ -4,11 +4,9 @@ own tests, with known findings as a baseline."""
 from __future__ import annotations
 
 import pathlib
-import shlex
 
-from stableattn.auditing import ci_reports
+from stableattn.auditing import ci_reports, reproducers
 from stableattn.auditing.kernel_audit import INVARIANCE_GATE, AuditReport, audit
-from stableattn.auditing.shrinking_search import REPRODUCE
 from stableattn.numerics.rules import RULES
 
 
@@ -30,11 +28,10 @@ def kernel_name(fn) -> str:
   return f"{module}:{name}"
 
 
-def _shapes_flag(shapes) -> str:
-  specs = tuple(tuple(s) if not isinstance(s, int) else s for s in shapes)
-  if specs and isinstance(specs[0], int):
-    specs = (specs,)
-  return f"--config.shapes={shlex.quote(str(specs))}"
+def _audit_shapes(settings: dict) -> tuple:
+  """The shapes `audit` was given (one shape or several)."""
+  shapes = settings.get("shapes", ((1, 128, 2, 64),))
+  return (shapes,) if isinstance(shapes[0], int) else tuple(shapes)
 
 
 def shape_spec(label: str) -> tuple[int, ...]:
@@ -48,32 +45,24 @@ def shape_spec(label: str) -> tuple[int, ...]:
 
 def reproducer(name: str, row: dict, settings: dict) -> str:
   """One `stableattn audit` command that audits `row`'s case alone."""
-  parts = [
-    REPRODUCE,
-    f"--config.kernel={shlex.quote(name)}",
-    f"--config.precisions={row['policy']}",
-    "--config.repeats=2",
-  ]
-  if settings.get("layout", "bshd") != "bshd":
-    parts.append(f"--config.layout={settings['layout']}")
+  layout = settings.get("layout", "bshd")
+  layout = None if layout == "bshd" else layout
   regime = row.get("regime", "none")
   if regime == "captured":
-    parts.append(f"--config.inputs={shlex.quote(str(settings.get('inputs')))}")
-    parts.append(_shapes_flag(settings.get("shapes", ((1, 128, 2, 64),))))
+    shapes, fields = _audit_shapes(settings), {"inputs": settings.get("inputs")}
   elif regime != "none":  # built from the audit's shapes
-    parts += [
-      _shapes_flag(settings.get("shapes", ((1, 128, 2, 64),))),
-      "--config.features=none",
-      f"--config.regimes={regime}",
-    ]
+    shapes = _audit_shapes(settings)
+    fields = {"features": "none", "regimes": regime}
   else:
-    parts += [
-      _shapes_flag((shape_spec(row["shape"]),)),
-      f"--config.distributions={row['distribution']}",
-      f"--config.seeds={row['seed'] + 1}",
-      f"--config.features={row['features'] or 'none'}",
-    ]
-  return " ".join(parts)
+    shapes = (shape_spec(row["shape"]),)
+    fields = {
+      "distributions": row["distribution"],
+      "seeds": row["seed"] + 1,
+      "features": row["features"] or "none",
+    }
+  return reproducers.command(
+    name, row["policy"], shapes, layout=layout, **fields
+  )
 
 
 def _gated_failures(report: AuditReport, name: str):

@@ -16,6 +16,7 @@ import os
 from absl.testing import parameterized
 
 from stableattn.testing.assertions import assert_audit_passes
+from stableattn_pytest import BASELINE_VARIABLE, UPDATE_VARIABLE
 
 # (test name, feature recipes, the supports_* flags it needs)
 FEATURE_CASES = (
@@ -30,8 +31,6 @@ FEATURE_CASES = (
   ("softcap", "softcap", ("supports_softcap",)),
   ("lengths", "lengths", ("supports_lengths",)),
 )
-BASELINE_VARIABLE = "STABLEATTN_BASELINE"
-UPDATE_VARIABLE = "STABLEATTN_UPDATE_BASELINE"
 
 
 class AttentionAuditTestBase(parameterized.TestCase):
