@@ -141,8 +141,8 @@ def run_experiment(name: str, argv: list[str]) -> None:
   if os.getcwd() not in sys.path:  # a kernel beside the user, as `python -m`
     sys.path.insert(0, os.getcwd())
   spec = EXPERIMENTS[name]
-  for name, value in spec.environment:
-    os.environ.setdefault(name, value)
+  for variable, value in spec.environment:
+    os.environ.setdefault(variable, value)
   hook = spec.before_run and getattr(device_setup, spec.before_run)
   module = importlib.import_module(spec.module)
   extra = {}
