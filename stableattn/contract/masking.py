@@ -184,7 +184,7 @@ def without_unattended_keys(attended, *keys_or_values):
 LOG2E = math.log2(math.e)
 
 
-def scores(product, spec: MaskSpec, ar, base2: bool = False):
+def scores(product, spec: MaskSpec, ar, base2: bool = False, scaled=None):
   """Scores from Q K^T (rounded to `matmul_accum`), rounded to `scores`.
 
   Without softcap: product * scale. With it: softcap * tanh(product *
@@ -192,16 +192,20 @@ def scores(product, spec: MaskSpec, ar, base2: bool = False):
   the gradient), else None. With `base2` the one constant multiplier also
   carries log2(e) (scale * log2(e), or softcap * log2(e)), so the softmax
   that follows is 2^(s - m): FlashAttention-2's and Triton's form, one
-  multiply and a native exp2 per score.
+  multiply and a native exp2 per score. `scaled(x, factor)` computes that
+  last product (default x * factor; the kernels pass one that stays one
+  rounding inside XLA, `block_math.kept_scaled`).
   """
   dtype = product.dtype
   to_base = LOG2E if base2 else 1.0
+  if scaled is None:
+    scaled = lambda x, factor: x * factor  # noqa: E731
   if spec.softcap is None:
     scale = jnp.asarray(spec.scale * to_base, dtype)
-    return ar.round(product * scale, "scores"), None
+    return ar.round(scaled(product, scale), "scores"), None
   tanh = jnp.tanh(product * jnp.asarray(spec.scale / spec.softcap, dtype))
   cap = jnp.asarray(spec.softcap * to_base, dtype)
-  return ar.round(cap * tanh, "scores"), tanh
+  return ar.round(scaled(tanh, cap), "scores"), tanh
 
 
 def logits_in_base(x, ar, base2: bool, stage: str):

@@ -12,9 +12,12 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from stableattn.contract.masking import logits_in_base, scores
+from stableattn.numerics.formats import format_name
 from stableattn.numerics.rounding import PolicyArithmetic
 
 # Contract the last dimension of both operands: A @ B^T.
@@ -69,7 +72,9 @@ def block_scores(
       k_BkxD * (1.0 / k_scale)[:, None],
       NT_DIMS,
     ) * (q_scale[:, None] * k_scale[None, :])
-  s, tanh = scores(product, spec, ar, base2)
+  s, tanh = scores(
+    product, spec, ar, base2, functools.partial(kept_scaled, ar=ar)
+  )
   s = ar.round(s, "softmax_stats")
   if bias is not None:
     bias = logits_in_base(bias, ar, base2, "scores")
@@ -77,6 +82,47 @@ def block_scores(
   if mask is not None:
     s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
   return s, tanh
+
+
+# The name scope of `kept_scaled`'s product: not one of the algorithm's
+# matmuls.
+KEPT_SCALED_SCOPE = "kept_scaled"
+
+
+def kept_scaled(x_BqxBk, factor, *, ar: PolicyArithmetic):
+  """x * factor rounded once, as the policy says, also where XLA would
+  not keep that rounding.
+
+  Inside an XLA program (interpret mode) with scores in the carrier's
+  format, no rounding op follows the product, and XLA:CPU copies the
+  cheap product into each consumer's fusion, where LLVM contracts it with
+  the subtraction of the row max into one fused multiply-add: the
+  forward's softmax sum then adds exp(x c - m) unrounded while m is the
+  max of the rounded x c, and the backward, which keeps S, gets P as the
+  rounded scores give it. At a score of 7,000 (an ulp of 4.9e-4) one
+  query over 37 keys had dV 126x FlashAttention's limit. A product with
+  the diagonal matrix factor * I is a dot, which XLA neither copies nor
+  contracts, and each of its entries has one nonzero term: x * factor,
+  rounded once. Non-finite entries (a NaN key in padding) would spread
+  through the dot's zero terms, so they take the plain product. In a
+  compiled Triton body the product is written as it is.
+  """
+  narrower = format_name(ar.policy.scores) != format_name(ar.carrier)
+  if ar.casts_round or narrower or x_BqxBk.ndim != 2:
+    return x_BqxBk * factor
+  finite = jnp.isfinite(x_BqxBk)
+  columns = x_BqxBk.shape[-1]
+  diagonal = jnp.eye(columns, dtype=x_BqxBk.dtype) * factor
+  # The scope names it for a count of the algorithm's matmuls.
+  with jax.named_scope(KEPT_SCALED_SCOPE):
+    product = lax.dot_general(
+      jnp.where(finite, x_BqxBk, jnp.zeros_like(x_BqxBk)),
+      diagonal,
+      NN_DIMS,
+      precision=lax.Precision.HIGHEST,
+      preferred_element_type=x_BqxBk.dtype,
+    )
+  return jnp.where(finite, product, x_BqxBk * factor)
 
 
 def unattended_keys_zeroed(mask, *tiles_BkxD):
