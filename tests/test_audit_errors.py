@@ -135,6 +135,33 @@ def test_logits_an_ulp_apart_set_the_fp32_floor_at_large_logits():
                regimes="large_logits")  # fmt: skip
   assert sa.audit(audit_kernels.scales_q_and_k, **edges).passed
   assert not sa.audit(audit_kernels.wrong_scale, **edges).passed
+  # At (1, 200, 200, 2, 2, 64) the same kernel's gradients miss 3x the
+  # Baseline's error by up to 1.6x (dQ) without the gradients' floor
+  # (golden.gradient_logit_sensitivity) and pass with it; 1.5x gradients
+  # still fail.
+  edges["shapes"] = [(1, 200, 200, 2, 2, 64)]
+  assert sa.audit(audit_kernels.scales_q_and_k, **edges).passed
+  assert not sa.audit(audit_kernels.wrong_gradient, **edges).passed
+
+
+def test_gradients_move_by_an_ulp_of_the_tied_logits_at_most():
+  # Two keys tied at logit 4096 hold every row with P = 1/2 each: a
+  # logit error of at most u = ulp(4096) moves each P by at most
+  # 1/2 (u + u) = u, so dV at each of them by u sum_i |dO_i|; the other
+  # keys' P is exp(-4096) = 0 and their dV cannot move.
+  q = np.zeros((1, 4, 1, 2))
+  q[..., 0] = 64.0
+  k = np.zeros((1, 8, 1, 2))
+  k[0, :2, 0, 0] = 64.0 * np.sqrt(2.0)
+  rng = np.random.default_rng(0)
+  v = rng.standard_normal((1, 8, 1, 2))
+  d_out = rng.standard_normal((1, 4, 1, 2))
+  dq, dk, dv = sa_golden.gradient_logit_sensitivity(q, k, v, d_out, np.float32)
+  u = np.spacing(np.float32(4096))
+  expected = u * np.abs(d_out[0, :, 0]).sum(axis=0)
+  np.testing.assert_allclose(dv[0, :2, 0], np.broadcast_to(expected, (2, 2)))
+  assert not np.any(dv[0, 2:]) and not np.any(dk[0, 2:])
+  assert dq.shape == q.shape and np.all(dq[..., 0] > 0)
 
 
 def test_a_launchers_summary_puts_verdicts_first_and_points_to_json():

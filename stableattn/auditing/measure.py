@@ -17,6 +17,7 @@ from stableattn.auditing.inputs import round_to
 from stableattn.contract.golden import (
   golden_attention,
   golden_attention_vjp,
+  gradient_logit_sensitivity,
   logit_sensitivity,
 )
 from stableattn.contract.options import Options
@@ -221,7 +222,7 @@ def measure_arrays(
     values = (golden[i], [r[i] for r in runs], baseline[i])
     row = _row(
       label, policy, tensor, *_judged(tensor, values, edge),
-      _with_logit_floor(rules, tensor, policy, (q, k, v), features),
+      _with_logit_floor(rules, tensor, (q, k, v, d_out), features),
     )  # fmt: skip
     row.update(note)
     row.update(_edge_columns(tensor, runs[0][i], edge, v, clean, i))
@@ -262,24 +263,32 @@ def _edge_columns(tensor, x, edge: EdgeChecks, v, clean, i) -> dict:
   return out
 
 
-def _with_logit_floor(rules, tensor, policy, arrays, features):
-  """At FP32 and FP64, FlashAttention's rule on the output with the floor
-  that logits an ulp apart leave (`golden.logit_sensitivity`): where
-  logits are in the thousands, two correct kernels' outputs differ by
-  more than twice the Baseline's error. Computed only where the rule
-  would fail without it."""
+def _with_logit_floor(rules, tensor, arrays, features):
+  """At FP32 and FP64, FlashAttention's rule on the output and on dQ, dK
+  and dV with the floor that logits an ulp apart leave
+  (`golden.logit_sensitivity`, `golden.gradient_logit_sensitivity`):
+  where logits are in the hundreds and thousands, two correct kernels'
+  values differ by more than the rule's multiple of the Baseline's error
+  (docs/audit.md, "Where `fp32-stable` still misses"). `arrays` are
+  (q, k, v, d_out). Computed only where the rule would fail without it."""
   fa = rules.get("flashattention")
-  if tensor != "out" or fa is not flashattention_rule:
-    return rules
-  if policy.output not in ("fp32", "fp64"):
+  floored = ("out", "dq", "dk", "dv")
+  if tensor not in floored or fa is not flashattention_rule:
     return rules
 
   def with_floor(golden, x, baseline, fmt, gradient):
     plain = fa(golden, x, baseline, fmt, gradient)
-    if plain.passed or not np.all(np.isfinite(x)):
+    if plain.passed or fmt not in ("fp32", "fp64"):
       return plain
-    dtype = policy.dtype("output")
-    bound = logit_sensitivity(*arrays, dtype, **features)
+    if not np.all(np.isfinite(x)):
+      return plain
+    dtype = to_dtype(fmt)
+    q, k, v, d_out = arrays
+    if tensor == "out":
+      bound = logit_sensitivity(q, k, v, dtype, **features)
+    else:
+      moved = gradient_logit_sensitivity(q, k, v, d_out, dtype, **features)
+      bound = moved[floored.index(tensor) - 1]
     floor = float(np.max(bound, initial=0.0))
     return fa(golden, x, baseline, fmt, gradient, logit_floor=floor)
 

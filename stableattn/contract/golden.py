@@ -113,10 +113,25 @@ def golden_attention(q, k, v, causal: bool = False, **features) -> np.ndarray:
   return _Forward(_as_f64(q), _as_f64(k), _as_f64(v), spec, ops).output()
 
 
+def _logit_ulps(f: _Forward, dtype) -> np.ndarray:
+  """An ulp of `dtype` at each logit's largest partial sum: |s|, or with
+  no softcap c sum_d |q_d k_d| where that is larger (a dot of terms that
+  cancel rounds at the size its partial sums pass through, not at its
+  result's); 0 where masked. float64 [b, kv_heads, group, q, kv]."""
+  finite = np.isfinite(f.s)
+  magnitude = np.where(finite, np.abs(f.s), 0.0)
+  if f.tanh is None:
+    terms = np.matmul(np.abs(f.q_g), _per_group(np.abs(f.k_t)).swapaxes(-1, -2))
+    magnitude = np.maximum(magnitude, np.where(finite, terms * f.scale, 0.0))
+  ulps = np.spacing(magnitude.astype(dtype)).astype(np.float64)
+  return np.where(finite, ulps, 0.0)
+
+
 def logit_sensitivity(q, k, v, dtype, causal: bool = False, **features):
   """How far each output element moves, to first order, when every logit
-  moves by one ulp of `dtype`: sum_j P_ij ulp(s_ij) |v_j - o_i|, float64
-  [batch, q_len, heads, head_dim].
+  moves by one ulp u_ij of `dtype` (at its largest partial sum,
+  `_logit_ulps`): sum_j P_ij u_ij |v_j - o_i|, float64 [batch, q_len,
+  heads, head_dim].
 
   Two correct kernels' logits differ by about that much: one scales q,
   another q and k by sqrt(scale) (PyTorch's math path), another the
@@ -126,9 +141,7 @@ def logit_sensitivity(q, k, v, dtype, causal: bool = False, **features):
   """
   spec, ops = _validate(q, k, v, dict(features, causal=causal))
   f = _Forward(_as_f64(q), _as_f64(k), _as_f64(v), spec, ops)
-  finite = np.isfinite(f.s)
-  magnitude = np.where(finite, np.abs(f.s), 0.0).astype(dtype)
-  weights = f.p * np.where(finite, np.spacing(magnitude), 0.0)
+  weights = f.p * _logit_ulps(f, dtype)
   v_t = _per_group(f.v_t)[..., None, :, :]  # [b, kv_heads, 1, 1, kv, d]
   out = np.empty_like(f.o)
   chunk = 64  # queries at a time: the [q, kv, d] differences stay small
@@ -139,6 +152,44 @@ def logit_sensitivity(q, k, v, dtype, causal: bool = False, **features):
       "bhgqk,bhgqkd->bhgqd", weights[:, :, :, rows], spread
     )
   return out.transpose(0, 3, 1, 2, 4).reshape(f.shape)
+
+
+def gradient_logit_sensitivity(
+  q, k, v, d_out, dtype, causal: bool = False, **features
+):
+  """How far dQ, dK and dV move, to first order, when every logit moves
+  by at most one ulp of `dtype`: the gradients' `logit_sensitivity`,
+  float64, shaped like q, k and v.
+
+  With u_ij the ulp of logit s_ij (`_logit_ulps`), a logit error e_ij
+  (|e_ij| <= u_ij) moves P_ij by P_ij (e_ij - sum_k P_ik e_ik), at most
+  B_ij = P_ij (u_ij + sum_k P_ik u_ik). Then dV = P^T dO moves by at most
+  B^T |dO|; dS = P (dP - delta) (dP = dO V^T, delta = rowsum(P dP)) by
+  at most B |dP - delta| + P rowsum(B |dP|); dQ = c dS K and dK = c dS^T
+  Q (times 1 - tanh^2 with softcap) by |c dS|'s bound times |K| and |Q|.
+  The sink's own logit is left out. Signs aligned: the first-order worst
+  case of logits that are each within an ulp of their value.
+  """
+  spec, ops = _validate(q, k, v, dict(features, causal=causal))
+  q, k, v, d_out = _as_f64(q), _as_f64(k), _as_f64(v), _as_f64(d_out)
+  f = _Forward(q, k, v, spec, ops)
+  ulps = _logit_ulps(f, dtype)
+  row_ulp = np.sum(f.p * ulps, axis=-1, keepdims=True)
+  moved_p = f.p * (ulps + row_ulp)
+  do_g, _ = _grouped(d_out, k)
+  d_v = np.matmul(moved_p.swapaxes(-1, -2), np.abs(do_g)).sum(axis=2)
+  d_p = np.matmul(do_g, _per_group(f.v_t).swapaxes(-1, -2))
+  delta = np.sum(do_g * f.o, axis=-1, keepdims=True)
+  moved_delta = np.sum(moved_p * np.abs(d_p), axis=-1, keepdims=True)
+  moved_ds = moved_p * np.abs(d_p - delta) + f.p * moved_delta
+  moved_dx = moved_ds * abs(f.scale)
+  if f.tanh is not None:
+    moved_dx = moved_dx * (1.0 - f.tanh**2)
+  d_q = np.matmul(moved_dx, _per_group(np.abs(f.k_t)))
+  d_k = np.matmul(moved_dx.swapaxes(-1, -2), np.abs(f.q_g)).sum(axis=2)
+  batch, q_len, heads, head_dim = q.shape
+  d_q = d_q.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
+  return d_q, d_k.transpose(0, 2, 1, 3), d_v.transpose(0, 2, 1, 3)
 
 
 def golden_attention_vjp(q, k, v, d_out, causal: bool = False, **features):
