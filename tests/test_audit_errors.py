@@ -144,24 +144,32 @@ def test_logits_an_ulp_apart_set_the_fp32_floor_at_large_logits():
   assert not sa.audit(audit_kernels.wrong_gradient, **edges).passed
 
 
-def test_gradients_move_by_an_ulp_of_the_tied_logits_at_most():
-  # Two keys tied at logit 4096 hold every row with P = 1/2 each: a
-  # logit error of at most u = ulp(4096) moves each P by at most
-  # 1/2 (u + u) = u, so dV at each of them by u sum_i |dO_i|; the other
-  # keys' P is exp(-4096) = 0 and their dV cannot move.
+def test_gradients_move_by_what_logits_an_ulp_apart_do():
+  # Two keys at logits 4096 and 4095.75 hold every row (P about 0.56 and
+  # 0.44): logit errors within u = ulp(4096) move each P by P_1 P_2
+  # (e_1 - e_2), at most 2 u P_1 P_2, so dV at each of them by at most
+  # that times sum_i |dO_i|; the other keys' P is exp(-4096) = 0, and
+  # stays 0, so their dV cannot move.
   q = np.zeros((1, 4, 1, 2))
   q[..., 0] = 64.0
   k = np.zeros((1, 8, 1, 2))
-  k[0, :2, 0, 0] = 64.0 * np.sqrt(2.0)
+  k[0, :2, 0, 0] = 64.0 * np.sqrt(2.0)  # scale 1/sqrt(2): logit 4096
+  k[0, 1, 0, 0] -= 0.25 / 64.0 * np.sqrt(2.0)
   rng = np.random.default_rng(0)
   v = rng.standard_normal((1, 8, 1, 2))
   d_out = rng.standard_normal((1, 4, 1, 2))
   dq, dk, dv = sa_golden.gradient_logit_sensitivity(q, k, v, d_out, np.float32)
   u = np.spacing(np.float32(4096))
-  expected = u * np.abs(d_out[0, :, 0]).sum(axis=0)
-  np.testing.assert_allclose(dv[0, :2, 0], np.broadcast_to(expected, (2, 2)))
+  p_1 = 1.0 / (1.0 + np.exp(-0.25))
+  most = 2 * u * p_1 * (1 - p_1) * np.abs(d_out[0, :, 0]).sum(axis=0)
+  assert np.all(dv[0, :2, 0] <= most * (1 + 1e-6))
+  assert np.all(dv[0, :2, 0] >= most / 50)
   assert not np.any(dv[0, 2:]) and not np.any(dk[0, 2:])
   assert dq.shape == q.shape and np.all(dq[..., 0] > 0)
+  # Equal logits round alike: with the two keys tied no P moves.
+  k[0, 1] = k[0, 0]
+  tied = sa_golden.gradient_logit_sensitivity(q, k, v, d_out, np.float32)
+  assert not any(np.any(g) for g in tied)
 
 
 def test_a_launchers_summary_puts_verdicts_first_and_points_to_json():

@@ -269,7 +269,7 @@ def _with_logit_floor(rules, tensor, arrays, features):
   (`golden.logit_sensitivity`, `golden.gradient_logit_sensitivity`):
   where logits are in the hundreds and thousands, two correct kernels'
   values differ by more than the rule's multiple of the Baseline's error
-  (docs/audit.md, "Where `fp32-stable` still misses"). `arrays` are
+  (docs/audit.md, "Large logits off the tuned shapes"). `arrays` are
   (q, k, v, d_out). Computed only where the rule would fail without it."""
   fa = rules.get("flashattention")
   floored = ("out", "dq", "dk", "dv")
@@ -348,6 +348,11 @@ def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:
     **{f"{j.rule}_limit": j.limit for j in judged},
     **{f"{j.rule}_passed": j.passed for j in judged},
     **{f"{j.rule}_applies": j.applies for j in judged},
+    **{
+      f"{j.rule}_logit_floor": j.logit_floor
+      for j in judged
+      if j.rule == "flashattention"
+    },
     **quality(golden, x),
     "baseline_max_abs": baseline_max_abs,
     "baseline_exact": baseline_exact,

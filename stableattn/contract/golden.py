@@ -50,7 +50,7 @@ def _head_grouped(x, kv_heads: int):
 class _Forward:
   """P, O and what the gradients need, in float64."""
 
-  def __init__(self, q, k, v, spec, ops):
+  def __init__(self, q, k, v, spec, ops, logit_error=None):
     self.q, self.k, self.v = q, k, v
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -68,6 +68,8 @@ class _Forward:
       s = spec.softcap * self.tanh
     if ops.bias is not None:
       s = s + _head_grouped(_as_f64(ops.bias), kv_heads)
+    if logit_error is not None:
+      s = s + logit_error
     allowed = masking.allowed_pairs(spec, ops, q_len, kv_len, xp=np)
     s = np.where(_head_grouped(allowed, kv_heads), s, -np.inf)
     self.s = s
@@ -154,42 +156,51 @@ def logit_sensitivity(q, k, v, dtype, causal: bool = False, **features):
   return out.transpose(0, 3, 1, 2, 4).reshape(f.shape)
 
 
-def gradient_logit_sensitivity(
-  q, k, v, d_out, dtype, causal: bool = False, **features
-):
-  """How far dQ, dK and dV move, to first order, when every logit moves
-  by at most one ulp of `dtype`: the gradients' `logit_sensitivity`,
-  float64, shaped like q, k and v.
+def _rounding_error(s, draw: int) -> np.ndarray:
+  """A number in [-1, 1) for each logit, a hash of its value and `draw`
+  (splitmix64's mix of its bits): equal logits get equal errors, as a
+  kernel rounds equal dot products alike (equal queries' rows, whose
+  gradients may cancel, stay equal)."""
+  bits = np.where(np.isfinite(s), s, 0.0).view(np.uint64)
+  with np.errstate(over="ignore"):
+    z = bits + np.uint64((draw + 1) * 0x9E3779B97F4A7C15 % 2**64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+  unit = (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+  return 2.0 * unit - 1.0
 
-  With u_ij the ulp of logit s_ij (`_logit_ulps`), a logit error e_ij
-  (|e_ij| <= u_ij) moves P_ij by P_ij (e_ij - sum_k P_ik e_ik), at most
-  B_ij = P_ij (u_ij + sum_k P_ik u_ik). Then dV = P^T dO moves by at most
-  B^T |dO|; dS = P (dP - delta) (dP = dO V^T, delta = rowsum(P dP)) by
-  at most B |dP - delta| + P rowsum(B |dP|); dQ = c dS K and dK = c dS^T
-  Q (times 1 - tanh^2 with softcap) by |c dS|'s bound times |K| and |Q|.
-  The sink's own logit is left out. Signs aligned: the first-order worst
-  case of logits that are each within an ulp of their value.
+
+def gradient_logit_sensitivity(
+  q, k, v, d_out, dtype, causal: bool = False, draws: int = 3, **features
+):
+  """How far dQ, dK and dV move when every logit moves by an error within
+  one ulp u of `dtype` (at its largest partial sum, `_logit_ulps`), as
+  two correct kernels' logits differ: the largest change of the FP64
+  gradients over `draws` draws of errors spread uniformly over [-u, u]
+  and fixed by the logit's value (`_rounding_error`), float64, shaped
+  like q, k and v.
+
+  Measured, not bounded: a bound with the errors' signs aligned adds up
+  the keys of a row that roundings largely cancel over, and at scores
+  that rise along the keys it came to 10x what correct kernels differ
+  by. Rows one key holds do not move (softmax ignores a shift every
+  logit shares, and the others' P stays 0).
   """
   spec, ops = _validate(q, k, v, dict(features, causal=causal))
   q, k, v, d_out = _as_f64(q), _as_f64(k), _as_f64(v), _as_f64(d_out)
-  f = _Forward(q, k, v, spec, ops)
-  ulps = _logit_ulps(f, dtype)
-  row_ulp = np.sum(f.p * ulps, axis=-1, keepdims=True)
-  moved_p = f.p * (ulps + row_ulp)
-  do_g, _ = _grouped(d_out, k)
-  d_v = np.matmul(moved_p.swapaxes(-1, -2), np.abs(do_g)).sum(axis=2)
-  d_p = np.matmul(do_g, _per_group(f.v_t).swapaxes(-1, -2))
-  delta = np.sum(do_g * f.o, axis=-1, keepdims=True)
-  moved_delta = np.sum(moved_p * np.abs(d_p), axis=-1, keepdims=True)
-  moved_ds = moved_p * np.abs(d_p - delta) + f.p * moved_delta
-  moved_dx = moved_ds * abs(f.scale)
-  if f.tanh is not None:
-    moved_dx = moved_dx * (1.0 - f.tanh**2)
-  d_q = np.matmul(moved_dx, _per_group(np.abs(f.k_t)))
-  d_k = np.matmul(moved_dx.swapaxes(-1, -2), np.abs(f.q_g)).sum(axis=2)
-  batch, q_len, heads, head_dim = q.shape
-  d_q = d_q.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, head_dim)
-  return d_q, d_k.transpose(0, 2, 1, 3), d_v.transpose(0, 2, 1, 3)
+  exact = _Forward(q, k, v, spec, ops)
+  ulps = _logit_ulps(exact, dtype)
+  unmoved = _gradients(exact, d_out, spec, ops)[:3]
+  moved = [np.zeros_like(g) for g in unmoved]
+  for draw in range(draws):
+    error = _rounding_error(exact.s, draw) * ulps
+    shifted = _Forward(q, k, v, spec, ops, logit_error=error)
+    grads = _gradients(shifted, d_out, spec, ops)[:3]
+    moved = [
+      np.maximum(m, np.abs(g - u)) for m, g, u in zip(moved, grads, unmoved)
+    ]
+  return tuple(moved)
 
 
 def golden_attention_vjp(q, k, v, d_out, causal: bool = False, **features):
@@ -216,7 +227,12 @@ def golden_attention_vjp(q, k, v, d_out, causal: bool = False, **features):
       f"head dim), got {np.shape(d_out)}."
     )
   q, k, v, d_out = _as_f64(q), _as_f64(k), _as_f64(v), _as_f64(d_out)
-  fwd = _Forward(q, k, v, spec, ops)
+  return _gradients(_Forward(q, k, v, spec, ops), d_out, spec, ops)
+
+
+def _gradients(fwd: _Forward, d_out, spec, ops) -> tuple:
+  """`golden_attention_vjp`'s values from a forward pass (float64)."""
+  q, k = fwd.q, fwd.k
   batch, q_len, heads, head_dim = q.shape
   do_g, _ = _grouped(d_out, k)
   p, v_t, k_t = fwd.p, fwd.v_t, fwd.k_t

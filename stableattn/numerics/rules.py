@@ -34,13 +34,17 @@ TOKAMAX_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 5e-4, "fp64": 1e-12}
 class Judgement:
   """One rule on one tensor: the measured value against its limit
   (`applies` False where the rule's project does not use it, e.g.
-  FlexAttention's 1.1x at FP32; such a rule passes)."""
+  FlexAttention's 1.1x at FP32; such a rule passes). `logit_floor`: the
+  part of FlashAttention's limit that logits an ulp apart leave (0 where
+  none was added), so value / (limit - logit_floor) is the plain rule's
+  ratio."""
 
   rule: str
   value: float
   limit: float
   passed: bool
   applies: bool = True
+  logit_floor: float = 0.0
 
 
 def _finite(x) -> bool:
@@ -118,7 +122,10 @@ def flashattention_rule(
   if factor is None:
     factor = 3.0 if gradient else 2.0
   floor = rounding_floor(golden, fmt) + order_floor(golden, fmt) + logit_floor
-  return error_ratio_judgement(golden, x, baseline, factor=factor, floor=floor)
+  judged = error_ratio_judgement(
+    golden, x, baseline, factor=factor, floor=floor
+  )
+  return dataclasses.replace(judged, logit_floor=logit_floor)
 
 
 def flexattention_rule(golden, x, baseline, fmt, gradient) -> Judgement:
