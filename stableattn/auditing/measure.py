@@ -265,12 +265,13 @@ def _edge_columns(tensor, x, edge: EdgeChecks, v, clean, i) -> dict:
 
 def _with_logit_floor(rules, tensor, arrays, features):
   """At FP32 and FP64, FlashAttention's rule on the output and on dQ, dK
-  and dV with the floor that logits an ulp apart leave
-  (`golden.logit_sensitivity`, `golden.gradient_logit_sensitivity`):
-  where logits are in the hundreds and thousands, two correct kernels'
-  values differ by more than the rule's multiple of the Baseline's error
-  (docs/audit.md, "Large logits off the tuned shapes"). `arrays` are
-  (q, k, v, d_out). Computed only where the rule would fail without it."""
+  and dV with the floor that logits an ulp apart leave: the output's
+  first-order bound (`golden.logit_sensitivity`), the gradients' measured
+  change (`golden.gradient_logit_sensitivity`). Where logits are in the
+  hundreds and thousands, two correct kernels' values differ by more than
+  the rule's multiple of the Baseline's error (docs/audit.md, "Large
+  logits off the tuned shapes"). `arrays` are (q, k, v, d_out). Computed
+  only where the rule would fail without it."""
   fa = rules.get("flashattention")
   floored = ("out", "dq", "dk", "dv")
   if tensor not in floored or fa is not flashattention_rule:
