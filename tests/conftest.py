@@ -10,6 +10,8 @@ import pytest
 import shares
 from hypothesis import HealthCheck, settings
 
+from stableattn.harness.memory_maps import release_if_near_limit
+
 # Golden comparisons at FP64 need JAX's 64-bit mode; the library raises a
 # clear error without it (tested in test_precision.py).
 jax.config.update("jax_enable_x64", True)
@@ -105,3 +107,12 @@ def pytest_sessionfinish(session):
   config = session.config
   if config.getoption("store_durations") and not hasattr(config, "workerinput"):
     shares.store(dict(_SECONDS))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_code_within_the_map_limit():
+  """A worker runs hundreds of tests: between modules, JAX's caches go
+  once the process holds half its memory-mapping limit, which the
+  compiled executables would otherwise reach (a segfault in LLVM)."""
+  yield
+  release_if_near_limit()

@@ -97,3 +97,23 @@ def test_the_record_names_versions_flags_and_the_corpus(avx2_host):
   line = environment.summary_line(env)
   assert "Test CPU (XLA compiles for AVX2)" in line
   assert f"jax {env['jax']}" in line and digest[:16] in line
+
+
+def test_compiled_code_is_released_only_near_the_map_limit():
+  import jax
+  import jax.numpy as jnp
+
+  from stableattn.harness import memory_maps
+
+  found = memory_maps.map_count_and_limit()
+  if found is None:
+    pytest.skip("no /proc: the limit is Linux's")
+  count, limit = found
+  assert 0 < count < limit
+  double = jax.jit(lambda x: 2 * x)
+  double(jnp.ones(3))
+  assert double._cache_size() == 1
+  assert not memory_maps.release_if_near_limit(share=1.0)
+  assert double._cache_size() == 1
+  assert memory_maps.release_if_near_limit(share=0.0)
+  assert double._cache_size() == 0

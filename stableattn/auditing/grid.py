@@ -41,6 +41,7 @@ from stableattn.auditing.kernel_audit import (
 from stableattn.auditing.report import write_report
 from stableattn.contract.options import Options
 from stableattn.harness.config_values import as_tuple, field
+from stableattn.harness.memory_maps import release_if_near_limit
 from stableattn.harness.rundir import opened
 from stableattn.numerics.formats import format_name
 from stableattn.numerics.precision import (
@@ -227,6 +228,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
           rows += new
           errors += raised
           progress.update()
+          release_if_near_limit()
       for spec in dict.fromkeys(s.shapes):
         new, skipped, raised = regime_rows(
           fn, policy, (spec,), s.regimes, s.repeats, _tensors(s), RULES

@@ -33,6 +33,7 @@ from stableattn.auditing.measure import (
 )
 from stableattn.contract.arguments import names
 from stableattn.contract.features import Features
+from stableattn.harness.memory_maps import release_if_near_limit
 from stableattn.numerics.precision import Precision
 from stableattn.numerics.rules import RULES
 from stableattn.ops.registry import in_layout
@@ -296,6 +297,7 @@ def grid_rows(fn, policy, all_cases, repeats, tensors, rules):
     )
     rows += found
     errors += raised
+    release_if_near_limit()
   return rows, errors
 
 
@@ -308,6 +310,7 @@ def regime_rows(fn, policy, shapes, edge_regimes, repeats, tensors, rules):
       found, skipped, raised = regimes_lib.measure_regime(
         fn, policy, shape, regime, repeats, tensors, rules
       )
+      release_if_near_limit()
       rows += found
       notes += skipped
       errors += raised
