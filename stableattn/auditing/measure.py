@@ -40,14 +40,18 @@ def quality(golden, x) -> dict:
   finite = np.isfinite(x).ravel()
   norm = np.linalg.norm(g) * np.linalg.norm(x.ravel())
   cosine = float(np.dot(g, x.ravel()) / norm) if norm else float("nan")
-  noise = float(np.sum(d**2))
+  noise, signal = float(np.sum(d**2)), float(np.sum(g**2))
+  if noise == 0:
+    snr_db = float("inf")
+  elif signal == 0:  # a gradient that is exactly 0 (one key per row)
+    snr_db = float("-inf")
+  else:
+    snr_db = 10 * math.log10(signal / noise)
   deviation = compare(golden, x)
   return {
     "cosine": cosine,
     "rel_l1": float(np.sum(np.abs(d)) / max(np.sum(np.abs(g)), 1e-300)),
-    "snr_db": 10 * math.log10(float(np.sum(g**2)) / noise)
-    if noise > 0
-    else float("inf"),
+    "snr_db": snr_db,
     "max_abs": deviation.max_abs,
     "signed_share": deviation.signed_share,
     "nonfinite": int(np.size(x) - np.count_nonzero(finite)),

@@ -177,13 +177,18 @@ def finite_mask(shape, rng, inputs_format):
     (shape.kv_heads),
     shape.head_dim,
   )
-  allowed = rng.random((1, 1, t, s)) < 0.7
+  # One query (decoding): two examples, the first's row fully masked, so
+  # a judged row remains beside it.
+  batch = 2 if t == 1 else 1
+  allowed = rng.random((batch, 1, t, s)) < 0.7
   allowed[..., 64:256] = False
   allowed[..., 0] = True
   full = sorted({0, t // 2})
-  allowed[:, :, full, :] = False
-  unjudged = np.zeros((1, t), bool)
-  unjudged[:, full] = True
+  masked_examples = slice(0, 1)
+  allowed[masked_examples, :, full, :] = False
+  unjudged = np.zeros((batch, t), bool)
+  unjudged[masked_examples, full] = True
+  where = " of the first example" if batch > 1 else ""
   dtype = to_dtype(inputs_format)
   values = (
     (f"the {inputs_format} minimum", float(ml_dtypes.finfo(dtype).min), dtype),
@@ -192,10 +197,10 @@ def finite_mask(shape, rng, inputs_format):
   )
   cases = []
   for label, value, bias_dtype in values:
-    q, k, v = normal(rng, 1, t, s, h, hkv, d, shape.head_dim_v)
+    q, k, v = normal(rng, batch, t, s, h, hkv, d, shape.head_dim_v)
     bias = np.where(allowed, 0.0, value).astype(bias_dtype)
     cases.append(EdgeCase("finite_mask", f"bias {label} ({value:.3g}), "
-                          f"rows {full} fully masked", q, k, v,
+                          f"rows {full}{where} fully masked", q, k, v,
                           {"bias": bias}, unjudged_rows=unjudged))  # fmt: skip
   return cases
 
