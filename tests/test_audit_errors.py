@@ -199,3 +199,24 @@ def test_the_errors_section_lists_the_first_twenty_with_their_commands():
   assert sum(line.startswith("- the kernel raised on") for line in lines) == 20
   assert "  `python launch/audit.py --config.kernel=k`" in lines
   assert lines[-2] == "- ... and 2 more (errors.csv)"
+
+
+def test_a_tensor_that_is_exactly_zero_has_an_snr_not_an_error():
+  from stableattn.auditing.measure import quality
+
+  zero = np.zeros((2, 3))
+  assert quality(zero, zero + 1e-7)["snr_db"] == -np.inf
+  assert quality(zero, zero)["snr_db"] == np.inf
+
+
+def test_a_fully_masked_decode_row_leaves_a_row_to_judge():
+  from stableattn.auditing import regimes
+  from stableattn.auditing.inputs import Shape
+
+  cases = regimes.edge_cases("finite_mask", Shape(4, 1, 37, 2, 2, 32), "fp32")
+  masked = [c for c in cases if "fully masked" in c.detail]
+  assert masked
+  for case in masked:
+    rows = np.asarray(case.checks.unjudged_rows)
+    assert rows.any() and not rows.all(), case.detail
+    assert case.q.shape[0] == rows.shape[0] == 2
