@@ -6,6 +6,7 @@ features that must get a gradient)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -221,12 +222,13 @@ def measure_arrays(
   clean = None
   if edge.poison is not None:
     clean = _values_and_grads(fn, *args, d_out, features, gradients, extra)
+  floor_of = _logit_floors((q, k, v, d_out), features)
   rows = []
   for i, tensor in enumerate(tensors):
     values = (golden[i], [r[i] for r in runs], baseline[i])
     row = _row(
       label, policy, tensor, *_judged(tensor, values, edge),
-      _with_logit_floor(rules, tensor, (q, k, v, d_out), features),
+      _with_logit_floor(rules, tensor, floor_of),
     )  # fmt: skip
     row.update(note)
     row.update(_edge_columns(tensor, runs[0][i], edge, v, clean, i))
@@ -267,34 +269,46 @@ def _edge_columns(tensor, x, edge: EdgeChecks, v, clean, i) -> dict:
   return out
 
 
-def _with_logit_floor(rules, tensor, arrays, features):
+def _logit_floors(arrays, features):
+  """floor(tensor, dtype): the largest movement of "out", "dq", "dk" or
+  "dv" that logits an ulp apart leave: the output's first-order bound
+  (`golden.logit_sensitivity`), the gradients' measured change
+  (`golden.gradient_logit_sensitivity`, computed once for all three).
+  `arrays` are (q, k, v, d_out)."""
+  q, k, v, d_out = arrays
+
+  @functools.cache
+  def moved_gradients(dtype):
+    moved = gradient_logit_sensitivity(q, k, v, d_out, dtype, **features)
+    return dict(zip(("dq", "dk", "dv"), moved))
+
+  def floor(tensor, dtype):
+    if tensor == "out":
+      bound = logit_sensitivity(q, k, v, dtype, **features)
+    else:
+      bound = moved_gradients(dtype)[tensor]
+    return float(np.max(bound, initial=0.0))
+
+  return floor
+
+
+def _with_logit_floor(rules, tensor, floor_of):
   """At FP32 and FP64, FlashAttention's rule on the output and on dQ, dK
-  and dV with the floor that logits an ulp apart leave: the output's
-  first-order bound (`golden.logit_sensitivity`), the gradients' measured
-  change (`golden.gradient_logit_sensitivity`). Where logits are in the
-  hundreds and thousands, two correct kernels' values differ by more than
-  the rule's multiple of the Baseline's error (docs/audit.md, "Large
-  logits off the tuned shapes"). `arrays` are (q, k, v, d_out). Computed
-  only where the rule would fail without it."""
+  and dV with the floor that logits an ulp apart leave (`floor_of`, from
+  `_logit_floors`). Where logits are in the hundreds and thousands, two
+  correct kernels' values differ by more than the rule's multiple of the
+  Baseline's error (docs/audit.md, "Large logits off the tuned shapes").
+  Computed only where the rule would fail without it."""
   fa = rules.get("flashattention")
-  floored = ("out", "dq", "dk", "dv")
-  if tensor not in floored or fa is not flashattention_rule:
+  if tensor not in ("out", "dq", "dk", "dv") or fa is not flashattention_rule:
     return rules
 
   def with_floor(golden, x, baseline, fmt, gradient):
     plain = fa(golden, x, baseline, fmt, gradient)
-    if plain.passed or fmt not in ("fp32", "fp64"):
+    wide = fmt in ("fp32", "fp64")
+    if plain.passed or not wide or not np.all(np.isfinite(x)):
       return plain
-    if not np.all(np.isfinite(x)):
-      return plain
-    dtype = to_dtype(fmt)
-    q, k, v, d_out = arrays
-    if tensor == "out":
-      bound = logit_sensitivity(q, k, v, dtype, **features)
-    else:
-      moved = gradient_logit_sensitivity(q, k, v, d_out, dtype, **features)
-      bound = moved[floored.index(tensor) - 1]
-    floor = float(np.max(bound, initial=0.0))
+    floor = floor_of(tensor, np.dtype(to_dtype(fmt)))
     return fa(golden, x, baseline, fmt, gradient, logit_floor=floor)
 
   return {**rules, "flashattention": with_floor}

@@ -184,7 +184,9 @@ def without_unattended_keys(attended, *keys_or_values):
 LOG2E = math.log2(math.e)
 
 
-def scores(product, spec: MaskSpec, ar, base2: bool = False, scaled=None):
+def scores(
+  product, spec: MaskSpec, ar, base2: bool = False, scaled=jnp.multiply
+):
   """Scores from Q K^T (rounded to `matmul_accum`), rounded to `scores`.
 
   Without softcap: product * scale. With it: softcap * tanh(product *
@@ -198,8 +200,6 @@ def scores(product, spec: MaskSpec, ar, base2: bool = False, scaled=None):
   """
   dtype = product.dtype
   to_base = LOG2E if base2 else 1.0
-  if scaled is None:
-    scaled = lambda x, factor: x * factor  # noqa: E731
   if spec.softcap is None:
     scale = jnp.asarray(spec.scale * to_base, dtype)
     return ar.round(scaled(product, scale), "scores"), None
