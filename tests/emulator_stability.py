@@ -1,8 +1,9 @@
 """The emulator's side of the stability options (policy options
-delta_source, softmax_residuals, softmax_sum, ds_for_dq): what the
-forward keeps for the backward, the P it recomputes, delta and dS K.
-Written from their documented semantics (stableattn/kernels/
-residuals.py, backward_delta.py), as the rest of the emulator."""
+delta_source, delta_product, sink_delta, softmax_residuals, softmax_sum,
+ds_for_dq): what the forward keeps for the backward, the P it
+recomputes, delta and dS K. Written from their documented semantics
+(stableattn/kernels/residuals.py, backward_delta.py), as the rest of the
+emulator."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 
 STABILITY_DEFAULTS = dict(
   delta_source="output",
+  delta_product="rowsum",
+  sink_delta="shared",
   softmax_residuals="lse",
   softmax_sum="stats",
   ds_for_dq="rounded",
@@ -55,16 +58,25 @@ def delta_rows(em, out_h, acc_h, d_out_h):
     hi = em.r(acc_h, "output")
     o = hi + em.r(acc_h - hi, "output")
   r = lambda y: em.r(y, "delta")  # noqa: E731
-  return em.total(r(r(o) * r(d_out_h)), "delta")
+  if em.options["delta_product"] != "matmul":
+    return em.total(r(r(o) * r(d_out_h)), "delta")
+  # delta_product=matmul: O in the matmul operands' format through a
+  # matmul (dO O_hi^T's diagonal), the rest of O as a row sum.
+  hi = em.operand(o)
+  diagonal = np.einsum("ii->i", em.dot(d_out_h, hi.T))
+  rest = em.total(r(r(o - hi) * r(d_out_h)), "delta")
+  return r(diagonal + rest)
 
 
 def probs_delta(em, x, scores_of, tiles):
-  """delta_source=probs: rowsum(P * dP) over the key tiles in order, each
-  product and each tile's sum rounded to `delta`; `scores_of(qs, ks)`
-  gives a tile's scores."""
+  """delta_source=probs: (rowsum(P * dP), rowsum(P)) over the key tiles
+  in order, each product and each tile's sum of the first rounded to
+  `delta`, the second unrounded; `scores_of(qs, ks)` gives a tile's
+  scores."""
   block_q, block_k, tp, sp = tiles
   st = lambda y: em.r(y, "softmax_stats")  # noqa: E731
   delta = np.zeros(tp, em.carrier)
+  sums = np.zeros(tp)
   for qs in range(0, tp, block_q):
     rows = slice(qs, qs + block_q)
     acc = np.zeros(block_q, em.carrier)
@@ -75,8 +87,9 @@ def probs_delta(em, x, scores_of, tiles):
       dp = st(em.dot(x["do"][rows], x["v"][ks : ks + block_k].T))
       products = em.r(em.r(p, "delta") * dp, "delta")
       acc = em.r(acc + em.total(products, "delta"), "delta")
+      sums[rows] += np.sum(p, axis=1)
     delta[rows] = acc
-  return delta
+  return delta, sums
 
 
 def dq_step(em, ds, k_tile, scale):
@@ -107,11 +120,15 @@ def keep_residuals(em, kept, where, acc, stats):
   kept["m"][b, h, rows], kept["l"][b, h, rows] = row_residuals(em, *stats)
 
 
-def backward_delta(em, f, x, tiles):
+def backward_delta(em, f, x, tiles, for_sink=False):
   """delta of one head: `x["delta"]` (from O), or with delta_source=probs
-  rowsum(P * dP) over the key tiles."""
-  if em.options["delta_source"] != "probs":
-    return x["delta"]
+  rowsum(P * dP) over the key tiles. `for_sink`: (delta, None) or, with
+  sink_delta=probs, (rowsum(P * dP), rowsum(P)) for d(sink)."""
+  recomputed = em.options["delta_source"] == "probs"
+  if for_sink and em.options["sink_delta"] == "probs":
+    recomputed = True
+  if not recomputed:
+    return (x["delta"], None) if for_sink else x["delta"]
   block_q, block_k = tiles[:2]
 
   def scores(qs, ks):
@@ -120,4 +137,7 @@ def backward_delta(em, f, x, tiles):
     allowed = x["allowed"][rows, cols]
     return em.scores(x["q"][rows], x["k"][cols], f, allowed, bias)[0]
 
-  return probs_delta(em, x, scores, tiles)
+  delta, sums = probs_delta(em, x, scores, tiles)
+  if not for_sink:
+    return delta
+  return delta, (sums if em.options["sink_delta"] == "probs" else None)

@@ -116,10 +116,10 @@ FLASH_EDGE_MISSES = {
   # needs more keys (test_the_fp32_base_preset_keeps_its_large_logit_miss).
   "fp32": set(),
 }
-# What a stable preset still misses, with its cause in docs/audit.md: the
-# same FP16 sink (delta from rowsum(P dP) removes it; the preset keeps
-# O_hi + O_lo, which large logits need).
-STABLE_EDGE_MISSES = {"fp16-fa2-stable": {"sink_extremes"}}
+# What a stable preset still misses, with its cause in docs/audit.md:
+# nothing at this shape (FP16's sink: d(sink) from the unrounded P,
+# sink_delta=probs, since 2026-11-27).
+STABLE_EDGE_MISSES = {}
 
 
 def _missed_regimes(report) -> set[str]:

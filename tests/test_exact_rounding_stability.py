@@ -8,15 +8,21 @@ import jax.numpy as jnp
 import numpy as np
 import policy_emulator as emu
 import pytest
-from emulator_checks import SHAPES, check_against_emulator, emulator_inputs
+from emulator_checks import (
+  SHAPES,
+  check_against_emulator,
+  emulator_inputs,
+  ulps_at_largest,
+)
 from helpers import sampled
 from jax.extend.core import jaxprs_in_params
 
 import stableattn as sa
 from stableattn.kernels.block_math import KEPT_SCALED_SCOPE
 from stableattn.kernels.residuals import residual_bytes_per_row
+from stableattn.numerics.quant_options import STABILITY_OPTIONS
 
-STABILITY = ("delta_source", "softmax_residuals", "softmax_sum", "ds_for_dq")
+STABILITY = STABILITY_OPTIONS
 # Each option alone on its base, and the stable presets (the cases the
 # held-out audit runs).
 CASES = [
@@ -31,6 +37,11 @@ CASES = [
   "bf16-fa2-stable",
   "fp16-fa2-stable",
   "fp32-stable",
+  # Exact inputs sum alike in any order: delta_product changes no bit
+  # here (its test is the one-key rows below), so it is last, outside
+  # the changed-gradient test's cases.
+  "fp16-fa2+delta_product=matmul",
+  "bf16-fa2+delta_source=hi_lo+delta_product=matmul",
 ]
 
 
@@ -108,6 +119,8 @@ def test_each_option_changes_the_backward_of_its_base():
     ("bf16-fa2+exp2=on+softmax_residuals=max_sum", "base 2"),
     ("fp8-fa3+delta_source=probs", "straight-through"),
     ("bf16-fa2+delta_source=o", "valid: ['output'"),
+    ("bf16-fa2+delta_source=probs+delta_product=matmul", "with no O"),
+    ("fp16-fa2+delta_source=probs+sink_delta=probs", "already"),
   ],
 )
 def test_meaningless_stability_options_are_refused(name, fragment):
@@ -167,9 +180,11 @@ def _pallas_calls(precision, shape=(1, 128, 2, 64)):
   "precision, extra_bytes_per_row, extra_dots",
   [
     # m and l beside the lse: two FP32 row vectors more.
-    ("fp32-stable", 8, {}),
+    ("fp32-stable", 8, {"delta": 2}),
     # O_lo in BF16 (2 bytes x 64); dS_lo K in the dQ step.
-    ("bf16-fa2-stable", 128, {"dkdvdq": 1}),
+    # delta_product=matmul: the selection and dO O^T per query tile, in
+    # a delta kernel that interpret mode runs only for it.
+    ("bf16-fa2-stable", 128, {"dkdvdq": 1, "delta": 2}),
     ("bf16-fa2+delta_source=fp32", 256, {}),
     # rowsum(P dP): Q K^T and dO V^T again, in a kernel of its own.
     ("bf16-fa2+delta_source=probs", 0, {"delta_probs": 2}),
@@ -194,6 +209,93 @@ def test_residual_bytes_and_matmuls_of_the_lowered_kernels(
     short = name.removeprefix("stableattn_flash_backward_")
     base_dots = theirs.get(name, (0, 0))[1]
     assert dots - base_dots == extra_dots.get(short, 0), name
+
+
+@pytest.mark.parametrize("base", ["bf16-fa2", "fp16-fa2"])
+def test_delta_by_matmul_gives_one_key_rows_no_gradient(base):
+  """Causal with one query over 37 keys (top-left): each row attends one
+  key, P is exactly 1 there, and dQ and dK are exactly 0 in FP64 and in
+  eager attention. delta = rowsum(dO * O) summed in another order than
+  dP = dO V^T leaves their difference, an ulp of |dO||V|, in dS; with
+  delta_product=matmul both come from one matmul shape and cancel. At
+  FP16, XLA:CPU sums a 16 x 16 and a 16 x 64 matmul in different
+  orders, so the shape of dP's tile is what is tested."""
+  rng = np.random.default_rng(5)
+  dtype = sa.Precision.from_name(base).dtype("inputs")
+  q, k, v, d_out = (
+    jnp.asarray(rng.standard_normal(shape), dtype)
+    for shape in ((8, 1, 4, 32), (8, 37, 4, 32), (8, 37, 4, 32), (8, 1, 4, 32))
+  )
+
+  def grads(precision):
+    def loss(q, k):
+      out = sa.attention(q, k, v, precision=precision, causal=True)
+      return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    return [np.asarray(g, np.float64) for g in jax.grad(loss, (0, 1))(q, k)]
+
+  summed = grads(f"{base}+delta_source=hi_lo")
+  assert max(np.max(np.abs(g)) for g in summed) > 0  # the order shows
+  for g in grads(f"{base}-stable"):
+    assert np.max(np.abs(g)) == 0
+
+
+def test_sink_delta_from_probs_matches_emulator():
+  """sink_delta=probs: d(sink) from rowsum(P * dP) and rowsum(P) of the
+  unrounded P, as the emulator computes it, within 4 ulps."""
+  shape = SHAPES[3]
+  q, k, v = emulator_inputs(25, shape)
+  d_out = np.round(np.random.default_rng(26).standard_normal(q.shape) * 16)
+  d_out /= 16
+  *_, block_q, block_k, causal = shape
+  sink = np.array([0.5, -1.0])
+  preset = "fp16-fa2-stable"
+  policy = sa.Precision.from_name(preset)
+
+  def fn(q, k, v, sink):
+    return sa.attention(
+      q, k, v, sink=sink, precision=preset, block_q=block_q,
+      block_k=block_k, causal=causal,
+    )  # fmt: skip
+
+  args = [jnp.asarray(x) for x in (q, k, v)]
+  _, vjp = jax.vjp(fn, *args, jnp.asarray(sink, jnp.float32))
+  got = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))[3]
+  kw = dict(block_q=block_q, block_k=block_k, scheme="fa2", causal=causal)
+  want = emu.backward(
+    q, k, v, d_out, policy.stages(), options=_options(policy), sink=sink,
+    **kw,
+  )[3]  # fmt: skip
+  assert ulps_at_largest(want, np.asarray(got, np.float64), "fp32") <= 4.0
+
+
+def test_sink_delta_from_probs_where_a_sink_holds_the_rows():
+  """A sink of 20 over normal scores leaves every other P near 2e-9, in
+  FP16's subnormals: O (rounded or not) is then built from P rounded to
+  nothing, and rowsum(dO * O) is not delta. d(sink) from the unrounded P
+  is FP64's to 1e-3; from O it was off by more than 10%."""
+  rng = np.random.default_rng(7)
+  q, k, v, d_out = (
+    jnp.asarray(rng.standard_normal(shape), jnp.float16)
+    for shape in ((4, 1, 2, 32), (4, 37, 2, 32), (4, 37, 2, 32), (4, 1, 2, 32))
+  )
+  sink = jnp.full((2,), 20.0, jnp.float32)
+
+  def d_sink(precision):
+    def loss(sink):
+      out = sa.attention(q, k, v, sink=sink, precision=precision)
+      return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    return np.asarray(jax.grad(loss)(sink), np.float64)
+
+  golden = sa.golden_attention_vjp(q, k, v, d_out, sink=sink)[3]
+  scale = np.max(np.abs(golden))
+
+  def error(precision):
+    return np.max(np.abs(d_sink(precision) - golden)) / scale
+
+  assert error("fp16-fa2-stable") <= 1e-3
+  assert error("fp16-fa2-stable+sink_delta=shared") > 0.1
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp32-stable"])

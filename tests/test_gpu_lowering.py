@@ -82,6 +82,7 @@ STABILITY_POLICIES = [
   "bf16-fa2+delta_source=fp32",
   "bf16-fa2+delta_source=hi_lo",
   "bf16-fa2+delta_source=probs",
+  "fp16-fa2+delta_product=matmul",
   "bf16-fa2+softmax_residuals=max_sum",
   "fp16-fa2+softmax_sum=rounded_probs",
   "bf16-fa2+ds_for_dq=hi_lo",

@@ -6,6 +6,13 @@ stored (rounded to the input format); the policy option delta_source
 reads O in FP32, O_hi + O_lo, or (delta_source=probs) recomputes delta
 = rowsum(P * dP) from the backward's own P and dP over every key block:
 two more matmuls per tile, consistent with the dS it enters.
+
+The option delta_product=matmul sums O's `matmul_operands` part by a
+matmul of the shape that forms dP (the diagonal of dO O^T, O's rows
+entering as key tiles) and only the rest as a row sum: where a row's probability
+sits on one key, O is that key's V bitwise and dP - delta is exactly 0
+there, as eager attention's rowsum(P * dP) gives, instead of the
+difference of two summation orders (an ulp of |dO||V|) in every dS.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from stableattn.kernels.block_math import (
+  NN_DIMS,
   NT_DIMS,
   block_scores,
   recomputed_probs,
@@ -28,22 +36,65 @@ from stableattn.kernels.kernel_operands import TileReader
 from stableattn.numerics.rounding import PolicyArithmetic
 
 
-def _row_delta(o_parts, do_BqxD, ar: PolicyArithmetic):
-  """rowsum(dO * O) of a tile, each operation rounded to `delta`; O is
-  the sum of `o_parts` in the carrier (O, or O_hi + O_lo: exact)."""
+def _row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k: int):
+  """rowsum(dO * O) of a tile, rounded to `delta`, summed as the policy
+  option delta_product says; O is the sum of `o_parts` in the carrier
+  (O, or O_hi + O_lo: exact). `block_k`: the key tile of dP = dO V^T."""
   o_BqxD = o_parts[0].astype(ar.carrier)
   for part in o_parts[1:]:
     o_BqxD = o_BqxD + part.astype(ar.carrier)
+  if ar.policy.delta_product == "matmul":
+    return _matmul_delta(o_BqxD, do_BqxD, ar, block_k)
+  return _summed_products(o_BqxD, do_BqxD, ar)
+
+
+def _summed_products(o_BqxD, do_BqxD, ar: PolicyArithmetic):
+  """rowsum(dO * O), each product and the sum rounded to `delta`."""
   products_BqxD = ar.round(
     ar.round(o_BqxD, "delta") * ar.round(do_BqxD, "delta"), "delta"
   )
   return ar.sum(products_BqxD, "delta")
 
 
-def _delta_kernel(*refs, ar: PolicyArithmetic):
+def _matmul_delta(o_BqxD, do_BqxD, ar: PolicyArithmetic, block_k: int):
+  """delta_product=matmul: dO O_hi^T's diagonal by a matmul of dP's own
+  shape, O_hi = O rounded to `matmul_operands`, plus rowsum(dO * (O -
+  O_hi)), rounded to `delta` once.
+
+  XLA:CPU sums a half-precision matmul in an order that depends on its
+  shape, so O_hi enters as key tiles: block_k of its rows at a time
+  (zeros past the end), each a matmul with a 0/1 selection matrix
+  (exact: one nonzero term per entry), which Triton lowers where a
+  slice or a pad of a block would not."""
+  o_hi_BqxD = ar.round(o_BqxD, "matmul_operands")
+  block_q = o_BqxD.shape[0]
+
+  def iota(shape, axis):
+    return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+  diagonal_Bq = jnp.zeros((block_q,), ar.carrier)
+  for start in range(0, block_q, block_k):
+    picks_BkxBq = iota((block_k, block_q), 0) + start == iota(
+      (block_k, block_q), 1
+    )
+    rows_BkxD = ar.dot(picks_BkxBq.astype(ar.carrier), o_hi_BqxD, NN_DIMS)
+    products_BqxBk = ar.dot(do_BqxD, rows_BkxD, NT_DIMS)
+    own_BqxBk = (
+      iota((block_q, block_k), 0) == iota((block_q, block_k), 1) + start
+    )
+    # One nonzero term per row over all tiles: the sum is exact.
+    diagonal_Bq = diagonal_Bq + jnp.sum(
+      jnp.where(own_BqxBk, products_BqxBk, 0), axis=1
+    )
+  rest_Bq = _summed_products(o_BqxD - o_hi_BqxD, do_BqxD, ar)
+  return ar.round(diagonal_Bq + rest_Bq, "delta")
+
+
+def _delta_kernel(*refs, ar: PolicyArithmetic, block_k: int):
   *o_refs, do_ref, delta_ref = refs
   o_parts = [o_ref[...] for o_ref in o_refs]
-  delta_ref[...] = _row_delta(o_parts, do_ref[...], ar).astype(delta_ref.dtype)
+  delta = _row_delta(o_parts, do_ref[...], ar, block_k)
+  delta_ref[...] = delta.astype(delta_ref.dtype)
 
 
 def delta_operands(out, extra: dict) -> tuple:
@@ -60,19 +111,24 @@ def output_delta(o_parts, d_out, cfg: KernelConfig):
   """delta = rowsum(dO * O) [batch, heads, q_len_padded], in `delta`, O
   the sum of `o_parts` (`delta_operands`).
 
-  In interpret mode plain XLA computes the same operations (a kernel's
-  programs would only add per-program overhead there)."""
+  In interpret mode plain XLA computes the row sums (a kernel's programs
+  would only add per-program overhead there); delta_product=matmul runs
+  the programs, so its matmul has the shape of dP's (XLA:CPU sums a
+  batched matmul over all tiles in another order)."""
   batch, q_len_padded, heads, head_dim_padded = d_out.shape
   if cfg.interpret:
     ar = PolicyArithmetic(cfg.policy)
-    delta = _row_delta(o_parts, d_out.astype(ar.carrier), ar)
-    return delta.transpose(0, 2, 1).astype(cfg.policy.dtype("delta"))
+    if cfg.policy.delta_product != "matmul":
+      delta = _row_delta(o_parts, d_out.astype(ar.carrier), ar, 0)
+      return delta.transpose(0, 2, 1).astype(cfg.policy.dtype("delta"))
   block_q = cfg.bwd_block_q
   rows = pl.BlockSpec(
     (None, block_q, None, head_dim_padded), lambda i, b, h: (b, i, h, 0)
   )
   return pl.pallas_call(
-    functools.partial(_delta_kernel, ar=cfg.arithmetic),
+    functools.partial(
+      _delta_kernel, ar=cfg.arithmetic, block_k=cfg.bwd_block_k
+    ),
     grid=(q_len_padded // block_q, batch, heads),
     in_specs=[rows] * (len(o_parts) + 1),
     out_specs=pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
@@ -85,12 +141,15 @@ def output_delta(o_parts, d_out, cfg: KernelConfig):
   )(*o_parts, d_out)
 
 
-def _probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
+def _probs_delta_kernel(
+  q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count, with_sums
+):
   """One program: delta = rowsum(P * dP) of one query block over its key
   blocks, P recomputed from the `count` softmax residual refs and dP =
-  dO V^T, each product and each tile's sum rounded to `delta`."""
+  dO V^T, each product and each tile's sum rounded to `delta`; with
+  `with_sums` also rowsum(P) in the carrier, unrounded P."""
   stats_refs, refs = refs[:count], refs[count:]
-  *feature_refs, delta_ref = refs
+  *feature_refs, delta_ref = refs[: len(refs) - with_sums]
   tiles = TileReader.of(cfg, names, feature_refs, query_major=True)
   ar = cfg.arithmetic
   block_q, block_k = cfg.bwd_block_q, cfg.bwd_block_k
@@ -99,7 +158,8 @@ def _probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
   do_BqxD = do_ref[...]
   stats_Bq = tuple(r[...] for r in stats_refs)
 
-  def body(k_index, delta_Bq):
+  def body(k_index, carry):
+    delta_Bq, sums_Bq = carry
     k_start = pl.multiple_of(k_index * block_k, block_k)
     cols = pl.ds(k_start, block_k)
     mask = tiles.mask(q_start, k_start, block_q, block_k)
@@ -117,37 +177,51 @@ def _probs_delta_kernel(q_ref, k_ref, v_ref, do_ref, *refs, cfg, names, count):
     p_BqxBk = recomputed_probs(s_BqxBk, stats_Bq, ar)
     dp_BqxBk = ar.round(ar.dot(do_BqxD, v_BkxD, NT_DIMS), "softmax_stats")
     products = ar.round(ar.round(p_BqxBk, "delta") * dp_BqxBk, "delta")
-    return ar.round(delta_Bq + ar.sum(products, "delta"), "delta")
+    delta_Bq = ar.round(delta_Bq + ar.sum(products, "delta"), "delta")
+    if with_sums:
+      sums_Bq = sums_Bq + jnp.sum(p_BqxBk, axis=1)
+    return delta_Bq, sums_Bq
 
   first, end = tiles.block_range(k_ref.shape[0] // block_k)
   init = jnp.zeros((block_q,), ar.carrier)
-  delta_ref[...] = lax.fori_loop(first, end, body, init).astype(delta_ref.dtype)
+  delta_Bq, sums_Bq = lax.fori_loop(first, end, body, (init, init))
+  delta_ref[...] = delta_Bq.astype(delta_ref.dtype)
+  if with_sums:
+    refs[-1][...] = sums_Bq.astype(refs[-1].dtype)
 
 
-def probs_delta(operands, features, specs, cfg: KernelConfig):
+def probs_delta(operands, features, specs, cfg: KernelConfig, *, sums=False):
   """delta = rowsum(P * dP) [batch, heads, q_len_padded] (policy option
-  delta_source=probs), one program per query block. `operands`: q, k, v,
-  dO and the softmax residuals; `features`: the feature operands' (names,
-  arrays, BlockSpecs); `specs`: the BlockSpecs of q, k, v and dO, and the
-  row vector's."""
+  delta_source=probs), one program per query block; with `sums`, (delta,
+  rowsum(P)), the second in the carrier. `operands`: q, k, v, dO and the
+  softmax residuals; `features`: the feature operands' (names, arrays,
+  BlockSpecs); `specs`: the BlockSpecs of q, k, v and dO, and the row
+  vector's."""
   q = operands[0]
   batch, q_len_padded, heads, _ = q.shape
   names, arrays, feature_specs = features
   rows, row = specs
   count = len(operands) - 4
-  return pl.pallas_call(
-    functools.partial(_probs_delta_kernel, cfg=cfg, names=names, count=count),
+  rows_of = functools.partial(
+    jax.ShapeDtypeStruct, (batch, heads, q_len_padded)
+  )
+  out_shape = [rows_of(cfg.policy.dtype("delta"))]
+  if sums:
+    out_shape.append(rows_of(cfg.arithmetic.carrier))
+  found = pl.pallas_call(
+    functools.partial(
+      _probs_delta_kernel, cfg=cfg, names=names, count=count, with_sums=sums
+    ),
     grid=(q_len_padded // cfg.bwd_block_q, batch, heads),
     in_specs=[
       *rows,
       *[row] * count,
       *feature_specs,
     ],
-    out_specs=row,
-    out_shape=jax.ShapeDtypeStruct(
-      (batch, heads, q_len_padded), cfg.policy.dtype("delta")
-    ),
+    out_specs=[row] * len(out_shape),
+    out_shape=out_shape,
     compiler_params=cfg.compiler_params(cfg.bwd_block_q * cfg.bwd_block_k),
     interpret=cfg.interpret,
     name="stableattn_flash_backward_delta_probs",
   )(*operands, *arrays)
+  return tuple(found) if sums else found[0]

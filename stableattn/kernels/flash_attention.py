@@ -210,7 +210,7 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   q_p, k_p, v_p, ops_p, out_p, lse, extra = residuals
   d_out_p = pad_to(d_out.astype(out_p.dtype), out_p.shape[1], out_p.shape[3])
   ranges = tile_ranges(ops_p, cfg, cfg.bwd_block_q, cfg.bwd_block_k)
-  dq_p, dk_p, dv_p, delta, dbias_p = flash_backward(
+  dq_p, dk_p, dv_p, sink_terms, dbias_p = flash_backward(
     q_p, k_p, v_p, (out_p, lse, extra), d_out_p, ops_p, ranges, cfg
   )
   batch, kv_len_padded, kv_heads, _ = k_p.shape
@@ -240,10 +240,19 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
     d_ops = d_ops._replace(bias=dbias.astype(ops.bias.dtype))
   if ops.sink is not None:
     # d sink = -sum_i p_sink,i delta_i, p_sink,i = exp(sink - lse_i).
+    delta, prob_sums = sink_terms
     lse_rows = lse[:, :, : cfg.q_len].astype(ar.carrier)
     sink = ops.sink.astype(ar.carrier)[None, :, None]
     p_sink = jnp.exp(sink - lse_rows)
-    weighted = p_sink * delta[:, :, : cfg.q_len]
+    delta = delta[:, :, : cfg.q_len].astype(ar.carrier)
+    if prob_sums is not None:
+      # sink_delta=probs: normalized by the sum of unrounded P, not by
+      # the forward's l (which sums P rounded with softmax_sum=
+      # rounded_probs), so p_sink and delta are the exact softmax's.
+      total = p_sink + prob_sums[:, :, : cfg.q_len]
+      total = jnp.where(total == 0, 1.0, total)  # no key and a -inf sink
+      p_sink, delta = p_sink / total, delta / total
+    weighted = p_sink * delta
     d_sink = -ar.sum(weighted, "grad_accum", axis=(0, 2))
     d_ops = d_ops._replace(sink=d_sink.astype(ops.sink.dtype))
   return (*grads, d_ops)

@@ -275,22 +275,32 @@ def flash_backward(
   Returns:
     (dq [batch, q_len_padded, heads, D], dk and dv [batch, kv_len_padded,
     heads, D], all in `grad_accum`; dk/dv are per query head, not yet
-    summed over GQA groups; delta [batch, heads, q_len_padded]; the bias
+    summed over GQA groups; d(sink)'s terms (delta [batch, heads,
+    q_len_padded], and None or rowsum(P): dS's delta, or with
+    sink_delta=probs and a sink rowsum(P * dP) and rowsum(P) recomputed
+    from unrounded P); the bias
     gradient [batch, heads, q_len_padded, kv_len_padded] or None).
   """
   key_ranges, query_ranges = ranges if ranges is not None else (None, None)
   out, lse, extra = saved
   softmax_stats = softmax_stats_of(lse, extra)
-  if cfg.policy.delta_source == "probs":
+
+  def recomputed_delta(sums=False):
     q_len_padded, kv_len_padded = q.shape[1], k.shape[1]
     features = _feature_specs(
       cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
     )
     operands = (q, k, v, d_out, *softmax_stats)
     specs = _query_major_specs(operands, cfg)
-    delta = probs_delta(operands, features, specs, cfg)
+    return probs_delta(operands, features, specs, cfg, sums=sums)
+
+  if cfg.policy.delta_source == "probs":
+    delta = recomputed_delta()
   else:
     delta = output_delta(delta_operands(out, extra), d_out, cfg)
+  sink_terms = (delta, None)
+  if cfg.policy.sink_delta == "probs" and ops.sink is not None:
+    sink_terms = recomputed_delta(sums=True)
   operands = (q, k, v, d_out, delta, *softmax_stats)
   fused = _fuses_dq(
     cfg,
@@ -300,9 +310,9 @@ def flash_backward(
   )
   dk, dv, *dq_parts = _key_major_call(operands, ops, query_ranges, cfg, fused)
   if fused:
-    return _sum_dq_parts(dq_parts[0], cfg), dk, dv, delta, None
+    return _sum_dq_parts(dq_parts[0], cfg), dk, dv, sink_terms, None
   dq, dbias = _query_major_call(operands, ops, key_ranges, cfg)
-  return dq, dk, dv, delta, dbias
+  return dq, dk, dv, sink_terms, dbias
 
 
 def _rows_spec(block, x, index_map):

@@ -101,6 +101,8 @@ class Precision:
   promote_every: int = 1
   kv_cache: str = "none"
   delta_source: str = "output"
+  delta_product: str = "rowsum"
+  sink_delta: str = "shared"
   softmax_residuals: str = "lse"
   softmax_sum: str = "stats"
   ds_for_dq: str = "rounded"
@@ -264,15 +266,27 @@ def _build_presets() -> dict[str, Precision]:
 # with which our kernel passes every edge regime of the audit at its format
 # (docs/audit.md, "A kernel that does not break"): FP32 misses at large
 # logits by recomputing P from one log-sum-exp; BF16 and FP16 at tied
-# maxima by delta from O rounded to the format and by dS rounded once;
-# FP16 also at large logits.
+# maxima by delta from O rounded to the format and by dS rounded once,
+# and on a model's own tensors by an l that is not the sum of the P that
+# multiplies V; every format where one key holds a row, by delta summed
+# in another order than dP; FP16 also at large logits and extreme sinks.
 STABLE_OPTIONS = {
-  "fp32": {"softmax_residuals": "max_sum"},
-  "bf16-fa2": {"delta_source": "hi_lo", "ds_for_dq": "hi_lo"},
+  "fp32": {"softmax_residuals": "max_sum", "delta_product": "matmul"},
+  # l sums the P that multiplies V, so that where a row's keys share one
+  # V (a repeated token) O is that V and delta cancels dP.
+  "bf16-fa2": {
+    "delta_source": "hi_lo",
+    "delta_product": "matmul",
+    "ds_for_dq": "hi_lo",
+    "softmax_sum": "rounded_probs",
+  },
   # FP16's P also underflows (subnormal below 6.1e-5): l sums the P that
-  # multiplies V, and at logits of standard deviation 3,000 m and l apart.
+  # multiplies V, at logits of standard deviation 3,000 m and l apart, and
+  # d(sink) takes its delta from P where a sink leaves O subnormal.
   "fp16-fa2": {
     "delta_source": "hi_lo",
+    "delta_product": "matmul",
+    "sink_delta": "probs",
     "ds_for_dq": "hi_lo",
     "softmax_sum": "rounded_probs",
     "softmax_residuals": "max_sum",

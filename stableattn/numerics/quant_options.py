@@ -83,6 +83,20 @@ QUANT_OPTIONS = {
   # rowsum(P * dP) recomputed in the backward from its own P and dP
   # (eager attention's delta; two more matmuls per tile).
   "delta_source": ("output", "fp32", "hi_lo", "probs"),
+  # How delta = rowsum(dO * O) is summed: "rowsum", products summed along
+  # the row (FlashAttention-2/3's preprocess kernel, cuDNN); "matmul", O
+  # rounded to `matmul_operands` through the matmul that forms dP = dO V^T
+  # (the diagonal of dO O^T per query tile) and the rest of O as a row
+  # sum. Where one key holds a row's probability, O is that key's V, and
+  # dP - delta cancels exactly as in eager attention instead of leaving
+  # two summation orders' difference in every dS of the row.
+  "delta_product": ("rowsum", "matmul"),
+  # The delta of d(sink) = -sum_i p_sink,i delta_i: "shared", the delta
+  # dS uses; "probs", rowsum(P * dP) recomputed for it alone (two more
+  # matmuls per tile, only in calls with a sink). A sink that holds a row
+  # leaves its other P in FP16's subnormals, where O, rounded or not, no
+  # longer carries delta; P in the carrier does.
+  "sink_delta": ("shared", "probs"),
   # What the backward recomputes P from: "lse", one log-sum-exp per row,
   # P = exp(s - lse) (FlashAttention-2/3/4, cuDNN); "max_sum", the row's
   # max and sum apart, P = exp(s - m) * (1 / l) (tokamax), as the forward
@@ -112,6 +126,8 @@ DEFAULT_OPTIONS = {
   "promote_every": 1,
   "kv_cache": "none",
   "delta_source": "output",
+  "delta_product": "rowsum",
+  "sink_delta": "shared",
   "softmax_residuals": "lse",
   "softmax_sum": "stats",
   "ds_for_dq": "rounded",
@@ -120,6 +136,8 @@ DEFAULT_OPTIONS = {
 # normalizes before, its backward.
 STABILITY_OPTIONS = (
   "delta_source",
+  "delta_product",
+  "sink_delta",
   "softmax_residuals",
   "softmax_sum",
   "ds_for_dq",
@@ -247,6 +265,18 @@ def _check_stability(policy: Precision) -> None:
       f"stored format for the backward's delta; this policy stores O in "
       f"{policy.output}, its accumulator's format, already. Use it where "
       "the output is narrower (bf16-fa2, fp16-fa2)."
+    )
+  if policy.delta_product != "rowsum" and policy.delta_source == "probs":
+    raise ValueError(
+      f"delta_product={policy.delta_product} sums rowsum(dO * O); "
+      "delta_source=probs computes delta as rowsum(P * dP) from the "
+      "backward's own dP, with no O. Use one of them."
+    )
+  if policy.sink_delta != "shared" and policy.delta_source == "probs":
+    raise ValueError(
+      f"sink_delta={policy.sink_delta} recomputes rowsum(P * dP) for "
+      "d(sink); delta_source=probs makes it the delta of every gradient "
+      "already. Use one of them."
     )
   if policy.softmax_sum != "stats" and policy.probs == policy.softmax_stats:
     raise ValueError(
