@@ -141,3 +141,15 @@ def backward_delta(em, f, x, tiles, for_sink=False):
   if not for_sink:
     return delta
   return delta, (sums if em.options["sink_delta"] == "probs" else None)
+
+
+def sink_gradient(em, f, x, tiles, sink, t):
+  """One head's d(sink) = -sum_i p_sink,i delta_i over its `t` rows, with
+  sink_delta=probs from the unrounded P, normalized by its sum."""
+  p_sink = np.exp(np.float64(sink) - x["lse"][:t])
+  delta, sums = backward_delta(em, f, x, tiles, for_sink=True)
+  delta = delta[:t].astype(np.float64)
+  if sums is not None:
+    total = p_sink + sums[:t]
+    p_sink, delta = p_sink / total, delta / total
+  return -np.sum(p_sink * delta)

@@ -45,6 +45,7 @@ from emulator_stability import (
   probs_in_sum,
   recomputed_probs,
   residual_arrays,
+  sink_gradient,
 )
 from emulator_straight_through import straight_through
 
@@ -423,13 +424,7 @@ def backward(
       tiles = (block_q, block_k, tp, sp)
       delta = rows_of["delta"] = backward_delta(em, f, rows_of, tiles)
       if f.sink is not None:
-        p_sink = np.exp(np.float64(f.sink[h]) - lse_h[:t])
-        sink_delta, sums = backward_delta(em, f, rows_of, tiles, for_sink=True)
-        sink_delta = sink_delta[:t].astype(np.float64)
-        if sums is not None:  # sink_delta=probs: the unrounded P's sum
-          total = p_sink + sums[:t]
-          p_sink, sink_delta = p_sink / total, sink_delta / total
-        d_sink[h] -= np.sum(p_sink * sink_delta)
+        d_sink[h] += sink_gradient(em, f, rows_of, tiles, f.sink[h], t)
       dk_h, dv_h = _dk_dv(em, f, rows_of, tiles, scale)
       dk_per_head[b, :, h], dv_per_head[b, :, h] = dk_h, dv_h
       dq[b, :, h] = _dq(em, f, rows_of, tiles, scale, t, d_bias[b, h])

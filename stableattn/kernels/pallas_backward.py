@@ -232,12 +232,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, delta_ref, *refs, cfg, names):
 FUSED_PARTIALS_MAX_BYTES = 256 << 20
 
 
-def _fuses_dq(cfg: KernelConfig, q_shape, key_blocks: int, dtype) -> bool:
+def _fuses_dq(cfg: KernelConfig, q_shape, kv_len_padded: int) -> bool:
   """Whether dQ comes from the dK/dV kernel (interpret mode, no bias, the
-  contributions' buffer within bounds)."""
+  contributions' buffer, one dQ in `grad_accum` per key block, within
+  bounds)."""
   if not cfg.interpret or cfg.mask.bias is not None:
     return False
-  size = key_blocks * math.prod(q_shape) * jnp.dtype(dtype).itemsize
+  itemsize = jnp.dtype(cfg.policy.dtype("grad_accum")).itemsize
+  size = kv_len_padded // cfg.bwd_block_k * math.prod(q_shape) * itemsize
   return size <= FUSED_PARTIALS_MAX_BYTES
 
 
@@ -263,9 +265,8 @@ def flash_backward(
   Args:
     q, k, v, d_out: padded, layout [batch, seq, heads, head_dim].
     saved: the forward's (out, lse [batch, heads, q_len_padded], {name:
-      extra residual}) (`pallas_forward.residual_names`): O and the lse
-      as the forward returned them, and what the policy's stability
-      options keep besides.
+      extra residual}) (`pallas_forward.residual_names`): O, the lse and
+      what the policy's stability options keep besides.
     ops: the padded feature operands.
     ranges: (key blocks per query block, query blocks per key block) at the
       backward tiles, or None.
@@ -274,22 +275,18 @@ def flash_backward(
 
   Returns:
     (dq [batch, q_len_padded, heads, D], dk and dv [batch, kv_len_padded,
-    heads, D], all in `grad_accum`; dk/dv are per query head, not yet
-    summed over GQA groups; d(sink)'s terms (delta [batch, heads,
-    q_len_padded], and None or rowsum(P): dS's delta, or with
-    sink_delta=probs and a sink rowsum(P * dP) and rowsum(P) recomputed
-    from unrounded P); the bias
-    gradient [batch, heads, q_len_padded, kv_len_padded] or None).
+    heads, D], all in `grad_accum`, dk/dv per query head, not yet summed
+    over GQA groups; d(sink)'s (delta, rowsum(P) or None) [batch, heads,
+    q_len_padded], as sink_delta says; the bias gradient [batch, heads,
+    q_len_padded, kv_len_padded] or None).
   """
   key_ranges, query_ranges = ranges if ranges is not None else (None, None)
   out, lse, extra = saved
   softmax_stats = softmax_stats_of(lse, extra)
 
   def recomputed_delta(sums=False):
-    q_len_padded, kv_len_padded = q.shape[1], k.shape[1]
-    features = _feature_specs(
-      cfg, ops, key_ranges, q_len_padded, kv_len_padded, query_major=True
-    )
+    lengths = (q.shape[1], k.shape[1])
+    features = _feature_specs(cfg, ops, key_ranges, *lengths, query_major=True)
     operands = (q, k, v, d_out, *softmax_stats)
     specs = _query_major_specs(operands, cfg)
     return probs_delta(operands, features, specs, cfg, sums=sums)
@@ -302,12 +299,7 @@ def flash_backward(
   if cfg.policy.sink_delta == "probs" and ops.sink is not None:
     sink_terms = recomputed_delta(sums=True)
   operands = (q, k, v, d_out, delta, *softmax_stats)
-  fused = _fuses_dq(
-    cfg,
-    q.shape,
-    k.shape[1] // cfg.bwd_block_k,
-    cfg.policy.dtype("grad_accum"),
-  )
+  fused = _fuses_dq(cfg, q.shape, k.shape[1])
   dk, dv, *dq_parts = _key_major_call(operands, ops, query_ranges, cfg, fused)
   if fused:
     return _sum_dq_parts(dq_parts[0], cfg), dk, dv, sink_terms, None
