@@ -2,6 +2,7 @@
 presets and MLA's head dims, and NaN padding kept out of a compiled run
 (launch/gpu_session.sh runs these with the other GPU-marked tests)."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import random_qkv, value_and_grads
@@ -56,6 +57,25 @@ def test_compiled_gradients_round_like_interpret_mode(precision, head_dims):
     ulp = np.spacing(np.float32(np.abs(i).max()))
     apart = float(np.abs(c - i).max() / ulp)
     assert apart <= 64, f"{name}: {apart:.1f} ulps of its largest value apart"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", STABLE_PRESETS)
+def test_compiled_one_key_rows_have_no_query_or_key_gradient(precision):
+  """One query over 37 keys, causal top-left: each row attends one key, so
+  dQ and dK are exactly 0, as in FP64. The stable presets sum delta by a
+  matmul of dP's tile shape (delta_product=matmul); on tensor cores that
+  cancels dP only if both matmuls sum each entry alike, which interpret
+  mode cannot show (tests/test_exact_rounding_stability.py holds it
+  there)."""
+  rng = np.random.default_rng(5)
+  dtype = sa.Precision.from_name(precision).dtype("inputs")
+  shapes = ((8, 1, 4, 64), (8, 37, 4, 64), (8, 37, 4, 64), (8, 1, 4, 64))
+  q, k, v, d_out = (jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
+  _, grads = value_and_grads(
+    q, k, v, d_out, precision=precision, causal=True, interpret=False
+  )
+  assert np.max(np.abs(grads[0])) == 0 and np.max(np.abs(grads[1])) == 0
 
 
 @pytest.mark.gpu
