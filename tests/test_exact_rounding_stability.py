@@ -49,18 +49,27 @@ def _options(policy):
   return {name: getattr(policy, name) for name in STABILITY}
 
 
-def _run(preset, shape, q, k, v, d_out):
+def _run(preset, shape, q, k, v, d_out, sink=None):
+  """The kernel's output and its gradients (dq, dk, dv, and d(sink) when
+  a sink is passed) at the shape's tiles."""
   *_, block_q, block_k, causal = shape
   policy = sa.Precision.from_name(preset)
+  sinks = () if sink is None else (jnp.asarray(sink, jnp.float32),)
 
-  def fn(q, k, v):
+  def fn(q, k, v, *sinks):
     return sa.attention(
       q, k, v, precision=preset, block_q=block_q, block_k=block_k,
-      causal=causal,
+      causal=causal, **dict(zip(("sink",), sinks)),
     )  # fmt: skip
 
-  out, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)))
+  out, vjp = jax.vjp(fn, *(jnp.asarray(x) for x in (q, k, v)), *sinks)
   return out, vjp(jnp.asarray(d_out).astype(policy.dtype("output")))
+
+
+def _emulator_tiles(shape) -> dict:
+  """The emulator's keywords for the kernel's tiles at `shape`."""
+  *_, block_q, block_k, causal = shape
+  return dict(block_q=block_q, block_k=block_k, scheme="fa2", causal=causal)
 
 
 @pytest.mark.parametrize(
@@ -76,11 +85,10 @@ def test_stability_options_match_emulator(preset, shape):
   q, k, v = emulator_inputs(21, shape)
   d_out = np.random.default_rng(22).standard_normal(q.shape)
   d_out = np.round(d_out * 16) / 16
-  *_, block_q, block_k, causal = shape
   policy = sa.Precision.from_name(preset)
   out, grads = _run(preset, shape, q, k, v, d_out)
   base = preset.split("+")[0].removesuffix("-stable")
-  kw = dict(block_q=block_q, block_k=block_k, scheme="fa2", causal=causal)
+  kw = _emulator_tiles(shape)
   want_out, _ = emu.forward(
     q, k, v, policy.stages(), options=_options(policy), **kw
   )
@@ -247,24 +255,13 @@ def test_sink_delta_from_probs_matches_emulator():
   q, k, v = emulator_inputs(25, shape)
   d_out = np.round(np.random.default_rng(26).standard_normal(q.shape) * 16)
   d_out /= 16
-  *_, block_q, block_k, causal = shape
   sink = np.array([0.5, -1.0])
   preset = "fp16-fa2-stable"
   policy = sa.Precision.from_name(preset)
-
-  def fn(q, k, v, sink):
-    return sa.attention(
-      q, k, v, sink=sink, precision=preset, block_q=block_q,
-      block_k=block_k, causal=causal,
-    )  # fmt: skip
-
-  args = [jnp.asarray(x) for x in (q, k, v)]
-  _, vjp = jax.vjp(fn, *args, jnp.asarray(sink, jnp.float32))
-  got = vjp(jnp.asarray(d_out).astype(policy.dtype("output")))[3]
-  kw = dict(block_q=block_q, block_k=block_k, scheme="fa2", causal=causal)
+  got = _run(preset, shape, q, k, v, d_out, sink=sink)[1][3]
   want = emu.backward(
     q, k, v, d_out, policy.stages(), options=_options(policy), sink=sink,
-    **kw,
+    **_emulator_tiles(shape),
   )[3]  # fmt: skip
   assert ulps_at_largest(want, np.asarray(got, np.float64), "fp32") <= 4.0
 

@@ -36,10 +36,11 @@ from stableattn.kernels.kernel_operands import TileReader
 from stableattn.numerics.rounding import PolicyArithmetic
 
 
-def _row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k: int):
+def _row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k=None):
   """rowsum(dO * O) of a tile, rounded to `delta`, summed as the policy
   option delta_product says; O is the sum of `o_parts` in the carrier
-  (O, or O_hi + O_lo: exact). `block_k`: the key tile of dP = dO V^T."""
+  (O, or O_hi + O_lo: exact). `block_k`: the key tile of dP = dO V^T,
+  which delta_product=matmul needs."""
   o_BqxD = o_parts[0].astype(ar.carrier)
   for part in o_parts[1:]:
     o_BqxD = o_BqxD + part.astype(ar.carrier)
@@ -119,7 +120,7 @@ def output_delta(o_parts, d_out, cfg: KernelConfig):
   if cfg.interpret:
     ar = PolicyArithmetic(cfg.policy)
     if cfg.policy.delta_product != "matmul":
-      delta = _row_delta(o_parts, d_out.astype(ar.carrier), ar, 0)
+      delta = _row_delta(o_parts, d_out.astype(ar.carrier), ar)
       return delta.transpose(0, 2, 1).astype(cfg.policy.dtype("delta"))
   block_q = cfg.bwd_block_q
   rows = pl.BlockSpec(
