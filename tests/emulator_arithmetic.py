@@ -11,7 +11,7 @@ import math
 import ml_dtypes
 import numpy as np
 from emulator_kv_cache import read_from_cache
-from emulator_mma import mma_dot
+from emulator_mma import blocked_dot, mma_dot
 from emulator_stability import STABILITY_DEFAULTS
 
 FORMATS = {
@@ -97,8 +97,7 @@ class Emulator:
       key_order="forward",
       smooth_k=False,
       exp2=False,
-      mma_chunk=0,
-      mma_rounding="nearest",
+      **dict(mma_chunk=0, mma_rounding="nearest", score_chunk=0),
       **dict(promote_every=1, kv_cache="none", **STABILITY_DEFAULTS),
     )
     self.options.update(options or {})
@@ -179,10 +178,11 @@ class Emulator:
     matmul, whose product is multiplied by s_q s_k. With `base2` the
     scale (or softcap) and the bias carry log2(e)."""
     c = self.carrier
-    # QK^T as the tensor core accumulates it (mma_chunk), or summed once.
+    # QK^T summed once, or chunk by chunk (mma_chunk, score_chunk).
     dot = self.dot
-    if self.options["mma_chunk"]:
-      dot = lambda a, b: mma_dot(self, a, b)  # noqa: E731
+    if self.options["mma_chunk"] or self.options["score_chunk"]:
+      chunked = mma_dot if self.options["mma_chunk"] else blocked_dot
+      dot = lambda a, b: chunked(self, a, b)  # noqa: E731
     if scales is None:
       x = dot(q, k.T)
     else:

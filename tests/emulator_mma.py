@@ -2,7 +2,8 @@
 mma_rounding, promote_every): a matmul's reduction added k products at a
 time into an accumulator in `matmul_accum`, each add formed in the carrier
 and rounded to nearest or toward zero; and the two-level output
-accumulation of the forward kernel. Written from the documented semantics
+accumulation of the forward kernel. Also Q K^T in head-dim chunks summed
+pairwise (score_chunk). Written from the documented semantics
 (docs/precision.md), sharing no code with `stableattn`."""
 
 from __future__ import annotations
@@ -36,6 +37,24 @@ def mma_dot(em, a, b, probs=False, acc=None):
     part = (a[:, start : start + k] @ b[start : start + k]).astype(c)
     acc = round_accumulator(em, part if acc is None else (acc + part).astype(c))
   return acc
+
+
+def blocked_dot(em, a, b):
+  """a @ b with a's columns `score_chunk` at a time: each chunk's exact
+  sum in the carrier, the chunk sums added pairwise in the carrier, the
+  total rounded to `matmul_accum`."""
+  a = em.operand(a).astype(np.float64)
+  b = em.operand(b).astype(np.float64)
+  k = em.options["score_chunk"]
+  sums = [
+    (a[:, i : i + k] @ b[i : i + k]).astype(em.carrier)
+    for i in range(0, a.shape[1], k)
+  ]
+  while len(sums) > 1:
+    odd = sums[-1:] if len(sums) % 2 else []
+    sums = [(x + y).astype(em.carrier) for x, y in zip(*[iter(sums)] * 2)]
+    sums += odd
+  return em.r(sums[0], "matmul_accum")
 
 
 def raw_probs_times_values(em, p, vb, sv, acc, per_channel=False):

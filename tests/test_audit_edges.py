@@ -186,6 +186,29 @@ def test_the_fp32_base_preset_keeps_its_large_logit_miss():
 
 
 @pytest.mark.slow
+def test_fp32_stable_meets_the_logit_regimes_off_its_tuned_shapes():
+  """The shapes where `fp32-stable` missed `large_logits` or
+  `small_logits`, with its default 64-key tiles: it passes with the head
+  dim summed 16 products at a time (score_chunk=16), and the tile's own
+  dot order (score_chunk=0) misses `small_logits` at head dim 128, where
+  XLA:CPU sums a 64-key tile's q.k with several times the Baseline's
+  error (docs/audit.md; at the tiers' optimization level 0 too)."""
+  edges = dict(precision="fp32", regimes="large_logits,small_logits",
+               repeats=1)  # fmt: skip
+  shapes = ((1, 100, 100, 2, 2, 64), (1, 200, 200, 2, 2, 64),
+            (1, 64, 64, 2, 2, 64), (1, 97, 200, 4, 4, 72),
+            (1, 200, 200, 2, 2, 128))  # fmt: skip
+  stable = resolve("pallas", sa.Options(precision="fp32-stable"))
+  report = sa.audit(stable, shapes=shapes, **edges)
+  assert report.passed, report.failures
+  tile_order = resolve(
+    "pallas", sa.Options(precision="fp32-stable+score_chunk=0")
+  )
+  missed = sa.audit(tile_order, shapes=shapes[-1:], **edges).failures
+  assert missed and all("small_logits" in f for f in missed), missed
+
+
+@pytest.mark.slow
 def test_the_search_finds_a_planted_bug_and_its_reproducer_fails(tmp_path):
   tests = pathlib.Path(__file__).resolve().parent
   env = {**os.environ, "PYTHONPATH": str(tests)}

@@ -148,6 +148,9 @@ def test_split_kv_and_ring_refuse_stable_residuals():
     )(q)
 
 
+FORWARD = "stableattn_flash_forward_fa2"
+
+
 def _pallas_calls(precision, shape=(1, 128, 2, 64)):
   """{kernel name: (output bytes, dot_generals in its body)} of one
   forward and backward under `precision`."""
@@ -187,8 +190,10 @@ def _pallas_calls(precision, shape=(1, 128, 2, 64)):
 @pytest.mark.parametrize(
   "precision, extra_bytes_per_row, extra_dots",
   [
-    # m and l beside the lse: two FP32 row vectors more.
-    ("fp32-stable", 8, {"delta": 2}),
+    # m and l beside the lse: two FP32 row vectors more; score_chunk=16
+    # at head dim 64: Q K^T as four matmuls of 16 columns where one was,
+    # in the forward and where the backward recomputes it.
+    ("fp32-stable", 8, {FORWARD: 3, "dkdvdq": 3, "delta": 2}),
     # O_lo in BF16 (2 bytes x 64); dS_lo K in the dQ step.
     # delta_product=matmul: the selection and dO O^T per query tile, in
     # a delta kernel that interpret mode runs only for it.
@@ -204,13 +209,12 @@ def test_residual_bytes_and_matmuls_of_the_lowered_kernels(
 ):
   """The costs docs/audit.md states, read off the traced kernels: bytes
   the forward writes beyond the base preset's, per query row and head,
-  and matmuls per tile beyond the base backward's (interpret mode fuses
+  and matmuls per tile beyond the base kernels' (interpret mode fuses
   the dQ step into the dK/dV kernel)."""
   base = precision.split("+")[0].removesuffix("-stable")
   ours, theirs = _pallas_calls(precision), _pallas_calls(base)
-  forward = "stableattn_flash_forward_fa2"
   rows = 1 * 2 * 128
-  assert ours[forward][0] - theirs[forward][0] == extra_bytes_per_row * rows
+  assert ours[FORWARD][0] - theirs[FORWARD][0] == extra_bytes_per_row * rows
   stated = residual_bytes_per_row(sa.Precision.from_name(precision), 64)
   assert sum(stated.values()) == extra_bytes_per_row
   for name, (_, dots) in ours.items():
@@ -318,3 +322,25 @@ def test_backward_recomputes_the_forwards_scores(precision):
   dv = np.asarray(jax.grad(loss)(v), np.float64)
   golden = sa.golden_attention_vjp(q, k, v, d_out)[2]
   assert np.max(np.abs(dv - golden)) <= 1e-6 * np.max(np.abs(golden))
+
+
+def test_score_chunks_sum_the_head_dim_sixteen_products_at_a_time():
+  """q.k = 2^25 + sixteen 1s: products [2^25, 0 x 15] in the first
+  chunk of 16 and [1 x 16] in the second, each chunk's sum exact in any
+  order. Summed in chunks the logit is 2^25 + 16 exactly (an FP32
+  number); a sum that adds a 1 at a time to 2^25 loses it (half an ulp
+  or less), as XLA:CPU's one dot of 32 products does for most of them.
+  With one key and scale 1 the log-sum-exp is the logit itself."""
+  q = np.zeros((1, 1, 1, 32), np.float32)
+  k = np.zeros_like(q)
+  q[..., 0], k[..., 0] = 2.0**13, 2.0**12
+  q[..., 16:] = k[..., 16:] = 1.0
+
+  def logit(precision):
+    _, lse = sa.attention(
+      q, k, q, precision=precision, scale=1.0, return_lse=True
+    )
+    return float(lse.reshape(())) - 2.0**25
+
+  assert logit("fp32-stable") == 16.0
+  assert logit("fp32-stable+score_chunk=0") < 16.0

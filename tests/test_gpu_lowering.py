@@ -107,6 +107,25 @@ def test_stability_options_lower_for_cuda(precision):
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
+def test_chunked_scores_lower_for_cuda():
+  """score_chunk cuts Q's and K's head dim into static parts, which
+  Triton splits only into equal power-of-two parts: head dim 72 pads to
+  128, eight parts of 16, in the forward and the backward's recompute."""
+  q = jax.ShapeDtypeStruct((2, 200, 4, 72), jnp.float32)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 72), jnp.float32)
+  assert _causal_triton_calls("fp32-stable", q, kv, kv) == 4
+
+
+def _causal_triton_calls(precision, q, k, v) -> int:
+  """Triton kernels in the CUDA lowering of a causal loss and its
+  gradients at 64 x 64 tiles."""
+  fn = _loss_and_grads(precision, (64, 64), True, interpret=False)
+  text = (
+    jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  )
+  return text.count("__gpu$xla.gpu.triton")
+
+
 @pytest.mark.parametrize(
   "schedule", [{"num_splits": 3}, {"split_size": 128}], ids=str
 )
@@ -215,11 +234,7 @@ def test_mla_head_dims_lower_with_each_its_own_padding():
   q = jax.ShapeDtypeStruct((1, 128, 4, 192), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 128, 2, 192), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.bfloat16)
-  fn = _loss_and_grads("bf16-fa2", (64, 64), True, interpret=False)
-  text = (
-    jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-  )
-  assert text.count("__gpu$xla.gpu.triton") == 4
+  assert _causal_triton_calls("bf16-fa2", q, k, v) == 4
 
 
 @pytest.mark.gpu

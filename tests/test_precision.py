@@ -106,6 +106,10 @@ def test_a_policy_name_with_stage_changes_reads_back():
     ("bf16-fa2+accumulator=bf16", "valid stages"),
     ("bf16-fa2+out_accum=bf8", "valid formats"),
     ("bf17+out_accum=bf16", "valid presets"),
+    ("fp32+score_chunk=8", "power of two >= 16"),
+    ("fp32+score_chunk=48", "power of two >= 16"),
+    ("fp32+score_chunk=x", "integer"),
+    ("bf16-fa2+score_chunk=16+mma_chunk=16", "Use one of them"),
   ],
 )
 def test_bad_stage_changes_in_a_name_say_what_is_valid(name, message):

@@ -62,7 +62,11 @@ def block_scores(
   Returns:
     (S, tanh of the softcap or None), both [block_q, block_k].
   """
-  dot = ar.mma_dot if ar.policy.mma_chunk else ar.dot
+  dot = ar.dot
+  if ar.policy.mma_chunk:
+    dot = ar.mma_dot
+  elif ar.policy.score_chunk:
+    dot = functools.partial(ar.blocked_dot, chunk=ar.policy.score_chunk)
   if scales is None:
     product = dot(q_BqxD, k_BkxD, NT_DIMS)
   else:

@@ -98,6 +98,7 @@ class Precision:
   exp2: bool = False
   mma_chunk: int = 0
   mma_rounding: str = "nearest"
+  score_chunk: int = 0
   promote_every: int = 1
   kv_cache: str = "none"
   delta_source: str = "output"
@@ -269,9 +270,16 @@ def _build_presets() -> dict[str, Precision]:
 # maxima by delta from O rounded to the format and by dS rounded once,
 # and on a model's own tensors by an l that is not the sum of the P that
 # multiplies V; every format where one key holds a row, by delta summed
-# in another order than dP; FP16 also at large logits and extreme sinks.
+# in another order than dP; FP16 also at large logits and extreme sinks;
+# FP32 at logits of hundreds, where a dot's terms cancel, by the order of
+# a 64-key tile's q.k sums (fixed by `score_chunk`, which is not a
+# stability option; the Baseline ignores it as it ignores them).
 STABLE_OPTIONS = {
-  "fp32": {"softmax_residuals": "max_sum", "delta_product": "matmul"},
+  "fp32": {
+    "softmax_residuals": "max_sum",
+    "delta_product": "matmul",
+    "score_chunk": 16,
+  },
   # l sums the P that multiplies V, so that where a row's keys share one
   # V (a repeated token) O is that V and delta cancels dP.
   "bf16-fa2": {

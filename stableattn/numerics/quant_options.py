@@ -64,6 +64,15 @@ QUANT_OPTIONS = {
   # reduction summed in the carrier and rounded once.
   "mma_chunk": "an integer >= 0",
   "mma_rounding": ("nearest", "truncate"),
+  # QK^T's sum over the head dim taken k products at a time (static
+  # slices of Q's and K's columns), the chunk sums added pairwise in the
+  # carrier and the total rounded once (blocked summation: an error bound
+  # of about k + log2(D / k) roundings instead of D; Blanchard, Higham and
+  # Mary, SIAM J. Sci. Comput. 42(3), 2020). A power of two >= 16 (the
+  # smallest Triton dot); 0 leaves the order to the matmul. At
+  # logits of hundreds the terms of a dot cancel, and XLA:CPU sums a
+  # 64-key tile's FP32 dot with several times the Baseline's error.
+  "score_chunk": "0 or a power of two >= 16",
   # Two-level accumulation: the P V accumulator is added into an FP32
   # output accumulator (and restarted) every n key tiles; 0 keeps the
   # running output in the MMA accumulator for the whole row, rescaled by
@@ -123,6 +132,7 @@ DEFAULT_OPTIONS = {
   "exp2": False,
   "mma_chunk": 0,
   "mma_rounding": "nearest",
+  "score_chunk": 0,
   "promote_every": 1,
   "kv_cache": "none",
   "delta_source": "output",
@@ -160,7 +170,7 @@ def parse_option(option: str, text: str, name: str):
     raise ValueError(
       f"Bad value {text!r} for {option} in precision {name!r}; valid: on, off."
     )
-  if option in ("mma_chunk", "promote_every"):
+  if option in ("mma_chunk", "promote_every", "score_chunk"):
     try:
       return int(text)
     except ValueError:
@@ -320,6 +330,23 @@ def _check_accumulator(policy: Precision) -> None:
     raise ValueError(
       f"Unknown mma_rounding {policy.mma_rounding!r}; valid: "
       f"{list(QUANT_OPTIONS['mma_rounding'])}."
+    )
+  chunk = policy.score_chunk
+  if (
+    isinstance(chunk, bool)
+    or not isinstance(chunk, int)
+    or (chunk and (chunk < 16 or chunk & (chunk - 1)))
+  ):
+    raise ValueError(
+      f"score_chunk must be 0 (off) or a power of two >= 16 (Triton's "
+      f"smallest dot; a padded head dim splits into equal parts), got "
+      f"{chunk!r}."
+    )
+  if chunk and policy.mma_chunk:
+    raise ValueError(
+      f"score_chunk={chunk} and mma_chunk={policy.mma_chunk} both set how "
+      "QK^T adds its head dim (mma_chunk as the tensor core's accumulator "
+      "does). Use one of them."
     )
   if policy.mma_chunk == 0 and (
     policy.mma_rounding != "nearest" or policy.promote_every != 1

@@ -326,6 +326,25 @@ class PolicyArithmetic:
     )
     return self.round(out, "matmul_accum")
 
+  def blocked_dot(self, a, b, dims, chunk: int):
+    """`dot` with the contraction summed `chunk` products at a time (policy
+    option score_chunk): each chunk's sum in the carrier, the chunk sums
+    added pairwise, the total rounded once. Chunks are static slices
+    (`lax.split`, which Triton lowers for equal power-of-two parts, as a
+    padded head dim over a power-of-two chunk gives)."""
+    (a_axis,), (b_axis,) = dims[0]
+    length = a.shape[a_axis]
+    if length <= chunk:
+      return self.dot(a, b, dims)
+    sizes = [min(chunk, length - i) for i in range(0, length, chunk)]
+    a_parts = lax.split(self._operand(a), sizes, axis=a_axis)
+    b_parts = lax.split(self._operand(b), sizes, axis=b_axis)
+    sums = [self._sum_of_products(x, y, dims) for x, y in zip(a_parts, b_parts)]
+    while len(sums) > 1:
+      pairs = zip(sums[::2], sums[1::2])
+      sums = [x + y for x, y in pairs] + sums[len(sums) - len(sums) % 2 :]
+    return self.round(sums[0], "matmul_accum")
+
   def _sum_of_products(self, a, b, dims):
     """a . b of operands already in their formats, summed in the carrier."""
     return lax.dot_general(
