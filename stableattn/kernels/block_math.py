@@ -66,7 +66,7 @@ def block_scores(
   if ar.policy.mma_chunk:
     dot = ar.mma_dot
   elif ar.policy.score_chunk:
-    dot = functools.partial(ar.blocked_dot, chunk=ar.policy.score_chunk)
+    dot = ar.blocked_dot
   if scales is None:
     product = dot(q_BqxD, k_BkxD, NT_DIMS)
   else:

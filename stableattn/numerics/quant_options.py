@@ -322,7 +322,7 @@ TRUNCATING_FORMATS = ("fp32", "fp22", "bf16")
 
 def _check_accumulator(policy: Precision) -> None:
   """The MMA accumulator options: valid, and meaningful together."""
-  for option in ("mma_chunk", "promote_every"):
+  for option in ("mma_chunk", "promote_every", "score_chunk"):
     value = getattr(policy, option)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
       raise ValueError(f"{option} must be an integer >= 0, got {value!r}.")
@@ -332,11 +332,7 @@ def _check_accumulator(policy: Precision) -> None:
       f"{list(QUANT_OPTIONS['mma_rounding'])}."
     )
   chunk = policy.score_chunk
-  if (
-    isinstance(chunk, bool)
-    or not isinstance(chunk, int)
-    or (chunk and (chunk < 16 or chunk & (chunk - 1)))
-  ):
+  if chunk and (chunk < 16 or chunk & (chunk - 1)):
     raise ValueError(
       f"score_chunk must be 0 (off) or a power of two >= 16 (Triton's "
       f"smallest dot; a padded head dim splits into equal parts), got "

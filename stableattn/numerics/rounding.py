@@ -326,14 +326,14 @@ class PolicyArithmetic:
     )
     return self.round(out, "matmul_accum")
 
-  def blocked_dot(self, a, b, dims, chunk: int):
-    """`dot` with the contraction summed `chunk` products at a time (policy
-    option score_chunk): each chunk's sum in the carrier, the chunk sums
+  def blocked_dot(self, a, b, dims):
+    """`dot` with the contraction summed k products at a time (policy
+    option score_chunk = k): each chunk's sum in the carrier, the chunk sums
     added pairwise, the total rounded once. Chunks are static slices
     (`lax.split`, which Triton lowers for equal power-of-two parts, as a
     padded head dim over a power-of-two chunk gives)."""
     (a_axis,), (b_axis,) = dims[0]
-    length = a.shape[a_axis]
+    length, chunk = a.shape[a_axis], self.policy.score_chunk
     if length <= chunk:
       return self.dot(a, b, dims)
     sizes = [min(chunk, length - i) for i in range(0, length, chunk)]
