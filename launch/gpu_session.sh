@@ -94,7 +94,7 @@ small_flag=()
 audit_shape=${AUDIT_SHAPE:-'((1,256,256,4,2,128),)'}
 kernels=(cudnn xla)
 drift_config=(
-  --config=stableattn/configs/training_drift.py:gpu
+  --config=configs/training_drift.py:gpu
   --config.model.width=512 --config.model.depth=6 --config.model.heads=8
   --config.train.total_steps=400 --config.train.warmup_steps=40
   --config.train.log_every=100 --config.train.checkpoint_every=400
@@ -104,7 +104,7 @@ if [ "$small" = 1 ]; then
   small_flag=(--small)
   audit_shape='((1,192,192,4,2,32),)'
   kernels=(xla)
-  drift_config=(--config=stableattn/configs/training_drift.py:smoke
+  drift_config=(--config=configs/training_drift.py:smoke
     --config.train.total_steps=4 --config.train.log_every=2
     --config.train.checkpoint_every=4 --config.attention.context_parallel=0)
 fi

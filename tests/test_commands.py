@@ -3,6 +3,7 @@ of their own, the command table, and `stableattn compare`."""
 
 import importlib.util
 import json
+import pathlib
 import types
 
 import pytest
@@ -43,6 +44,29 @@ def test_every_command_has_its_module_and_config():
     assert importlib.util.find_spec(spec.module), name
     assert (launcher.CONFIGS / spec.config).exists(), name
     assert spec.workdir.startswith("runs/"), name
+
+
+def test_the_configs_are_one_copy_at_the_top_of_the_checkout():
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  assert launcher.CONFIGS == repo / "configs"
+  assert not (repo / "stableattn" / "configs").exists()
+  own = {spec.config for spec in commands.EXPERIMENTS.values()}
+  assert own <= {p.name for p in launcher.CONFIGS.glob("*.py")}
+
+
+def test_every_package_of_the_tree_is_in_the_wheels_list():
+  tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  setuptools = tomllib.loads((repo / "pyproject.toml").read_text())["tool"][
+    "setuptools"
+  ]
+  in_tree = {
+    ".".join(init.parent.relative_to(repo).parts)
+    for root in ("stableattn", "stableattn_pytest")
+    for init in (repo / root).rglob("__init__.py")
+  }
+  assert set(setuptools["packages"]) == in_tree | {"stableattn.configs"}
+  assert setuptools["package-dir"] == {"stableattn.configs": "configs"}
 
 
 def test_a_commands_help_names_its_variants_and_shortcuts():

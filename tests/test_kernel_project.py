@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 import pytest
 
@@ -63,7 +64,19 @@ def installed(tmp_path_factory):
     if k not in ("PYTHONPATH", "STABLEATTN_BASELINE")
   }
   env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
-  return {"python": str(python), "project": project, "env": env}
+  return {"python": str(python), "project": project, "env": env, "wheel": wheel}
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_checkouts_configs_unchanged(installed):
+  with zipfile.ZipFile(installed["wheel"]) as wheel:
+    packaged = {
+      pathlib.PurePosixPath(name).name: wheel.read(name)
+      for name in wheel.namelist()
+      if name.startswith("stableattn/configs/")
+    }
+  own = {p.name: p.read_bytes() for p in (REPO / "configs").glob("*.py")}
+  assert "audit.py" in own and packaged == own
 
 
 @pytest.mark.slow
@@ -81,6 +94,13 @@ def test_the_wheel_runs_outside_the_repository(installed):
     )  # fmt: skip
     assert code == 0, said[-3000:]
     assert "xla: PASSED" in said
+  # A variant by name finds the wheel's configs, with no checkout about.
+  code, said = _run(
+    ["stableattn", "audit", "--config=smoke", "--config.kernel=xla",
+     "--workdir=runs/xla_smoke"],
+    cwd=installed["project"], env=env,
+  )  # fmt: skip
+  assert code == 0 and "xla: PASSED" in said, said[-3000:]
 
 
 @pytest.mark.slow

@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "stableattn"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "stableattn"
+# The layer stableattn.configs, kept at the top of the checkout.
+CONFIGS = REPO / "configs"
 RANK = {
   "numerics": 0,
   "contract": 1,
@@ -44,9 +47,16 @@ def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
   return [(line, m) for line, m in found if m.split(".")[0] == "stableattn"]
 
 
+def _home(path: pathlib.Path) -> str:
+  """The layer a module of the library belongs to."""
+  if path.is_relative_to(CONFIGS):
+    return "configs"
+  return path.relative_to(PACKAGE).parts[0]
+
+
 def upward_imports(path: pathlib.Path) -> list[str]:
   """Each import in `path` that reaches a layer it may not, as a line."""
-  own = path.relative_to(PACKAGE).parts[0]
+  own = _home(path)
   tree = ast.parse(path.read_text())
   bad = []
   for line, module in _imported_modules(tree):
@@ -59,11 +69,12 @@ def upward_imports(path: pathlib.Path) -> list[str]:
 
 
 def library_modules():
-  return sorted(p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE)
+  layered = [p for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE]
+  return sorted([*layered, *CONFIGS.glob("*.py")])
 
 
 def test_every_module_is_in_a_known_layer():
-  layers = {p.relative_to(PACKAGE).parts[0] for p in library_modules()}
+  layers = {_home(p) for p in library_modules()}
   assert layers == set(RANK), layers ^ set(RANK)
   entry = ("__init__.py", "__main__.py")
   loose = [p.name for p in PACKAGE.glob("*.py") if p.name not in entry]
@@ -74,7 +85,7 @@ def test_every_module_is_in_a_known_layer():
 def test_no_module_imports_from_a_higher_layer(layer):
   bad = []
   for path in library_modules():
-    if path.relative_to(PACKAGE).parts[0] == layer:
+    if _home(path) == layer:
       bad += upward_imports(path)
   assert not bad, "\n".join(bad)
 
@@ -129,6 +140,7 @@ def test_modules_and_functions_stay_readable():
   root = PACKAGE.parent
   paths = [
     *PACKAGE.rglob("*.py"),
+    *CONFIGS.glob("*.py"),
     *(root / "launch").glob("*.py"),
     *(root / "tests").glob("*.py"),
   ]

@@ -81,7 +81,15 @@ def use_compilation_cache(folder: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+def _configs_folder() -> pathlib.Path:
+  """Where the command configs are: `configs/` at the top of a checkout,
+  or the wheel's `stableattn/configs/` (one package, two homes)."""
+  import stableattn.configs
+
+  return pathlib.Path(stableattn.configs.__file__).resolve().parent
+
+
+CONFIGS = _configs_folder()
 
 
 def config_argument(
@@ -162,7 +170,7 @@ def launch(
 ) -> None:
   """Defines a launcher's flags and runs it under absl.
 
-  Flags: --config (`stableattn/configs/<config>`, with an optional
+  Flags: --config (`configs/<config>`, with an optional
   :variant, a variant's name alone, or another file; --config.field
   overrides), --workdir (default `workdir`; it holds `workdir_holds`) and
   --restart. `before_run(config)` runs after the flags are parsed and

@@ -8,7 +8,7 @@ from a checkout, which run the same code with the same flags).
   stableattn forward_deviation --config=smoke
 
 `--config=<variant>` picks one of the command's packaged variants
-(`stableattn/configs/<command>.py`); `--config=path/to/file.py[:variant]`
+(`configs/<command>.py`); `--config=path/to/file.py[:variant]`
 reads another file. The current directory is importable, so a kernel in
 `./mymodule.py` is `--config.kernel=mymodule:fn`.
 """
@@ -122,7 +122,7 @@ def command_usage(name: str) -> str:
   lines = [
     f"stableattn {name} [flags]: {spec.about}.",
     "",
-    f"--config=<variant> picks a variant of stableattn/configs/{spec.config}",
+    f"--config=<variant> picks a variant of configs/{spec.config}",
     f"({', '.join(config.VARIANTS)}), --config=path/to/file.py[:variant]",
     "reads another file, and --config.<field>=value sets a field",
     "(--helpfull lists them).",

@@ -7,7 +7,7 @@ the evaluation the run does anyway. Their cost per training step is the
 evaluation's extra time spread over `log_every` steps; this module times
 a training step and an evaluation with and without them, at the sizes
 of the benchmark config's `monitor` block (the drift study's defaults:
-`stableattn/configs/training_drift.py`).
+`configs/training_drift.py`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _default() -> ml_collections.ConfigDict:
   # Block skipping: our kernel with each mask vs "full", at masks_seq_len.
   c.mask_settings = "full,causal,window_256,window_1024"
   # The attention monitor's cost to a training step, at the drift study's
-  # default sizes (stableattn/configs/training_drift.py).
+  # default sizes (configs/training_drift.py).
   c.monitor_overhead = True
   c.monitor = ml_collections.ConfigDict(
     dict(width=128, depth=4, heads=4, seq_len=64, batch_size=16, log_every=15)

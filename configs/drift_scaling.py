@@ -6,7 +6,7 @@ Run:
   python launch/drift_scaling.py --workdir=runs/drift_scaling_smoke \
       --config=smoke
 
-Each unit is a whole drift study (`stableattn/configs/training_drift.py`, the
+Each unit is a whole drift study (`configs/training_drift.py`, the
 `drift` section below) with the pairs that carry the verdicts: Flash vs
 Baseline against BF16-vs-FP32 training, another seed and the base run
 compiled for another machine. Sizes are "w<width>-d<depth>-s<context>";
