@@ -67,6 +67,8 @@ def _default() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # every variant trains in this format
+  # "activations" (MaxText) or "autocast" (PyTorch): configs/training_drift.py
+  c.train.mixed_precision = "activations"
   # Baseline is also trained in this format, the reference difference
   # ("": none).
   c.train.reference_precision = "fp32"

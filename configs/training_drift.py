@@ -50,9 +50,8 @@ def _default() -> ml_collections.ConfigDict:
   c.attention = ml_collections.ConfigDict()
   c.attention.baseline = "reference"  # attention of the base run
   c.attention.flash = "pallas"  # attention of the run compared with it
-  # 'auto': fp32 training -> 'fp32'; bf16/fp16 training -> Flash under
-  # '<fmt>-fa2' and Baseline under '<fmt>-framework' (each its natural
-  # policy). Or any preset name.
+  # 'auto': fp32 training -> 'fp32'; bf16/fp16 -> Flash '<fmt>-fa2',
+  # Baseline '<fmt>-framework' (natural policies). Or any preset name.
   c.attention.flash_precision = "auto"
   c.attention.baseline_precision = "auto"
   # 'natural': with 'auto', each kernel under its natural policy (Flash
@@ -81,6 +80,7 @@ def _default() -> ml_collections.ConfigDict:
 
   c.train = ml_collections.ConfigDict()
   c.train.precision = "bf16"  # compute format of the base run
+  c.train.mixed_precision = "activations"  # or "autocast": docs/experiments
   # Each replicate: its own initialization and data order; ratios between
   # pairs get intervals over replicates. Five: an interval over two or
   # three moves several-fold from one machine to the next (steps were

@@ -84,8 +84,9 @@ def save_layers(
 ):
   """`save` of a trainer's capture (a list over layers of {q, k, v, d_out}
   arrays, `stableattn.training.trainer.Trainer.capture`), the layers in
-  `keep` only (empty: all); the dtype recorded is q's, the residual
-  stream's format they arrived in."""
+  `keep` only (empty: all); the dtype recorded is q's, the format the
+  kernel received them in (a BF16 run's under either mixed-precision
+  convention; its residual stream is the metadata's to say)."""
   unknown = [i for i in keep if not 0 <= i < len(layers)]
   if unknown:
     raise ValueError(

@@ -1,7 +1,9 @@
 """A small decoder-only transformer (flax.nnx), attention chosen by name.
 
-Pre-norm blocks (RMSNorm computed in FP32), learned absolute positions, a
-GELU MLP, and tied input/output embeddings. Attention is one of:
+Pre-norm blocks (RMSNorm statistics in FP32), learned absolute positions,
+a GELU MLP, and tied input/output embeddings, computing in the format a
+`ComputeFormat` names: every module is given its dtype, so no tensor's
+format is left to type promotion. Attention is one of:
   * any name of `stableattn.ops.registry`: "reference" (materialized
     baseline attention), "pallas" (our flash kernel), "xla"
     (`jax.nn.dot_product_attention`), a peer ("cudnn", "jax_mha", ...), or
@@ -32,6 +34,7 @@ from flax import nnx
 
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
+from stableattn.numerics.formats import to_dtype
 from stableattn.numerics.monitor import attention_statistics
 from stableattn.ops import registry
 from stableattn.ops.ring import ring_attention
@@ -39,10 +42,10 @@ from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
 
 SHADOW = "shadow"
 FP32 = Options(precision="fp32")
-# The language-model head's formats: FP32 operands, or BF16 operands (FP32
-# accumulation) with the logits stored in BF16, as a BF16 inference engine
-# computes them.
-HEAD_FORMATS = ("fp32", "bf16")
+# The language-model head's formats: the model's compute format, FP32
+# operands, or BF16 operands (FP32 accumulation) with the logits stored in
+# BF16, as a BF16 inference engine computes them.
+HEAD_FORMATS = ("compute", "fp32", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,56 @@ class AttentionSpec:
     return fn(q, k, v, **self.features.kwargs())
 
 
+# What "mixed precision" means besides attention, in the two conventions
+# in use (docs/experiments.md has the table of every tensor class):
+# "activations" (MaxText, jmp): parameters cast to the compute format on
+# the way in, every activation in it (embedding output, residual stream,
+# norms' outputs, MLP, logits), norm statistics in FP32; "autocast"
+# (PyTorch's, the paper's framework): parameters stay FP32 and only each
+# matmul's operands are cast, so the embedding output, the residual
+# stream and the norms stay FP32. The loss is FP32 in both.
+MIXED_PRECISION = ("activations", "autocast")
+TRAINING_FORMATS = ("fp32", "bf16", "fp16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeFormat:
+  """The format a model computes in, and by which convention."""
+
+  precision: str = "fp32"  # one of TRAINING_FORMATS
+  mixed_precision: str = "activations"  # one of MIXED_PRECISION
+
+  def __post_init__(self):
+    if self.precision not in TRAINING_FORMATS:
+      raise ValueError(
+        f"Unknown training precision {self.precision!r}; valid: "
+        f"{list(TRAINING_FORMATS)}."
+      )
+    if self.mixed_precision not in MIXED_PRECISION:
+      raise ValueError(
+        f"Unknown mixed_precision {self.mixed_precision!r}; valid: "
+        f"{list(MIXED_PRECISION)} (MaxText's every activation in the "
+        "compute format, or PyTorch autocast's matmul operands only)."
+      )
+
+  @property
+  def dtype(self):
+    """The compute format: every matmul's operands."""
+    return to_dtype(self.precision)
+
+  @property
+  def activation_dtype(self):
+    """The embedding output's and the residual stream's format."""
+    if self.mixed_precision == "autocast":
+      return jnp.dtype(jnp.float32)
+    return self.dtype
+
+  @property
+  def casts_parameters(self) -> bool:
+    """Whether the parameters enter the model in the compute format."""
+    return self.mixed_precision == "activations"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   vocab_size: int = 256
@@ -133,14 +186,21 @@ class RMSNorm(nnx.Module):
 
 class SelfAttention(nnx.Module):
   def __init__(
-    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+    self,
+    spec: ModelSpec,
+    attention_spec: AttentionSpec,
+    *,
+    rngs: nnx.Rngs,
+    compute: ComputeFormat,
   ):
     self.heads = spec.heads
     self.head_dim = spec.width // spec.heads
     self.attention_spec = attention_spec
 
     def linear():
-      return nnx.Linear(spec.width, spec.width, use_bias=False, rngs=rngs)
+      return nnx.Linear(
+        spec.width, spec.width, use_bias=False, dtype=compute.dtype, rngs=rngs
+      )
 
     self.query, self.key, self.value, self.out = (linear() for _ in range(4))
     if spec.qk_norm:
@@ -224,14 +284,22 @@ class SelfAttention(nnx.Module):
 
 class Block(nnx.Module):
   def __init__(
-    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+    self,
+    spec: ModelSpec,
+    attention_spec: AttentionSpec,
+    *,
+    rngs: nnx.Rngs,
+    compute: ComputeFormat,
   ):
     self.attention_norm = RMSNorm(spec.width)
-    self.attention = SelfAttention(spec, attention_spec, rngs=rngs)
+    self.attention = SelfAttention(
+      spec, attention_spec, rngs=rngs, compute=compute
+    )
     self.mlp_norm = RMSNorm(spec.width)
     hidden = spec.mlp_ratio * spec.width
-    self.mlp_in = nnx.Linear(spec.width, hidden, rngs=rngs)
-    self.mlp_out = nnx.Linear(hidden, spec.width, rngs=rngs)
+    dtype = compute.dtype
+    self.mlp_in = nnx.Linear(spec.width, hidden, dtype=dtype, rngs=rngs)
+    self.mlp_out = nnx.Linear(hidden, spec.width, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, collect_stats: bool = False, probe_tap=None):
     attended, stats = self.attention(
@@ -261,15 +329,31 @@ class DecodeCache(NamedTuple):
 
 class Transformer(nnx.Module):
   def __init__(
-    self, spec: ModelSpec, attention_spec: AttentionSpec, *, rngs: nnx.Rngs
+    self,
+    spec: ModelSpec,
+    attention_spec: AttentionSpec,
+    *,
+    rngs: nnx.Rngs,
+    compute: ComputeFormat = ComputeFormat(),
   ):
     self.spec = spec
-    self.embed = nnx.Embed(spec.vocab_size, spec.width, rngs=rngs)
+    self.compute = compute
+    # nnx.Embed's output takes its `dtype`, which defaults to the table's
+    # (FP32): without it every layer after would promote to FP32.
+    self.embed = nnx.Embed(
+      spec.vocab_size, spec.width, dtype=compute.activation_dtype, rngs=rngs
+    )
     self.positions = nnx.Param(
-      0.02 * jax.random.normal(rngs.params(), (spec.max_len, spec.width))
+      0.02
+      * jax.random.normal(
+        rngs.params(), (spec.max_len, spec.width), jnp.float32
+      )
     )
     self.blocks = nnx.List(
-      [Block(spec, attention_spec, rngs=rngs) for _ in range(spec.depth)]
+      [
+        Block(spec, attention_spec, rngs=rngs, compute=compute)
+        for _ in range(spec.depth)
+      ]
     )
     self.final_norm = RMSNorm(spec.width)
 
@@ -278,10 +362,19 @@ class Transformer(nnx.Module):
     tokens_BxT,
     collect_stats: bool = False,
     probe_taps=None,
-    head_format: str = "fp32",
+    head_format: str = "compute",
   ):
     """Logits [B, T, vocab] (FP32) and per-layer statistics; `probe_taps`:
     one per layer, see `SelfAttention`; `head_format`: see `head`."""
+    states, layer_stats = self.residual_stream(
+      tokens_BxT, collect_stats, probe_taps
+    )
+    return self.head(states[-1], head_format), layer_stats
+
+  def residual_stream(self, tokens_BxT, collect_stats=False, probe_taps=None):
+    """The residual stream [B, T, W] after the embedding and after each
+    block (depth + 1 states, in the activation format), and per-layer
+    statistics."""
     length = tokens_BxT.shape[1]
     if length > self.spec.max_len:
       raise ValueError(
@@ -290,29 +383,34 @@ class Transformer(nnx.Module):
       )
     x = self.embed(tokens_BxT)
     x = x + self.positions[:length].astype(x.dtype)
-    layer_stats = []
+    states, layer_stats = [x], []
     taps = probe_taps or [None] * len(self.blocks)
     for block, tap in zip(self.blocks, taps):
       x, stats = block(x, collect_stats, tap)
+      states.append(x)
       layer_stats.append(stats)
-    return self.head(x, head_format), layer_stats
+    return states, layer_stats
 
-  def head(self, x, head_format: str = "fp32"):
-    """Logits (FP32) of hidden states x: the tied embedding's matmul with
-    FP32 operands, or in BF16 (BF16 operands, FP32 accumulation, logits
-    stored in BF16), one of `HEAD_FORMATS`."""
+  def head(self, x, head_format: str = "compute"):
+    """Logits (FP32) of hidden states x through the tied embedding: in the
+    model's compute format ("compute": operands and logits in it, then
+    FP32 for the loss, as MaxText casts logits), with FP32 operands
+    ("fp32"), or in BF16 with FP32 accumulation and BF16 logits ("bf16",
+    as a BF16 inference engine computes them); one of `HEAD_FORMATS`."""
     if head_format not in HEAD_FORMATS:
       raise ValueError(
         f"head_format must be one of {list(HEAD_FORMATS)}, got {head_format!r}."
       )
     hidden = self.final_norm(x)
-    if head_format == "fp32":
-      return self.embed.attend(hidden).astype(jnp.float32)
-    table = self.embed.embedding[...].astype(jnp.bfloat16)
+    table = self.embed.embedding[...]
+    if head_format != "bf16":
+      dtype = self.compute.dtype if head_format == "compute" else jnp.float32
+      logits = jnp.dot(hidden.astype(dtype), table.astype(dtype).T)
+      return logits.astype(jnp.float32)
     logits = jnp.einsum(
       "...w,vw->...v",
       hidden.astype(jnp.bfloat16),
-      table,
+      table.astype(jnp.bfloat16),
       preferred_element_type=jnp.float32,
     )
     return logits.astype(jnp.bfloat16).astype(jnp.float32)
@@ -333,7 +431,7 @@ class Transformer(nnx.Module):
     tokens_BxN,
     cache: DecodeCache,
     attention: AttentionSpec,
-    head_format: str = "fp32",
+    head_format: str = "compute",
   ):
     """Logits [B, N, vocab] of N new tokens appended to the cache, with
     `attention` over it (prefill for N > 1, a decode step for N = 1), and

@@ -86,7 +86,9 @@ class Path:
 def with_attention(model: Transformer, attention: AttentionSpec):
   """The same weights in a model whose layers compute `attention`."""
   _, state = nnx.split(model)
-  twin = Transformer(model.spec, attention, rngs=nnx.Rngs(0))
+  twin = Transformer(
+    model.spec, attention, rngs=nnx.Rngs(0), compute=model.compute
+  )
   nnx.update(twin, state)
   return twin
 

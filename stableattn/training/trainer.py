@@ -1,7 +1,10 @@
 """Training a `Transformer` with Optax in FP32, BF16 or FP16.
 
-Master weights stay FP32; the forward and backward passes run in the
-compute format (params cast on the way in). FP16 adds dynamic loss scaling:
+Master weights and optimizer state stay FP32; the forward and backward
+passes run in the compute format, by one of two conventions
+(`RunSpec.mixed_precision`, `model.ComputeFormat`): every activation in it
+(parameters cast on the way in), or only the matmuls' operands, as PyTorch
+autocast does. The loss is FP32. FP16 adds dynamic loss scaling:
 a step whose gradients overflow is skipped and the scale halved; after
 `loss_scale_period` good steps the scale doubles. Data parallelism: the
 batch is sharded over a 1-D `Mesh` ("data" axis), parameters replicated.
@@ -30,9 +33,15 @@ from jax.sharding import PartitionSpec as P
 
 from stableattn.numerics.formats import to_dtype
 from stableattn.ops.ring_plan import context_mesh
-from stableattn.training.model import AttentionSpec, ModelSpec, Transformer
+from stableattn.training.model import (
+  TRAINING_FORMATS,
+  AttentionSpec,
+  ComputeFormat,
+  ModelSpec,
+  Transformer,
+)
 
-COMPUTE_DTYPES = {name: to_dtype(name) for name in ("fp32", "bf16", "fp16")}
+COMPUTE_DTYPES = {name: to_dtype(name) for name in TRAINING_FORMATS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +62,8 @@ class RunSpec:
 
   attention: AttentionSpec
   precision: str = "fp32"  # compute format: fp32 | bf16 | fp16
+  # "activations" (MaxText, jmp) or "autocast" (PyTorch): model.ComputeFormat
+  mixed_precision: str = "activations"
   init_seed: int = 0
   devices: int = 1
   replica: int = 0  # distinguishes an identical rerun from its original
@@ -63,11 +74,23 @@ class RunSpec:
   z_loss: float = 0.0
 
   def __post_init__(self):
-    if self.precision not in COMPUTE_DTYPES:
-      raise ValueError(
-        f"Unknown training precision {self.precision!r}; valid: "
-        f"{list(COMPUTE_DTYPES)}."
-      )
+    self.compute_format  # noqa: B018 - validates both fields
+
+  @property
+  def compute_format(self) -> ComputeFormat:
+    return ComputeFormat(self.precision, self.mixed_precision)
+
+  def format_record(self) -> dict:
+    """The run's formats as a record says them (a capture's
+    `capture.json`): q, k, v arrive in the compute format under both
+    conventions; the residual stream only under "activations"."""
+    compute = self.compute_format
+    return {
+      "precision": self.precision,
+      "mixed_precision": self.mixed_precision,
+      "compute": str(compute.dtype),
+      "residual_stream": str(compute.activation_dtype),
+    }
 
   @property
   def dynamic_loss_scale(self) -> bool:
@@ -171,7 +194,12 @@ class Trainer:
 
   def graph_with(self, attention: AttentionSpec):
     """The model's graph with another attention; the same parameters fit."""
-    model = Transformer(self.model_spec, attention, rngs=nnx.Rngs(0))
+    model = Transformer(
+      self.model_spec,
+      attention,
+      rngs=nnx.Rngs(0),
+      compute=self.run.compute_format,
+    )
     return nnx.split(model, nnx.Param)[0]
 
   def init_params(self, replicate: int = 0) -> nnx.State:
@@ -209,9 +237,16 @@ class Trainer:
       batch.shape, self.batch_sharding, lambda index: batch[index]
     )
 
+  def model(self, params, graphdef=None) -> Transformer:
+    """The model on `params` as a step computes with it (through this run's
+    attention, or `graphdef`'s): the parameters in the compute format where
+    the run's convention casts them."""
+    if self.run.compute_format.casts_parameters:
+      params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+    return nnx.merge(self.graphdef if graphdef is None else graphdef, params)
+
   def _apply(self, graphdef, params, tokens, collect_stats=False, taps=None):
-    cast = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
-    return nnx.merge(graphdef, cast)(
+    return self.model(params, graphdef)(
       tokens, collect_stats=collect_stats, probe_taps=taps
     )
 

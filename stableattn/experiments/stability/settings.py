@@ -32,7 +32,7 @@ from stableattn.numerics.precision import (
   stable_policy,
 )
 from stableattn.ops.registry import resolve
-from stableattn.training.model import AttentionSpec, ModelSpec
+from stableattn.training.model import MIXED_PRECISION, AttentionSpec, ModelSpec
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 # Attention variants: name -> (implementation, policy; "natural": the
@@ -138,6 +138,7 @@ def _reference_precision(raw, name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
   precision: str = spec(choices=COMPUTE_DTYPES)
+  mixed_precision: str = spec(choices=MIXED_PRECISION)
   reference_precision: str = spec(parse=_reference_precision)
   learning_rates: tuple[float, ...] = spec(parse=_learning_rates)
   replicates: int = spec(minimum=1)
@@ -292,6 +293,7 @@ def _run(
   run = RunSpec(
     attention=attention,
     precision=arm.precision,
+    mixed_precision=str(c.train.mixed_precision),
     z_loss=float(c.strengths.z_loss) if m == "z_loss" else 0.0,
   )
   return dataclasses.replace(model, qk_norm=m == "qk_norm"), run

@@ -239,6 +239,7 @@ class Lockstep:
         "replicate": replicate,
         "attention": attention.kind,
         "policy": attention.options.precision.name,
+        "training_format": trainer.run.format_record(),
         "model": dataclasses.asdict(self.s.model),
         "batch_rows": len(tokens),
       },

@@ -30,7 +30,12 @@ from stableattn.numerics.precision import (
 )
 from stableattn.ops.dispatch import xla_unsupported_reason
 from stableattn.ops.registry import IMPLEMENTATIONS, resolve
-from stableattn.training.model import SHADOW, AttentionSpec, ModelSpec
+from stableattn.training.model import (
+  MIXED_PRECISION,
+  SHADOW,
+  AttentionSpec,
+  ModelSpec,
+)
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 COMPARE_MODES = ("natural", "shared")
@@ -106,6 +111,7 @@ def _policy(
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
   precision: str = spec(choices=COMPUTE_DTYPES)
+  mixed_precision: str = spec(choices=MIXED_PRECISION)
   replicates: int = spec(minimum=1)
   batch_size: int = spec(minimum=1)
   total_steps: int = spec(minimum=1)
@@ -339,6 +345,7 @@ def _run_spec(
       context_parallel=context,
     ),
     precision=precision,
+    mixed_precision=train.mixed_precision,
     devices=1 if variant.single_device or context > 1 else devices,
     init_seed=variant.init_seed,
     replica=variant.replica,
