@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from stableattn.experiments.training_drift import ratio_report, report
+from stableattn.experiments.training_drift import analysis, ratio_report, report
 from stableattn.experiments.training_drift.analysis import ratio_summary
 
 STEPS = (0, 10, 20)
@@ -51,7 +51,12 @@ def test_every_subject_is_divided_by_every_reference_with_verdicts():
     "flash_vs_baseline": {"bf16_vs_fp32": "holds"}
   }
   ratios = headline["ratios"]["flash_vs_baseline"]["bf16_vs_fp32"]
-  assert set(ratios) == {"wasserstein", "max_abs"}
+  assert set(ratios) == {
+    "wasserstein",
+    "max_abs",
+    "wasserstein_slope",
+    "max_abs_slope",
+  }
   table = "\n".join(lines)
   assert "| flash_vs_baseline | bf16_vs_fp32 | wasserstein |" in table
   assert "2-5x below | holds |" in table
@@ -177,3 +182,29 @@ def test_a_reference_identical_in_some_replicates_gives_no_ratio():
   assert "identical (drift exactly 0 at every logged step) in 2 of 3" in finding
   # With the reference drifting in every replicate the ratio is back.
   assert ratio_summary(_rows(0.25), "flash_vs_baseline", "bf16_vs_fp32").bounded
+
+
+def test_growth_rates_are_fitted_slopes_and_their_ratio_has_an_interval():
+  rows = []
+  for r, (sub, ref) in enumerate([(1.0, 4.0), (2.0, 4.0), (-1.0, 2.0)]):
+    for step in STEPS:
+      rows += [
+        _drift("flash_vs_baseline", r, step, sub * step),
+        _drift("bf16_vs_fp32", r, step, ref * step + 7.0),
+      ]
+  assert analysis.growth_rate(rows, "bf16_vs_fp32", replicate=0) == (
+    pytest.approx(4.0)
+  )
+  slope, left_out = analysis.slope_ratio_summary(
+    rows, "flash_vs_baseline", "bf16_vs_fp32"
+  )
+  # Replicate 2's subject shrinks: no ratio of growth rates, and said so.
+  assert left_out == 1 and slope.count == 2
+  assert slope.mean == pytest.approx(math.sqrt(0.25 * 0.5))
+  headline = {}
+  lines, _ = ratio_report.ratio_section(
+    rows, ("flash_vs_baseline", "bf16_vs_fp32"), headline
+  )
+  got = headline["ratios"]["flash_vs_baseline"]["bf16_vs_fp32"]
+  assert got["wasserstein_slope"]["replicates_left_out"] == 1
+  assert "1 left out" in "\n".join(lines)

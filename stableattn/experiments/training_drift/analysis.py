@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from stableattn.experiments.training_drift.pairs import Pair
 from stableattn.harness.reporting import (
   Interval,
@@ -164,6 +166,41 @@ def replicate_ratios(
       rows, numerator, denominator, metric
     ).items()
   }
+
+
+def growth_rate(
+  rows, pair: str, metric: str = "wasserstein", replicate: int = 0
+) -> float | None:
+  """The least-squares slope of one pair's drift against the step (drift
+  per step) over its logged steps, step 0 included: the paper's Fig. 8
+  reads the comparison from how fast deviation grows ("note the slope").
+  None with fewer than two logged steps."""
+  drift = model_drift(rows, pair, metric, replicate)
+  if len(drift) < 2:
+    return None
+  steps = np.asarray(sorted(drift), np.float64)
+  return float(np.polyfit(steps, [drift[s] for s in sorted(drift)], 1)[0])
+
+
+def slope_ratio_summary(
+  rows, numerator: str, denominator: str, metric: str = "wasserstein"
+):
+  """(interval over replicates of growth_rate(numerator) /
+  growth_rate(denominator), replicates left out because a slope was not
+  positive); (None, n) when no replicate has both slopes positive."""
+  ratios, left_out = [], 0
+  for replicate in replicates_of(rows):
+    a = growth_rate(rows, numerator, metric, replicate)
+    b = growth_rate(rows, denominator, metric, replicate)
+    if a is None or b is None:
+      continue
+    if a > 0 and b > 0:
+      ratios.append(a / b)
+    else:
+      left_out += 1
+  if not ratios:
+    return None, left_out
+  return mean_interval(ratios, geometric=True), left_out
 
 
 def paper_verdict(summary: RatioSummary, reference: Pair) -> str | None:

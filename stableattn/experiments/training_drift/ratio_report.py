@@ -10,6 +10,7 @@ from stableattn.experiments.training_drift.analysis import (
   paper_verdict,
   ratio_summary,
   replicates_of,
+  slope_ratio_summary,
 )
 from stableattn.experiments.training_drift.pairs import with_role
 from stableattn.harness.reporting import (
@@ -27,7 +28,9 @@ RATIO_INTRO = (
   "over logging steps (correlated, so narrower). A verdict holds when the "
   "interval over replicates lies inside the paper's band, fails when it "
   "lies outside, and cannot be told apart when it straddles an edge or "
-  "there is one replicate."
+  "there is one replicate. The growth-rate ratio divides the pairs' "
+  "fitted slopes of drift against step (the paper's Fig. 8 reading), per "
+  "replicate, with its interval over replicates."
 )
 
 
@@ -66,11 +69,20 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
             f"{below_text(summary.over_replicates)}, over replicates"
             f"{_resolution_text(summary.over_replicates)}."
           )
+        slope, left_out = slope_ratio_summary(
+          rows, subject.name, reference.name, metric
+        )
+        if slope is not None:
+          ratios[reference.name][f"{metric}_slope"] = {
+            **slope.as_dict(),
+            "replicates_left_out": left_out,
+          }
         table_rows.append(
           [subject.name, reference.name, metric]
           + [num(summary.over_replicates.mean)]
           + [_interval_cell(summary.over_replicates)]
           + [_interval_cell(summary.over_steps)]
+          + [_slope_cell(slope, left_out)]
           + ([reference.claim, verdict] if judged else ["-", "-"])
         )
   for reference in with_role(pairs, "reference"):
@@ -88,7 +100,8 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
   if not table_rows:
     return [], findings
   header = ["subject pair", "reference pair", "metric", "subject / reference"]
-  header += ["95% CI over replicates", "95% CI over steps", "paper", "verdict"]
+  header += ["95% CI over replicates", "95% CI over steps"]
+  header += ["growth-rate ratio [95% CI]", "paper", "verdict"]
   return [
     "## Each subject pair against each reference pair",
     "",
@@ -104,7 +117,7 @@ def _unbounded_row(subject, reference, metric, summary) -> list[str]:
     f"unbounded: identical in {summary.unbounded_replicates} of "
     f"{summary.replicates} replicates"
   )
-  return [subject.name, reference.name, metric, identical, "-", "-"] + (
+  return [subject.name, reference.name, metric, identical, "-", "-", "-"] + (
     [reference.claim, "no verdict"] if reference.claim else ["-", "-"]
   )
 
@@ -136,3 +149,10 @@ def _interval_cell(interval: Interval) -> str:
   if interval.low is None:
     return f"- (n={interval.count})"
   return f"{num(interval.low)}-{num(interval.high)} (n={interval.count})"
+
+
+def _slope_cell(slope: Interval | None, left_out: int) -> str:
+  if slope is None:
+    return f"- ({left_out} slopes not positive)" if left_out else "-"
+  cell = f"{num(slope.mean)} [{_interval_cell(slope)}]"
+  return cell + (f", {left_out} left out" if left_out else "")
