@@ -156,3 +156,38 @@ def _slope_cell(slope: Interval | None, left_out: int) -> str:
     return f"- ({left_out} slopes not positive)" if left_out else "-"
   cell = f"{num(slope.mean)} [{_interval_cell(slope)}]"
   return cell + (f", {left_out} left out" if left_out else "")
+
+
+def _cell(ratios: dict, key: str, verdict: str | None = None) -> str:
+  got = ratios.get(key)
+  if not got or "mean" not in got:
+    return "-"
+  interval = Interval(**{k: got[k] for k in ("mean", "low", "high", "count")})
+  text = f"{num(interval.mean)} [{num(interval.low)}, {num(interval.high)}]"
+  return f"{text} {verdict}" if verdict else text
+
+
+def runs_table(headlines: dict, subject: str = "flash_vs_baseline") -> str:
+  """One subject against every reference pair, side by side for several
+  stored runs (`{label: headline.json}`): the end-point ratio of
+  Wasserstein drift with its interval over replicates and the paper's
+  verdict, and the ratio of growth rates (docs/results.md quotes it)."""
+  references = sorted(
+    {r for h in headlines.values() for r in h["ratios"].get(subject, {})}
+  )
+  header = ["reference pair"] + [
+    f"{label}: {what}"
+    for label in headlines
+    for what in ("end-point ratio", "growth-rate ratio")
+  ]
+  rows = []
+  for reference in references:
+    row = [reference]
+    for headline in headlines.values():
+      ratios = headline["ratios"].get(subject, {}).get(reference, {})
+      verdict = headline["paper_verdicts"].get(subject, {}).get(reference)
+      over = ratios.get("wasserstein", {}).get("over_replicates", {})
+      row.append(_cell({"w": over}, "w", verdict))
+      row.append(_cell(ratios, "wasserstein_slope"))
+    rows.append(row)
+  return table(header, rows)
