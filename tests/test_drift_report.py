@@ -1,11 +1,14 @@
 """The drift report's sections on synthetic rows with known answers."""
 
+import json
 import math
+import pathlib
 
 import pytest
 
 from stableattn.experiments.training_drift import analysis, ratio_report, report
 from stableattn.experiments.training_drift.analysis import ratio_summary
+from stableattn.experiments.training_drift.ratio_report import runs_table
 
 STEPS = (0, 10, 20)
 
@@ -208,3 +211,18 @@ def test_growth_rates_are_fitted_slopes_and_their_ratio_has_an_interval():
   got = headline["ratios"]["flash_vs_baseline"]["bf16_vs_fp32"]
   assert got["wasserstein_slope"]["replicates_left_out"] == 1
   assert "1 left out" in "\n".join(lines)
+
+
+def test_the_docs_quote_the_stored_drift_runs_as_their_rows_give_them():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  runs = {
+    convention: json.loads(
+      (root / "results" / "cpu" / f"training-drift-{convention}-2026-11-27")
+      .joinpath("headline.json")
+      .read_text()
+    )
+    for convention in ("activations", "autocast")
+  }
+  docs = (root / "docs" / "results.md").read_text()
+  for metric in ("wasserstein", "max_abs"):
+    assert runs_table(runs, metric=metric) in docs, metric

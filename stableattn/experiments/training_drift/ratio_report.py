@@ -158,20 +158,23 @@ def _slope_cell(slope: Interval | None, left_out: int) -> str:
   return cell + (f", {left_out} left out" if left_out else "")
 
 
-def _cell(ratios: dict, key: str, verdict: str | None = None) -> str:
-  got = ratios.get(key)
+def _cell(got: dict | None, verdict: str | None = None) -> str:
   if not got or "mean" not in got:
     return "-"
-  interval = Interval(**{k: got[k] for k in ("mean", "low", "high", "count")})
-  text = f"{num(interval.mean)} [{num(interval.low)}, {num(interval.high)}]"
+  text = f"{num(got['mean'])} [{num(got['low'])}, {num(got['high'])}]"
+  if got.get("replicates_left_out"):
+    text += f" (n={got['count']})"
   return f"{text} {verdict}" if verdict else text
 
 
-def runs_table(headlines: dict, subject: str = "flash_vs_baseline") -> str:
+def runs_table(
+  headlines: dict, subject: str = "flash_vs_baseline", metric="wasserstein"
+) -> str:
   """One subject against every reference pair, side by side for several
-  stored runs (`{label: headline.json}`): the end-point ratio of
-  Wasserstein drift with its interval over replicates and the paper's
-  verdict, and the ratio of growth rates (docs/results.md quotes it)."""
+  stored runs (`{label: headline.json}`): the end-point ratio of the
+  metric's drift with its interval over replicates (and, for Wasserstein,
+  the paper's verdict) and the ratio of growth rates; docs/results.md
+  quotes it."""
   references = sorted(
     {r for h in headlines.values() for r in h["ratios"].get(subject, {})}
   )
@@ -185,9 +188,9 @@ def runs_table(headlines: dict, subject: str = "flash_vs_baseline") -> str:
     row = [reference]
     for headline in headlines.values():
       ratios = headline["ratios"].get(subject, {}).get(reference, {})
-      verdict = headline["paper_verdicts"].get(subject, {}).get(reference)
-      over = ratios.get("wasserstein", {}).get("over_replicates", {})
-      row.append(_cell({"w": over}, "w", verdict))
-      row.append(_cell(ratios, "wasserstein_slope"))
+      verdicts = headline["paper_verdicts"].get(subject, {})
+      verdict = verdicts.get(reference) if metric == "wasserstein" else None
+      row.append(_cell(ratios.get(metric, {}).get("over_replicates"), verdict))
+      row.append(_cell(ratios.get(f"{metric}_slope")))
     rows.append(row)
   return table(header, rows)
