@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -127,10 +128,9 @@ def test_the_trainer_captures_what_the_kernel_receives_and_its_cotangent():
     assert {t: a.shape for t, a in layer.items()} == dict.fromkeys(
       captures.TENSORS, shape
     )
-    # q, k, v in the residual stream's format (FP32: nnx.Embed promotes to
-    # the dtype its table had when built), dO in the compute format.
+    # q, k, v as the kernel receives them and dO: the compute format.
     assert layer["q"].dtype == layer["k"].dtype == layer["v"].dtype
-    assert layer["d_out"].dtype == trainer.compute_dtype
+    assert layer["q"].dtype == layer["d_out"].dtype == trainer.compute_dtype
     assert float(jnp.max(jnp.abs(layer["d_out"].astype(jnp.float32)))) > 0
   # dO is the loss's gradient with respect to the attention output: the
   # deltas rowsum(dO * O) the trainer reports are built from the same dO.
@@ -163,6 +163,19 @@ def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
     (run / "captures" / "step_000012" / "capture.json").read_text()
   )
   assert meta["run"] == "flash" and meta["policy"] == "bf16-fa2"
+  # A BF16 run's tensors are BF16, and the record says the run's formats.
+  assert meta["dtype"] == "bfloat16"
+  assert meta["training_format"] == {
+    "precision": "bf16",
+    "mixed_precision": "activations",
+    "compute": "bfloat16",
+    "residual_stream": "bfloat16",
+  }
+  for layer in layers:
+    for name in ("q", "k", "v", "d_out"):
+      values = layer.tensors[name]
+      as_bf16 = values.astype(ml_dtypes.bfloat16).astype(np.float64)
+      assert np.array_equal(values, as_bf16), name
   done = subprocess.run(
     common
     + [

@@ -115,3 +115,15 @@ def test_our_kernel_computes_in_the_format_outside_its_own_policy():
 def test_an_unknown_convention_is_named():
   with pytest.raises(ValueError, match="mixed_precision 'amp'.*autocast"):
     RunSpec(AttentionSpec(), precision="bf16", mixed_precision="amp")
+
+
+def test_a_run_record_names_its_residual_stream_by_convention():
+  record = RunSpec(AttentionSpec(), "bf16", "autocast").format_record()
+  # Autocast casts only the matmuls' operands: q, k and v arrive in BF16,
+  # the residual stream stays FP32 (docs/experiments.md's table).
+  assert record == {
+    "precision": "bf16",
+    "mixed_precision": "autocast",
+    "compute": "bfloat16",
+    "residual_stream": "float32",
+  }
