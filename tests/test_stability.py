@@ -1,6 +1,7 @@
 """The stability sweep: rows, divergence as a row, resume, verdicts."""
 
 import json
+import pathlib
 
 import pytest
 
@@ -234,3 +235,24 @@ def test_delta_probe_compares_the_run_with_fp32_attention():
     assert all(np.isfinite(np.asarray(x)).all() for p in pairs for x in p)
   assert differences["reference"] == [0.0, 0.0]
   assert min(differences["pallas"]) > 0
+
+
+def test_the_docs_quote_the_stored_bf16_rerun_as_its_rows_give_it():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  stored = root / "results" / "cpu" / "stability-activations-2026-11-27"
+  flash = json.loads((stored / "headline.json").read_text())["verdicts"][
+    "variants"
+  ]["flash (none)"]
+
+  def quoted(x, digits):
+    return f"{x['mean']:.{digits}f}x [{x['low']:.2f}, {x['high']:.2f}]"
+
+  docs = " ".join((root / "docs" / "results.md").read_text().split())
+  difference = flash["lr_sensitivity_difference"]
+  assert (
+    f"differs from Baseline's by {difference['mean']:.3f} "
+    f"[{difference['low']:.3f}, {difference['high']:.3f}]"
+  ) in docs
+  spread = flash["spread_ratio"]
+  assert f"{quoted(spread['BF16-vs-FP32'], 2)} BF16-vs-FP32" in docs
+  assert f"{quoted(spread['other-machine (AVX)'], 2)} the recompiled" in docs
