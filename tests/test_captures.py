@@ -1,6 +1,7 @@
 """A model's own attention tensors: captured in training, saved, audited."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -255,3 +256,42 @@ def test_capture_layers_beyond_the_model_are_refused_before_training():
   config.train.capture_layers = "0,5"
   with pytest.raises(ValueError, match=r"capture_layers \[5\] do not exist"):
     settings_from_config(config)
+
+
+def test_the_docs_quote_the_stored_bf16_capture_audit_as_its_rows_give_it():
+  """docs/results.md's rerun on BF16 captures, from the stored audit rows."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  stored = root / "results" / "cpu" / "captured-audit-2026-11-27"
+  docs = " ".join((root / "docs" / "results.md").read_text().split())
+
+  def worst(audit, rule, tensor=None):
+    rows = [
+      json.loads(line)
+      for line in (stored / audit / "metrics.jsonl").read_text().splitlines()
+    ]
+    return max(
+      r[f"{rule}_value"] / r[f"{rule}_limit"]
+      for r in rows
+      if r.get("regime") == "captured"
+      and r.get("policy") == "bf16-framework"
+      and r.get(f"{rule}_applies")
+      and tensor in (None, r["tensor"])
+    )
+
+  for audit, fa, flex in (
+    ("audit_pallas", "**1.98**", "**95.7**"),
+    ("audit_stable", "0.178", "0.645"),
+    ("audit_jax_mha", "**4.09**", "**182**"),
+    ("audit_xla", "0.325", "0.779"),
+  ):
+    quoted = f"{fa} / {flex}"
+    assert quoted in docs, quoted
+    got = (worst(audit, "flashattention"), worst(audit, "flexattention"))
+    assert [f"{v:.3g}" for v in got] == [x.strip("*") for x in (fa, flex)]
+  assert worst("audit_pallas", "flexattention", "dq") > 70
+  records = sorted(stored.glob("captures/*/step_*/capture.json"))
+  assert len(records) == 2
+  for record in records:
+    meta = json.loads(record.read_text())
+    assert meta["dtype"] == "bfloat16"
+    assert meta["training_format"]["residual_stream"] == "bfloat16"
