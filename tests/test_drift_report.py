@@ -1,5 +1,6 @@
 """The drift report's sections on synthetic rows with known answers."""
 
+import gzip
 import json
 import math
 import pathlib
@@ -226,3 +227,18 @@ def test_the_docs_quote_the_stored_drift_runs_as_their_rows_give_them():
   docs = (root / "docs" / "results.md").read_text()
   for metric in ("wasserstein", "max_abs"):
     assert runs_table(runs, metric=metric) in docs, metric
+
+
+def test_the_docs_quote_the_stable_pairs_of_the_stored_runs():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  docs = " ".join((root / "docs" / "results.md").read_text().split())
+  for convention in ("activations", "autocast"):
+    stored = (
+      root / "results" / "cpu" / f"training-drift-{convention}-2026-11-27"
+    )
+    with gzip.open(stored / "metrics.jsonl.gz", "rt") as lines:
+      rows = [json.loads(line) for line in lines]
+    for pair in ("stable_vs_baseline", "stable_vs_flash"):
+      summary = ratio_summary(rows, pair, "flash_vs_baseline")
+      text = summary.over_replicates.text("x").removesuffix(" (n=5)")
+      assert text in docs, (convention, pair, text)
