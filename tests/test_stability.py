@@ -256,3 +256,22 @@ def test_the_docs_quote_the_stored_bf16_rerun_as_its_rows_give_it():
   spread = flash["spread_ratio"]
   assert f"{quoted(spread['BF16-vs-FP32'], 2)} BF16-vs-FP32" in docs
   assert f"{quoted(spread['other-machine (AVX)'], 2)} the recompiled" in docs
+
+
+def test_the_docs_quote_the_stored_stable_arm_as_its_rows_give_it():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  stored = root / "results" / "cpu" / "stable-arm-stability-2026-11-27"
+  stable = json.loads((stored / "headline.json").read_text())["verdicts"][
+    "variants"
+  ]["flash_stable (none)"]
+  docs = " ".join((root / "docs" / "results.md").read_text().split())
+  difference = stable["lr_sensitivity_difference"]
+  assert (
+    f"{difference['mean']:.3f} [{difference['low']:.3f}, "
+    f"{difference['high']:.3f}] (stable Flash)"
+  ) in docs
+  spread = stable["spread_ratio"]["BF16-vs-FP32"]
+  assert (
+    f"{spread['mean']:.2f}x [{spread['low']:.2f}, {spread['high']:.2f}]"
+    " BF16-vs-FP32's"
+  ) in docs
