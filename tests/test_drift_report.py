@@ -242,3 +242,13 @@ def test_the_docs_quote_the_stable_pairs_of_the_stored_runs():
       summary = ratio_summary(rows, pair, "flash_vs_baseline")
       text = summary.over_replicates.text("x").removesuffix(" (n=5)")
       assert text in docs, (convention, pair, text)
+
+
+def test_the_docs_quote_the_stored_ring_run_as_its_rows_give_it():
+  root = pathlib.Path(__file__).resolve().parent.parent
+  stored = root / "results" / "cpu" / "drift-context-parallel-2026-11-27"
+  headline = json.loads((stored / "headline.json").read_text())
+  quoted = runs_table(
+    {"ring, 2 devices": headline}, subject="context_parallel_vs_single"
+  )
+  assert quoted in (root / "docs" / "results.md").read_text()
