@@ -1,8 +1,10 @@
-"""Random attention inputs for tests, and one shared experiment run."""
+"""Random attention inputs for tests, one shared experiment run, and the
+stored runs whose rows the docs quote."""
 
 import fcntl
 import json
 import os
+import pathlib
 
 import numpy as np
 
@@ -98,3 +100,22 @@ def smoke_audit_config(kernel: str, **changes):
   for name, value in changes.items():
     setattr(config, name, value)
   return config
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def stored_run(name: str) -> pathlib.Path:
+  """A run kept under results/cpu/ (too long for the tests to repeat)."""
+  return REPO / "results" / "cpu" / name
+
+
+def stored_headline(name: str) -> dict:
+  return json.loads((stored_run(name) / "headline.json").read_text())
+
+
+def results_page(*, folded: bool) -> str:
+  """docs/results.md; `folded`: each run of whitespace one space, so a
+  quoted number may wrap a line (tables keep their lines unfolded)."""
+  text = (REPO / "docs" / "results.md").read_text()
+  return " ".join(text.split()) if folded else text

@@ -1,7 +1,6 @@
 """A model's own attention tensors: captured in training, saved, audited."""
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import results_page, stored_run
 
 import stableattn as sa
 from stableattn.auditing import captures
@@ -260,22 +260,23 @@ def test_capture_layers_beyond_the_model_are_refused_before_training():
 
 def test_the_docs_quote_the_stored_bf16_capture_audit_as_its_rows_give_it():
   """docs/results.md's rerun on BF16 captures, from the stored audit rows."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  stored = root / "results" / "cpu" / "captured-audit-2026-11-27"
-  docs = " ".join((root / "docs" / "results.md").read_text().split())
+  stored = stored_run("captured-audit-2026-11-27")
+  docs = results_page(folded=True)
 
-  def worst(audit, rule, tensor=None):
-    rows = [
-      json.loads(line)
-      for line in (stored / audit / "metrics.jsonl").read_text().splitlines()
+  def captured_rows(audit):
+    lines = (stored / audit / "metrics.jsonl").read_text().splitlines()
+    rows = (json.loads(line) for line in lines)
+    return [
+      r
+      for r in rows
+      if r.get("regime") == "captured" and r.get("policy") == "bf16-framework"
     ]
+
+  def worst(rows, rule, tensor=None):
     return max(
       r[f"{rule}_value"] / r[f"{rule}_limit"]
       for r in rows
-      if r.get("regime") == "captured"
-      and r.get("policy") == "bf16-framework"
-      and r.get(f"{rule}_applies")
-      and tensor in (None, r["tensor"])
+      if r.get(f"{rule}_applies") and tensor in (None, r["tensor"])
     )
 
   for audit, fa, flex in (
@@ -286,9 +287,10 @@ def test_the_docs_quote_the_stored_bf16_capture_audit_as_its_rows_give_it():
   ):
     quoted = f"{fa} / {flex}"
     assert quoted in docs, quoted
-    got = (worst(audit, "flashattention"), worst(audit, "flexattention"))
+    rows = captured_rows(audit)
+    got = (worst(rows, "flashattention"), worst(rows, "flexattention"))
     assert [f"{v:.3g}" for v in got] == [x.strip("*") for x in (fa, flex)]
-  assert worst("audit_pallas", "flexattention", "dq") > 70
+  assert worst(captured_rows("audit_pallas"), "flexattention", "dq") > 70
   records = sorted(stored.glob("captures/*/step_*/capture.json"))
   assert len(records) == 2
   for record in records:

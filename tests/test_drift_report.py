@@ -3,9 +3,9 @@
 import gzip
 import json
 import math
-import pathlib
 
 import pytest
+from helpers import results_page, stored_headline, stored_run
 
 from stableattn.experiments.training_drift import analysis, ratio_report, report
 from stableattn.experiments.training_drift.analysis import ratio_summary
@@ -215,27 +215,19 @@ def test_growth_rates_are_fitted_slopes_and_their_ratio_has_an_interval():
 
 
 def test_the_docs_quote_the_stored_drift_runs_as_their_rows_give_them():
-  root = pathlib.Path(__file__).resolve().parent.parent
   runs = {
-    convention: json.loads(
-      (root / "results" / "cpu" / f"training-drift-{convention}-2026-11-27")
-      .joinpath("headline.json")
-      .read_text()
-    )
+    convention: stored_headline(f"training-drift-{convention}-2026-11-27")
     for convention in ("activations", "autocast")
   }
-  docs = (root / "docs" / "results.md").read_text()
+  docs = results_page(folded=False)
   for metric in ("wasserstein", "max_abs"):
     assert runs_table(runs, metric=metric) in docs, metric
 
 
 def test_the_docs_quote_the_stable_pairs_of_the_stored_runs():
-  root = pathlib.Path(__file__).resolve().parent.parent
-  docs = " ".join((root / "docs" / "results.md").read_text().split())
+  docs = results_page(folded=True)
   for convention in ("activations", "autocast"):
-    stored = (
-      root / "results" / "cpu" / f"training-drift-{convention}-2026-11-27"
-    )
+    stored = stored_run(f"training-drift-{convention}-2026-11-27")
     with gzip.open(stored / "metrics.jsonl.gz", "rt") as lines:
       rows = [json.loads(line) for line in lines]
     for pair in ("stable_vs_baseline", "stable_vs_flash"):
@@ -245,10 +237,8 @@ def test_the_docs_quote_the_stable_pairs_of_the_stored_runs():
 
 
 def test_the_docs_quote_the_stored_ring_run_as_its_rows_give_it():
-  root = pathlib.Path(__file__).resolve().parent.parent
-  stored = root / "results" / "cpu" / "drift-context-parallel-2026-11-27"
-  headline = json.loads((stored / "headline.json").read_text())
   quoted = runs_table(
-    {"ring, 2 devices": headline}, subject="context_parallel_vs_single"
+    {"ring, 2 devices": stored_headline("drift-context-parallel-2026-11-27")},
+    subject="context_parallel_vs_single",
   )
-  assert quoted in (root / "docs" / "results.md").read_text()
+  assert quoted in results_page(folded=False)

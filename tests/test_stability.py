@@ -1,9 +1,9 @@
 """The stability sweep: rows, divergence as a row, resume, verdicts."""
 
 import json
-import pathlib
 
 import pytest
+from helpers import results_page, stored_headline
 
 from stableattn.configs import stability as stability_config
 from stableattn.experiments import stability
@@ -237,41 +237,35 @@ def test_delta_probe_compares_the_run_with_fp32_attention():
   assert min(differences["pallas"]) > 0
 
 
+def _quoted(interval: dict, digits: int, unit: str = "") -> str:
+  """An interval as docs/results.md writes it: mean, then [low, high]."""
+  return (
+    f"{interval['mean']:.{digits}f}{unit} [{interval['low']:.{digits}f}, "
+    f"{interval['high']:.{digits}f}]"
+  )
+
+
+def _stored_variant(run: str, variant: str) -> dict:
+  return stored_headline(run)["verdicts"]["variants"][variant]
+
+
 def test_the_docs_quote_the_stored_bf16_rerun_as_its_rows_give_it():
-  root = pathlib.Path(__file__).resolve().parent.parent
-  stored = root / "results" / "cpu" / "stability-activations-2026-11-27"
-  flash = json.loads((stored / "headline.json").read_text())["verdicts"][
-    "variants"
-  ]["flash (none)"]
-
-  def quoted(x, digits):
-    return f"{x['mean']:.{digits}f}x [{x['low']:.2f}, {x['high']:.2f}]"
-
-  docs = " ".join((root / "docs" / "results.md").read_text().split())
-  difference = flash["lr_sensitivity_difference"]
-  assert (
-    f"differs from Baseline's by {difference['mean']:.3f} "
-    f"[{difference['low']:.3f}, {difference['high']:.3f}]"
-  ) in docs
+  flash = _stored_variant("stability-activations-2026-11-27", "flash (none)")
+  docs = results_page(folded=True)
+  difference = _quoted(flash["lr_sensitivity_difference"], 3)
+  assert f"differs from Baseline's by {difference}" in docs
   spread = flash["spread_ratio"]
-  assert f"{quoted(spread['BF16-vs-FP32'], 2)} BF16-vs-FP32" in docs
-  assert f"{quoted(spread['other-machine (AVX)'], 2)} the recompiled" in docs
+  assert f"{_quoted(spread['BF16-vs-FP32'], 2, 'x')} BF16-vs-FP32" in docs
+  recompiled = _quoted(spread["other-machine (AVX)"], 2, "x")
+  assert f"{recompiled} the recompiled" in docs
 
 
 def test_the_docs_quote_the_stored_stable_arm_as_its_rows_give_it():
-  root = pathlib.Path(__file__).resolve().parent.parent
-  stored = root / "results" / "cpu" / "stable-arm-stability-2026-11-27"
-  stable = json.loads((stored / "headline.json").read_text())["verdicts"][
-    "variants"
-  ]["flash_stable (none)"]
-  docs = " ".join((root / "docs" / "results.md").read_text().split())
-  difference = stable["lr_sensitivity_difference"]
-  assert (
-    f"{difference['mean']:.3f} [{difference['low']:.3f}, "
-    f"{difference['high']:.3f}] (stable Flash)"
-  ) in docs
-  spread = stable["spread_ratio"]["BF16-vs-FP32"]
-  assert (
-    f"{spread['mean']:.2f}x [{spread['low']:.2f}, {spread['high']:.2f}]"
-    " BF16-vs-FP32's"
-  ) in docs
+  stable = _stored_variant(
+    "stable-arm-stability-2026-11-27", "flash_stable (none)"
+  )
+  docs = results_page(folded=True)
+  difference = _quoted(stable["lr_sensitivity_difference"], 3)
+  assert f"{difference} (stable Flash)" in docs
+  spread = _quoted(stable["spread_ratio"]["BF16-vs-FP32"], 2, "x")
+  assert f"{spread} BF16-vs-FP32's" in docs

@@ -10,7 +10,7 @@ import pytest
 import stableattn as sa
 from stableattn.harness.traced_program import dot_operand_formats
 from stableattn.ops import dispatch
-from stableattn.training import model as model_lib
+from stableattn.training.compute_format import ComputeFormat
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
@@ -99,7 +99,7 @@ def test_a_model_whose_embedding_promotes_to_fp32_fails_the_check(monkeypatch):
   """nnx.Embed's own default (its table's FP32), the regression the check
   exists for, built on purpose: every layer after it follows to FP32."""
   monkeypatch.setattr(
-    model_lib.ComputeFormat,
+    ComputeFormat,
     "activation_dtype",
     property(lambda self: jnp.dtype(jnp.float32)),
   )
@@ -118,7 +118,7 @@ def test_an_unknown_convention_is_named():
 
 
 def test_a_run_record_names_its_residual_stream_by_convention():
-  record = RunSpec(AttentionSpec(), "bf16", "autocast").format_record()
+  record = RunSpec(AttentionSpec(), "bf16", "autocast").compute_format.record()
   # Autocast casts only the matmuls' operands: q, k and v arrive in BF16,
   # the residual stream stays FP32 (docs/experiments.md's table).
   assert record == {

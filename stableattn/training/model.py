@@ -34,14 +34,15 @@ from flax import nnx
 
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
-from stableattn.numerics.formats import to_dtype
 from stableattn.numerics.monitor import attention_statistics
 from stableattn.ops import registry
 from stableattn.ops.ring import ring_attention
 from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
+from stableattn.training.compute_format import ComputeFormat
 
 SHADOW = "shadow"
 FP32 = Options(precision="fp32")
+FP32_COMPUTE = ComputeFormat()  # a model computing in FP32 throughout
 # The language-model head's formats: the model's compute format, FP32
 # operands, or BF16 operands (FP32 accumulation) with the logits stored in
 # BF16, as a BF16 inference engine computes them.
@@ -111,56 +112,6 @@ class AttentionSpec:
       )
     fn = registry.resolve(kind, options or self.options)
     return fn(q, k, v, **self.features.kwargs())
-
-
-# What "mixed precision" means besides attention, in the two conventions
-# in use (docs/experiments.md has the table of every tensor class):
-# "activations" (MaxText, jmp): parameters cast to the compute format on
-# the way in, every activation in it (embedding output, residual stream,
-# norms' outputs, MLP, logits), norm statistics in FP32; "autocast"
-# (PyTorch's, the paper's framework): parameters stay FP32 and only each
-# matmul's operands are cast, so the embedding output, the residual
-# stream and the norms stay FP32. The loss is FP32 in both.
-MIXED_PRECISION = ("activations", "autocast")
-TRAINING_FORMATS = ("fp32", "bf16", "fp16")
-
-
-@dataclasses.dataclass(frozen=True)
-class ComputeFormat:
-  """The format a model computes in, and by which convention."""
-
-  precision: str = "fp32"  # one of TRAINING_FORMATS
-  mixed_precision: str = "activations"  # one of MIXED_PRECISION
-
-  def __post_init__(self):
-    if self.precision not in TRAINING_FORMATS:
-      raise ValueError(
-        f"Unknown training precision {self.precision!r}; valid: "
-        f"{list(TRAINING_FORMATS)}."
-      )
-    if self.mixed_precision not in MIXED_PRECISION:
-      raise ValueError(
-        f"Unknown mixed_precision {self.mixed_precision!r}; valid: "
-        f"{list(MIXED_PRECISION)} (MaxText's every activation in the "
-        "compute format, or PyTorch autocast's matmul operands only)."
-      )
-
-  @property
-  def dtype(self):
-    """The compute format: every matmul's operands."""
-    return to_dtype(self.precision)
-
-  @property
-  def activation_dtype(self):
-    """The embedding output's and the residual stream's format."""
-    if self.mixed_precision == "autocast":
-      return jnp.dtype(jnp.float32)
-    return self.dtype
-
-  @property
-  def casts_parameters(self) -> bool:
-    """Whether the parameters enter the model in the compute format."""
-    return self.mixed_precision == "activations"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +285,7 @@ class Transformer(nnx.Module):
     attention_spec: AttentionSpec,
     *,
     rngs: nnx.Rngs,
-    compute: ComputeFormat = ComputeFormat(),
+    compute: ComputeFormat = FP32_COMPUTE,
   ):
     self.spec = spec
     self.compute = compute

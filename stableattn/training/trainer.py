@@ -2,12 +2,13 @@
 
 Master weights and optimizer state stay FP32; the forward and backward
 passes run in the compute format, by one of two conventions
-(`RunSpec.mixed_precision`, `model.ComputeFormat`): every activation in it
-(parameters cast on the way in), or only the matmuls' operands, as PyTorch
-autocast does. The loss is FP32. FP16 adds dynamic loss scaling:
-a step whose gradients overflow is skipped and the scale halved; after
-`loss_scale_period` good steps the scale doubles. Data parallelism: the
-batch is sharded over a 1-D `Mesh` ("data" axis), parameters replicated.
+(`RunSpec.mixed_precision`, `compute_format.ComputeFormat`): every
+activation in it (parameters cast on the way in), or only the matmuls'
+operands, as PyTorch autocast does. The loss is FP32. FP16 adds dynamic
+loss scaling: a step whose gradients overflow is skipped and the scale
+halved; after `loss_scale_period` good steps the scale doubles. Data
+parallelism: the batch is sharded over a 1-D `Mesh` ("data" axis),
+parameters replicated.
 Context parallelism (`AttentionSpec.context_parallel`): every device of
 the ring holds the whole batch and the parameters, and attention runs as
 ring attention over a shard of the sequence per device.
@@ -33,13 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 from stableattn.numerics.formats import to_dtype
 from stableattn.ops.ring_plan import context_mesh
-from stableattn.training.model import (
-  TRAINING_FORMATS,
-  AttentionSpec,
-  ComputeFormat,
-  ModelSpec,
-  Transformer,
-)
+from stableattn.training.compute_format import TRAINING_FORMATS, ComputeFormat
+from stableattn.training.model import AttentionSpec, ModelSpec, Transformer
 
 COMPUTE_DTYPES = {name: to_dtype(name) for name in TRAINING_FORMATS}
 
@@ -62,7 +58,7 @@ class RunSpec:
 
   attention: AttentionSpec
   precision: str = "fp32"  # compute format: fp32 | bf16 | fp16
-  # "activations" (MaxText, jmp) or "autocast" (PyTorch): model.ComputeFormat
+  # "activations" (MaxText, jmp) or "autocast" (PyTorch): ComputeFormat
   mixed_precision: str = "activations"
   init_seed: int = 0
   devices: int = 1
@@ -79,18 +75,6 @@ class RunSpec:
   @property
   def compute_format(self) -> ComputeFormat:
     return ComputeFormat(self.precision, self.mixed_precision)
-
-  def format_record(self) -> dict:
-    """The run's formats as a record says them (a capture's
-    `capture.json`): q, k, v arrive in the compute format under both
-    conventions; the residual stream only under "activations"."""
-    compute = self.compute_format
-    return {
-      "precision": self.precision,
-      "mixed_precision": self.mixed_precision,
-      "compute": str(compute.dtype),
-      "residual_stream": str(compute.activation_dtype),
-    }
 
   @property
   def dynamic_loss_scale(self) -> bool:

@@ -32,7 +32,8 @@ from stableattn.numerics.precision import (
   stable_policy,
 )
 from stableattn.ops.registry import resolve
-from stableattn.training.model import MIXED_PRECISION, AttentionSpec, ModelSpec
+from stableattn.training.compute_format import MIXED_PRECISION
+from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 # Attention variants: name -> (implementation, policy; "natural": the

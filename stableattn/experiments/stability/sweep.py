@@ -83,7 +83,7 @@ def _capture(trainer, state, s: Settings, tokens, step, replicate, folder):
     metadata={
       "attention": attention.kind,
       "policy": attention.options.precision.name,
-      "training_format": trainer.run.format_record(),
+      "training_format": trainer.run.compute_format.record(),
       "model": dataclasses.asdict(s.model),
       "batch_rows": len(batch),
     },

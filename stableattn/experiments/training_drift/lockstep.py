@@ -239,7 +239,7 @@ class Lockstep:
         "replicate": replicate,
         "attention": attention.kind,
         "policy": attention.options.precision.name,
-        "training_format": trainer.run.format_record(),
+        "training_format": trainer.run.compute_format.record(),
         "model": dataclasses.asdict(self.s.model),
         "batch_rows": len(tokens),
       },

@@ -30,12 +30,8 @@ from stableattn.numerics.precision import (
 )
 from stableattn.ops.dispatch import xla_unsupported_reason
 from stableattn.ops.registry import IMPLEMENTATIONS, resolve
-from stableattn.training.model import (
-  MIXED_PRECISION,
-  SHADOW,
-  AttentionSpec,
-  ModelSpec,
-)
+from stableattn.training.compute_format import MIXED_PRECISION
+from stableattn.training.model import SHADOW, AttentionSpec, ModelSpec
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
 COMPARE_MODES = ("natural", "shared")
