@@ -8,7 +8,8 @@ Run:
 
 Variants: default (4 layers, width 128, sequence 64, 75 steps on the
 standard library's source, 5 replicates; 13 minutes on 2 CPU cores),
-`paper` (sequence 128, 1000 steps, 5 replicates; hours on a CPU), `gpu`
+`paper` (sequence 128, 1000 steps, 5 replicates; hours on a CPU),
+`ablation` (which tensor class carries BF16-vs-FP32 drift), `gpu`
 (GPT-2-small-like, 12 layers, width 768, context 1024, 400 steps, 5
 replicates; for one H100, not yet timed there), `smoke` (tiny, generated
 corpus, 2 replicates, the flash run also context-parallel over 2
@@ -35,6 +36,7 @@ to the next.
 import ml_collections
 
 from stableattn.harness.config_values import with_variant
+from stableattn.training import compute_format
 
 
 def _default() -> ml_collections.ConfigDict:
@@ -164,7 +166,30 @@ SMOKE = {
   "attention.context_parallel": 2,
 }
 
-VARIANTS = {"default": {}, "gpu": GPU, "paper": PAPER, "smoke": SMOKE}
+# Where BF16-vs-FP32 drift comes from: BF16 training with one tensor class
+# at a time kept in FP32 (embedding, residual stream, attention
+# projections, attention, MLP, head), and FP32 training with one class at
+# a time in BF16, each against FP32 training and read as a share of the
+# BF16-vs-FP32 pair; every class in FP32 is the control (exactly 0).
+ABLATION = {
+  "pairs": ",".join(
+    ["bf16_vs_fp32", "bf16_all_in_fp32_vs_fp32"]
+    + [
+      f"bf16_{kept}{c}{fp32}_vs_fp32"
+      for kept, fp32 in (("", "_in_fp32"), ("only_", ""))
+      for c in compute_format.FP32_CLASSES
+    ]
+  ),
+  "train.grad_error": False,
+}
+
+VARIANTS = {
+  "default": {},
+  "gpu": GPU,
+  "paper": PAPER,
+  "smoke": SMOKE,
+  "ablation": ABLATION,
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -2,18 +2,26 @@
 program (every matrix product's operands, the residual stream, the
 logits and the loss), not from the dtypes the code asks for."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import stableattn as sa
 from stableattn.harness.traced_program import dot_operand_formats
+from stableattn.numerics.monitor import attention_statistics
 from stableattn.ops import dispatch
+from stableattn.training import compute_format
 from stableattn.training.compute_format import ComputeFormat
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
 
+REPO = pathlib.Path(__file__).resolve().parent.parent
 TINY = ModelSpec(vocab_size=32, width=16, depth=2, heads=2, max_len=8)
 # Attention's own program (sa.attention's jit, our kernel included) computes
 # under its precision policy; tests/test_exact_rounding*.py hold that.
@@ -127,3 +135,131 @@ def test_a_run_record_names_its_residual_stream_by_convention():
     "compute": "bfloat16",
     "residual_stream": "float32",
   }
+
+
+# Tensor class -> products (forward and two backward each) that move to
+# FP32 operands when it is kept in FP32; attention's own are skipped.
+FP32_PRODUCTS = {
+  "embedding": 0,  # a lookup and an add, no product
+  "residual_stream": 0,
+  "attention_projections": 3 * 4 * TINY.depth,
+  "attention": 0,
+  "mlp": 3 * 2 * TINY.depth,
+  "head": 3,
+}
+
+
+def _kept(classes, precision="bf16", policy=None):
+  run = RunSpec(
+    AttentionSpec("reference", sa.Options(policy or "bf16-framework", 8, 8)),
+    precision=precision,
+    fp32_classes=tuple(classes),
+  )
+  return Trainer(TINY, run, OptimizerSpec(total_steps=2, warmup_steps=0), 4)
+
+
+@pytest.mark.parametrize("tensor_class", list(FP32_PRODUCTS))
+def test_a_class_kept_in_fp32_computes_in_fp32_and_nothing_else_does(
+  tensor_class,
+):
+  got = traced_formats(_kept([tensor_class]))
+  fp32 = FP32_PRODUCTS[tensor_class]
+  total = 3 * (6 * TINY.depth + 1)
+  want = {("float32", "float32"): fp32, ("bfloat16", "bfloat16"): total - fp32}
+  assert got["dots"] == {pair: n for pair, n in want.items() if n}
+  stream = "float32" if tensor_class == "residual_stream" else "bfloat16"
+  assert got["residual_stream"] == {stream}
+  projections = tensor_class == "attention_projections"
+  assert got["attention_inputs"] == {"float32" if projections else "bfloat16"}
+  assert got["parameters"] == {"float32"}
+
+
+def test_every_class_kept_in_fp32_is_the_fp32_run_bit_for_bit():
+  """The classes cover the whole model: no rounding is left outside them."""
+  every = _kept(compute_format.FP32_CLASSES, policy="fp32")
+  fp32 = _trainer("fp32")
+  batch = every.shard_batch(BATCH)
+  one, _ = every.step(every.init_state(), batch)
+  other, _ = fp32.step(fp32.init_state(), batch)
+  for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(other.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp32_classes_are_checked():
+  with pytest.raises(ValueError, match="'norms'.*valid.*embedding"):
+    ComputeFormat("bf16", fp32_classes=("norms",))
+  with pytest.raises(ValueError, match="an fp32 run computes every class"):
+    ComputeFormat("fp32", fp32_classes=("mlp",))
+  assert ComputeFormat("bf16", fp32_classes=("attention",)).record() == {
+    "precision": "bf16",
+    "mixed_precision": "activations",
+    "compute": "bfloat16",
+    "residual_stream": "bfloat16",
+    "fp32_classes": ["attention"],
+  }
+
+
+def test_the_ablation_runs_keep_attention_policy_in_fp32_only_where_named():
+  from stableattn.configs import training_drift
+  from stableattn.experiments.training_drift.settings import (
+    settings_from_config,
+  )
+
+  s = settings_from_config(training_drift.get_config("ablation"))
+  policies = {
+    name: run.attention.options.precision.name
+    for name, run in s.physical_runs.items()
+  }
+  assert policies["bf16_attention_in_fp32"] == "fp32"
+  assert policies["bf16_only_attention"] == "bf16-framework"
+  assert policies["bf16_mlp_in_fp32"] == "bf16-framework"
+  assert s.physical_runs["bf16_only_mlp"].fp32_classes == tuple(
+    c for c in compute_format.FP32_CLASSES if c != "mlp"
+  )
+
+
+def _docs_flax_model():
+  """The Flax drop-in model of docs/monitor.md, as its page defines it."""
+  page = (REPO / "docs" / "monitor.md").read_text()
+  block = re.search(
+    r"<!-- test: python -->\n```python\n(.*?)```", page, flags=re.DOTALL
+  ).group(1)
+  definitions = block.split("\nmodel = TinyLM(")[0]
+  namespace = {}
+  exec(compile(definitions, "docs/monitor.md", "exec"), namespace)
+  return namespace
+
+
+def _flax_step_formats(docs, dtype):
+  """(products' operand formats, the step's outputs' shapes, the model) of
+  one train_step of the docs' TinyLM computing in `dtype`."""
+  model = docs["TinyLM"](nnx.Rngs(0), width=16, heads=2, vocab=32, dtype=dtype)
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+  tokens = jnp.asarray(BATCH)
+  _, perturbations = nnx.capture(docs["loss_fn"], nnx.Perturbation)(
+    model, tokens
+  )
+  args = (model, optimizer, perturbations, tokens)
+  monitor = (attention_statistics.__name__,)  # FP32 by design: observes
+  step = docs["train_step"]
+  dots = dot_operand_formats(step, *args, skip=ATTENTION + monitor)
+  return dots, jax.eval_shape(step, *args), model
+
+
+def test_the_flax_drop_in_model_of_the_docs_computes_in_bf16():
+  docs = _docs_flax_model()
+  dots, (loss, sown, _), model = _flax_step_formats(docs, jnp.bfloat16)
+  # q, k, v, out projections, the head: forward and two backward each.
+  assert dots == {("bfloat16", "bfloat16"): 3 * 5}
+  assert loss.dtype == jnp.float32
+  q, _, _ = sown["attention_inputs"][0]
+  assert q.dtype == jnp.bfloat16
+  tokens = jnp.asarray(BATCH)
+  stream = jax.eval_shape(lambda m, t: m.embed(t), model, tokens)
+  assert stream.dtype == jnp.bfloat16
+  assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+    jnp.dtype(jnp.float32)
+  }
+  # Without the dtype, nnx's defaults: the same check sees FP32 products.
+  dots, _, _ = _flax_step_formats(docs, None)
+  assert ("float32", "float32") in dots

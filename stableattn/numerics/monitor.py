@@ -9,6 +9,8 @@ the rules where a run's statistics reach.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -16,6 +18,9 @@ import jax.numpy as jnp
 FP16_TINY = float(jnp.finfo(jnp.float16).tiny)
 
 
+# Its own program: a traced training step tells the monitor's FP32
+# products (an observation) apart from the model's.
+@functools.partial(jax.jit, static_argnames=("input_dtype", "causal"))
 def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
   """What places attention among the audit's regimes, from q and k
   as given (logits in FP32, before any softcap, as a flash kernel's

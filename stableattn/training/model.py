@@ -148,12 +148,15 @@ class SelfAttention(nnx.Module):
     self.head_dim = spec.width // spec.heads
     self.attention_spec = attention_spec
 
-    def linear():
+    def linear(dtype):
       return nnx.Linear(
-        spec.width, spec.width, use_bias=False, dtype=compute.dtype, rngs=rngs
+        spec.width, spec.width, use_bias=False, dtype=dtype, rngs=rngs
       )
 
-    self.query, self.key, self.value, self.out = (linear() for _ in range(4))
+    dtype = compute.dtype_of("attention_projections")
+    self.query, self.key, self.value, self.out = (
+      linear(dtype) for _ in range(4)
+    )
     if spec.qk_norm:
       self.query_norm = RMSNorm(self.head_dim)
       self.key_norm = RMSNorm(self.head_dim)
@@ -248,7 +251,7 @@ class Block(nnx.Module):
     )
     self.mlp_norm = RMSNorm(spec.width)
     hidden = spec.mlp_ratio * spec.width
-    dtype = compute.dtype
+    dtype = compute.dtype_of("mlp")
     self.mlp_in = nnx.Linear(spec.width, hidden, dtype=dtype, rngs=rngs)
     self.mlp_out = nnx.Linear(hidden, spec.width, dtype=dtype, rngs=rngs)
 
@@ -256,17 +259,19 @@ class Block(nnx.Module):
     attended, stats = self.attention(
       self.attention_norm(x), collect_stats, probe_tap
     )
-    x = x + attended
+    x = x + attended.astype(x.dtype)
     return self.mlp(x), stats
 
   def mlp(self, x):
-    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+    """x plus the MLP's output, rounded to x's format (the stream's)."""
+    out = self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+    return x + out.astype(x.dtype)
 
   def extend(self, x, keys, values, lengths, spec: AttentionSpec):
     attended, keys, values = self.attention.extend(
       self.attention_norm(x), keys, values, lengths, spec
     )
-    return self.mlp(x + attended), keys, values
+    return self.mlp(x + attended.astype(x.dtype)), keys, values
 
 
 class DecodeCache(NamedTuple):
@@ -292,7 +297,10 @@ class Transformer(nnx.Module):
     # nnx.Embed's output takes its `dtype`, which defaults to the table's
     # (FP32): without it every layer after would promote to FP32.
     self.embed = nnx.Embed(
-      spec.vocab_size, spec.width, dtype=compute.activation_dtype, rngs=rngs
+      spec.vocab_size,
+      spec.width,
+      dtype=compute.dtype_of("embedding"),
+      rngs=rngs,
     )
     self.positions = nnx.Param(
       0.02
@@ -334,6 +342,7 @@ class Transformer(nnx.Module):
       )
     x = self.embed(tokens_BxT)
     x = x + self.positions[:length].astype(x.dtype)
+    x = x.astype(self.compute.dtype_of("residual_stream"))
     states, layer_stats = [x], []
     taps = probe_taps or [None] * len(self.blocks)
     for block, tap in zip(self.blocks, taps):
@@ -341,6 +350,32 @@ class Transformer(nnx.Module):
       states.append(x)
       layer_stats.append(stats)
     return states, layer_stats
+
+  @staticmethod
+  def parameter_classes(path: tuple) -> frozenset:
+    """The tensor classes (`compute_format.FP32_CLASSES`) that read the
+    parameter at `path` (its nnx.State keys): the tied table is both the
+    embedding's and the head's."""
+    names = {str(getattr(key, "key", key)) for key in path}
+    owners = {
+      "embed": ("embedding", "head"),
+      "positions": ("embedding",),
+      "attention_norm": ("residual_stream",),
+      "mlp_norm": ("residual_stream",),
+      "query": ("attention_projections",),
+      "key": ("attention_projections",),
+      "value": ("attention_projections",),
+      "out": ("attention_projections",),
+      "query_norm": ("attention_projections",),
+      "key_norm": ("attention_projections",),
+      "mlp_in": ("mlp",),
+      "mlp_out": ("mlp",),
+      "final_norm": ("head",),
+    }
+    found = frozenset(c for name in names & owners.keys() for c in owners[name])
+    if not found:
+      raise ValueError(f"No tensor class reads parameter {path!r}.")
+    return found
 
   def head(self, x, head_format: str = "compute"):
     """Logits (FP32) of hidden states x through the tied embedding: in the
@@ -355,7 +390,9 @@ class Transformer(nnx.Module):
     hidden = self.final_norm(x)
     table = self.embed.embedding[...]
     if head_format != "bf16":
-      dtype = self.compute.dtype if head_format == "compute" else jnp.float32
+      dtype = jnp.float32
+      if head_format == "compute":
+        dtype = self.compute.dtype_of("head")
       logits = jnp.dot(hidden.astype(dtype), table.astype(dtype).T)
       return logits.astype(jnp.float32)
     logits = jnp.einsum(
@@ -391,6 +428,7 @@ class Transformer(nnx.Module):
     positions = cache.lengths[:, None] + jnp.arange(count)[None]
     x = self.embed(tokens_BxN)
     x = x + self.positions[...][positions].astype(x.dtype)
+    x = x.astype(self.compute.dtype_of("residual_stream"))
     keys, values = [], []
     for block, k, v in zip(self.blocks, cache.keys, cache.values):
       x, k, v = block.extend(x, k, v, cache.lengths, attention)

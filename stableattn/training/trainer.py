@@ -60,6 +60,9 @@ class RunSpec:
   precision: str = "fp32"  # compute format: fp32 | bf16 | fp16
   # "activations" (MaxText, jmp) or "autocast" (PyTorch): ComputeFormat
   mixed_precision: str = "activations"
+  # Tensor classes kept in FP32 (`compute_format.FP32_CLASSES`): an
+  # ablation of where a low-precision run's drift comes from.
+  fp32_classes: tuple[str, ...] = ()
   init_seed: int = 0
   devices: int = 1
   replica: int = 0  # distinguishes an identical rerun from its original
@@ -74,7 +77,9 @@ class RunSpec:
 
   @property
   def compute_format(self) -> ComputeFormat:
-    return ComputeFormat(self.precision, self.mixed_precision)
+    return ComputeFormat(
+      self.precision, self.mixed_precision, tuple(self.fp32_classes)
+    )
 
   @property
   def dynamic_loss_scale(self) -> bool:
@@ -225,8 +230,15 @@ class Trainer:
     """The model on `params` as a step computes with it (through this run's
     attention, or `graphdef`'s): the parameters in the compute format where
     the run's convention casts them."""
-    if self.run.compute_format.casts_parameters:
-      params = jax.tree.map(lambda x: x.astype(self.compute_dtype), params)
+    compute = self.run.compute_format
+    if compute.casts_parameters:
+
+      def cast(path, x):
+        if Transformer.parameter_classes(path) & set(compute.fp32_classes):
+          return x
+        return x.astype(self.compute_dtype)
+
+      params = jax.tree_util.tree_map_with_path(cast, params)
     return nnx.merge(self.graphdef if graphdef is None else graphdef, params)
 
   def _apply(self, graphdef, params, tokens, collect_stats=False, taps=None):

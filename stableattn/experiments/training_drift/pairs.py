@@ -3,7 +3,10 @@
 Roles: a *subject* is a difference under study (Flash vs Baseline); a
 *reference* is a difference practitioners already accept (another seed,
 low-precision training), against which every subject's drift is divided;
-a *control* must drift exactly 0. Golden et al. (2024) claim Flash vs
+a *control* must drift exactly 0; an *ablation* is a subject read only
+as a share of a reference (BF16 training with one tensor class kept in
+FP32, against BF16-vs-FP32 training), never judged by the paper's
+claims. Golden et al. (2024) claim Flash vs
 Baseline drifts at or below the different-seed pair and 2-5x below
 low-precision training (Wasserstein); those claims sit on the references
 as `at_most` and `below_band`, and every subject is judged by them.
@@ -13,7 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
-ROLES = ("subject", "reference", "control")
+from stableattn.experiments.training_drift.variants import (
+  kept_in_fp32,
+  only_in_bf16,
+)
+from stableattn.training.compute_format import FP32_CLASSES
+
+ROLES = ("subject", "reference", "control", "ablation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +32,7 @@ class Pair:
   Attributes:
     name: the pair's name in config, rows and report.
     reference_run, candidate_run: variant names.
-    role: "subject", "reference" or "control".
+    role: one of ROLES.
     at_most: paper's claim: subject / this pair <= at_most.
     below_band: paper's claim: the subject drifts (low, high) times below.
     min_devices: the pair exists only with at least this many devices.
@@ -103,6 +112,16 @@ PAIRS = (
     "subject",
     requires="attention.context_parallel",
   ),
+  # Where BF16-vs-FP32 drift comes from (`ablation` config): BF16
+  # training with one tensor class kept in FP32, and FP32 training with
+  # only one class in BF16, each against FP32 training; with every class
+  # kept in FP32 the run must be FP32's, bit for bit.
+  *(
+    Pair(f"{run(c)}_vs_fp32", "fp32", run(c), "ablation")
+    for run in (kept_in_fp32, only_in_bf16)
+    for c in FP32_CLASSES
+  ),
+  Pair("bf16_all_in_fp32_vs_fp32", "fp32", "bf16_all_in_fp32", "control"),
 )
 BY_NAME = {p.name: p for p in PAIRS}
 

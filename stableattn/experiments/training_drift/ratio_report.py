@@ -38,7 +38,8 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
   """Every subject against every reference, with the paper's verdicts."""
   table_rows, findings = [], []
   headline["ratios"], headline["paper_verdicts"] = {}, {}
-  for subject in with_role(pairs, "subject"):
+  subjects = with_role(pairs, "subject") + with_role(pairs, "ablation")
+  for subject in subjects:
     for reference in with_role(pairs, "reference"):
       for metric in RATIO_METRICS:
         summary = ratio_summary(rows, subject.name, reference.name, metric)
@@ -51,7 +52,9 @@ def ratio_section(rows, pairs, headline) -> tuple[list[str], list[str]]:
           if metric == "wasserstein":
             findings.append(_unbounded_finding(subject, reference, summary))
           continue
-        verdict = paper_verdict(summary, reference)
+        verdict = None
+        if subject.role == "subject":
+          verdict = paper_verdict(summary, reference)
         judged = metric == "wasserstein" and verdict is not None
         if judged:
           verdicts = headline["paper_verdicts"].setdefault(subject.name, {})

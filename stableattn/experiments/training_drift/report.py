@@ -134,9 +134,15 @@ def _attention_label(attention) -> str:
   return f"{attention.kind} attention ({policy})"
 
 
+def _format_label(spec) -> str:
+  if not spec.fp32_classes:
+    return spec.precision
+  return f"{spec.precision} (FP32: {', '.join(spec.fp32_classes)})"
+
+
 def what_ran(settings, replicates: int) -> str:
   runs = "; ".join(
-    f"{name}: {_attention_label(spec.attention)}, {spec.precision} "
+    f"{name}: {_attention_label(spec.attention)}, {_format_label(spec)} "
     f"training, init seed {spec.init_seed}, {spec.devices} device(s)"
     for name, spec in settings.physical_runs.items()
   )

@@ -30,7 +30,7 @@ from stableattn.numerics.precision import (
 )
 from stableattn.ops.dispatch import xla_unsupported_reason
 from stableattn.ops.registry import IMPLEMENTATIONS, resolve
-from stableattn.training.compute_format import MIXED_PRECISION
+from stableattn.training.compute_format import MIXED_PRECISION, ComputeFormat
 from stableattn.training.model import SHADOW, AttentionSpec, ModelSpec
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 
@@ -311,13 +311,19 @@ def _run_spec(
 ) -> RunSpec:
   """The RunSpec of one variant under this config."""
   precision = variant.precision or train.precision
+  compute = ComputeFormat(
+    precision, train.mixed_precision, variant.fp32_classes
+  )
   kind = getattr(a, variant.attention)
-  flash_policy = _policy(a.flash_precision, "pallas", precision)
+  attention_precision = compute.attention_precision
+  flash_policy = _policy(a.flash_precision, "pallas", attention_precision)
   if variant.low_precision:
     flash_policy = a.low_precision
   if variant.stable:
     flash_policy = stable_policy(precision)
-  baseline = _policy(a.baseline_precision, "reference", precision, a.compare)
+  baseline = _policy(
+    a.baseline_precision, "reference", attention_precision, a.compare
+  )
   tiles = Options(
     precision=baseline, block_q=a.block_q, block_k=a.block_k, scheme=a.scheme
   )
@@ -342,6 +348,7 @@ def _run_spec(
     ),
     precision=precision,
     mixed_precision=train.mixed_precision,
+    fp32_classes=variant.fp32_classes,
     devices=1 if variant.single_device or context > 1 else devices,
     init_seed=variant.init_seed,
     replica=variant.replica,

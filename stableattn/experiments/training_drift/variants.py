@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from stableattn.training.compute_format import FP32_CLASSES
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -35,6 +37,9 @@ class Variant:
       `config.attention.context_parallel` devices (no data parallelism).
     stable: the flash kernel runs its policy's stable preset
       (`stableattn.numerics.precision.stable_policy`).
+    fp32_classes: tensor classes of a low-precision run kept in FP32
+      (`compute_format.FP32_CLASSES`; "attention" puts attention's
+      policy in FP32).
   """
 
   attention: str = "baseline"
@@ -47,6 +52,17 @@ class Variant:
   single_device: bool = False
   context_parallel: bool = False
   stable: bool = False
+  fp32_classes: tuple[str, ...] = ()
+
+
+def kept_in_fp32(tensor_class: str) -> str:
+  """The name of the BF16 run that keeps `tensor_class` in FP32."""
+  return f"bf16_{tensor_class}_in_fp32"
+
+
+def only_in_bf16(tensor_class: str) -> str:
+  """The name of the run that computes only `tensor_class` in BF16."""
+  return f"bf16_only_{tensor_class}"
 
 
 VARIANTS = {
@@ -65,4 +81,17 @@ VARIANTS = {
   "flash_context_parallel": Variant(
     attention="flash", options="flash", context_parallel=True
   ),
+  **{
+    kept_in_fp32(c): Variant(precision="bf16", fp32_classes=(c,))
+    for c in FP32_CLASSES
+  },
+  **{
+    only_in_bf16(c): Variant(
+      precision="bf16",
+      fp32_classes=tuple(other for other in FP32_CLASSES if other != c),
+    )
+    for c in FP32_CLASSES
+  },
+  # Every class kept in FP32: the FP32 run bit for bit (a control).
+  "bf16_all_in_fp32": Variant(precision="bf16", fp32_classes=FP32_CLASSES),
 }
