@@ -88,6 +88,26 @@ def test_greedy_generation_is_deterministic_and_divergence_is_found(
   )
 
 
+def test_bf16_activations_compute_the_whole_model_in_bf16(model):
+  """The engine's copy computes in BF16 throughout: its residual stream is
+  BF16, and its logits are those of the FP32 model on BF16-rounded
+  weights rounded once more."""
+  engine = rollout.with_weights(model, "bf16-activations")
+  tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 12)))
+  stream, _ = engine.residual_stream(tokens)
+  assert {x.dtype for x in stream} == {jnp.dtype(jnp.bfloat16)}
+  rounded = rollout.with_weights(model, "bf16")
+  for ours, theirs in zip(
+    jax.tree.leaves(nnx.state(engine, nnx.Param)),
+    jax.tree.leaves(nnx.state(rounded, nnx.Param)),
+  ):
+    np.testing.assert_array_equal(ours, theirs)
+  engine_logits, _ = engine(tokens)
+  rounded_logits, _ = rounded(tokens)
+  gap = float(jnp.max(jnp.abs(engine_logits - rounded_logits)))
+  assert 0 < gap < 0.5  # BF16 activations move the logits, not wildly
+
+
 def test_token_metrics_from_known_probabilities():
   p_sample = np.array([0.5, 0.25, 0.1, 0.8])
   p_train = np.array([0.5, 0.75, 0.05, 0.8])

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from stableattn.training.compute_format import ComputeFormat
 from stableattn.training.model import HEAD_FORMATS, AttentionSpec, Transformer
 
 # Truncated importance sampling's cap C on pi_train / pi_sample (Yao et
@@ -31,7 +32,9 @@ TIS_THRESHOLD = 2.0
 
 
 MODES = ("full", "decode")
-WEIGHT_FORMATS = ("fp32", "bf16")
+# "bf16-activations": an engine computing in BF16 throughout (weights and
+# every activation, MaxText's convention; `ComputeFormat("bf16")`).
+WEIGHT_FORMATS = ("fp32", "bf16", "bf16-activations")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,10 @@ class Path:
       over a KV cache, as a sampler computes it). `generate` always
       decodes; `score` follows the mode, so scoring with the sampler's
       own path recomputes exactly what the sampler did.
-    weights: "fp32", or "bf16": every parameter rounded to BF16 (an
-      inference engine's copy of FP32 training weights).
+    weights: "fp32"; "bf16": every parameter rounded to BF16 (an
+      inference engine's copy of FP32 training weights), activations in
+      the model's own format; "bf16-activations": those weights, and
+      every activation in BF16 too (an engine computing in BF16).
     decode_batch: in "decode" mode, how many sequences run together:
       None for all of them, or a size that splits them into batches (1:
       each alone), as an engine batches requests.
@@ -95,9 +100,17 @@ def with_attention(model: Transformer, attention: AttentionSpec):
 
 def with_weights(model: Transformer, weights: str) -> Transformer:
   """The model itself ("fp32"), or a copy with every parameter rounded to
-  BF16 and held in its own dtype ("bf16")."""
+  BF16 and held in its own dtype ("bf16"), computing in BF16 throughout
+  ("bf16-activations")."""
   if weights == "fp32":
     return model
+  if weights == "bf16-activations":
+    attention = model.blocks[0].attention.attention_spec
+    twin = Transformer(
+      model.spec, attention, rngs=nnx.Rngs(0), compute=ComputeFormat("bf16")
+    )
+    nnx.update(twin, nnx.split(with_weights(model, "bf16"))[1])
+    return twin
   graphdef, state = nnx.split(model)
   rounded = jax.tree.map(
     lambda x: (

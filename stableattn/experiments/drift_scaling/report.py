@@ -361,3 +361,67 @@ def _arm_findings(by_arm) -> list[str]:
         f"[{slope.low:+.3f}, {slope.high:+.3f}], {trend.sizes} units)."
       )
   return out
+
+
+def before_after_tables(now: dict, before: dict, references=None) -> str:
+  """Two stored sweeps' headlines side by side, as docs/results.md quotes
+  them: each unit's ratio over each reference (now, then before), and each
+  reference's slopes from both arms and from each arm alone, with the
+  prediction. `references`: the order of columns (default: now's)."""
+  references = list(references or now["trends"])
+  steps = {r["size"]: r["steps"] for r in now["sizes"]}
+  unit_rows = [
+    [unit, steps[unit]]
+    + [
+      _cell(sweep["ratios"][unit][ref])
+      if ref in sweep["ratios"].get(unit, {})
+      else "-"
+      for ref in references
+      for sweep in (now, before)
+    ]
+    for unit in now["ratios"]
+  ]
+  unit_header = ["unit", "steps"] + [
+    f"over {ref}{when}" for ref in references for when in ("", ", before")
+  ]
+
+  def slope(fit, axis) -> str:
+    cell = (fit or {}).get("slopes", {}).get(axis)
+    if cell is None:
+      return "-"
+    return (
+      f"{cell['estimate']:+.3f} [{cell['low']:+.3f}, {cell['high']:+.3f}] "
+      f"({10 ** cell['estimate']:.2f}x per 10x)"
+    )
+
+  def prediction(fit) -> str:
+    p = (fit or {}).get("prediction")
+    return "-" if p is None else _cell(p)
+
+  slope_rows = []
+  for ref in references:
+    for label, sweep in (("now", now), ("before", before)):
+      arms = sweep.get("arm_trends", {})
+      slope_rows.append(
+        [
+          ref,
+          label,
+          slope(sweep["trends"].get(ref), "parameters"),
+          slope(sweep["trends"].get(ref), "steps"),
+          slope(arms.get("fixed_steps", {}).get(ref), "parameters"),
+          slope(arms.get("tokens_per_parameter", {}).get(ref), "parameters"),
+          prediction(sweep["trends"].get(ref)),
+        ]
+      )
+  slope_header = [
+    "reference",
+    "run",
+    "parameters, at fixed steps (both arms)",
+    "steps, at fixed size (both arms)",
+    "parameters, fixed-step arm alone",
+    "parameters, tokens-per-parameter arm alone",
+    "prediction",
+  ]
+  return (
+    table(unit_header, unit_rows) + "\n\n" + table(slope_header, slope_rows)
+  )

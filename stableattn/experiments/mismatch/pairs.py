@@ -57,6 +57,9 @@ def split_by_batch(q, k, v, **features):
 
 
 BF16 = flash("bf16-fa2")
+# Weights and every activation in BF16, the head's operands too
+# (head "compute"): an engine, or a trainer, computing in BF16.
+ACTIVATIONS = "bf16-activations"
 BY_BATCH = AttentionSpec(f"{__name__}:split_by_batch")
 PAIRS = {
   pair.name: pair
@@ -125,6 +128,22 @@ PAIRS = {
       decoding(BF16, weights="bf16"),
       decoding(BF16),
       "weights rounded to BF16 vs FP32, same attention path",
+    ),
+    Pair(
+      "flash_decode_vs_train_bf16_activations",
+      SUBJECT,
+      decoding(BF16, head="compute", weights=ACTIVATIONS),
+      one_pass(BF16, head="compute", weights=ACTIVATIONS),
+      "flash decode vs the flash training pass, bf16-fa2, both computing "
+      "every activation in BF16",
+    ),
+    Pair(
+      "model_bf16_activations_vs_fp32",
+      REFERENCE,
+      decoding(BF16, head="compute", weights=ACTIVATIONS),
+      decoding(BF16),
+      "the whole model in BF16 (weights, activations, head) vs FP32, same "
+      "attention path",
     ),
   )
 }

@@ -122,6 +122,19 @@ def verdicts(rows) -> dict:
       "attention's mismatch is below the head's",
       "attention's mismatch is above the head's",
     )
+  activations = "flash_decode_vs_train_bf16_activations"
+  if {activations, "flash_decode_vs_train_bf16"} <= present:
+    out["bf16_activations"] = _ratio_verdict(
+      ratio(rows, activations, "flash_decode_vs_train_bf16"),
+      "BF16 activations lower the same kernel's mismatch",
+      "BF16 activations raise the same kernel's mismatch",
+    )
+  if {activations, "model_bf16_activations_vs_fp32"} <= present:
+    out["attention_vs_bf16_model"] = _ratio_verdict(
+      ratio(rows, activations, "model_bf16_activations_vs_fp32"),
+      "in a BF16 model, attention's mismatch is below the model's own",
+      "in a BF16 model, attention's mismatch is above the model's own",
+    )
   if {"flash_decode_vs_train_fp16", "flash_decode_vs_train_bf16"} <= present:
     r = ratio(rows, "flash_decode_vs_train_fp16", "flash_decode_vs_train_bf16")
     out["fp16_vs_bf16"] = _ratio_verdict(

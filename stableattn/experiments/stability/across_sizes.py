@@ -326,3 +326,43 @@ def _figure(path, size_rows, changes, labels):
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(fontsize=8)
   return save_figure(fig, path)
+
+
+def before_after_tables(now: dict, before: dict) -> str:
+  """Two stored sweeps across sizes side by side, as docs/results.md
+  quotes them: each change's learning-rate-sensitivity difference per
+  size (now, then before), and each change's trend with size."""
+  labels = list(now["trends"])
+  rows = [
+    [row["size"], num(row["parameters"])]
+    + [
+      _interval_text(
+        sweep["changes"]
+        .get(row["size"], {})
+        .get(label, {})
+        .get("lr_sensitivity_difference")
+      )
+      for label in labels
+      for sweep in (now, before)
+    ]
+    for row in now["sizes"]
+  ]
+  header = ["size", "parameters"] + [
+    f"{label}{when}" for label in labels for when in ("", ", before")
+  ]
+  trend_rows = [
+    [label, when]
+    + (
+      [
+        f"{t['slope']:+.4f} [{t['low']:+.4f}, {t['high']:+.4f}]",
+        t["verdict"],
+      ]
+      if (t := sweep["trends"].get(label))
+      else ["-", "-"]
+    )
+    for label in labels
+    for when, sweep in (("now", now), ("before", before))
+  ]
+  trend_header = ["change", "run", "slope of |difference| per 10x parameters",
+                  "verdict"]  # fmt: skip
+  return table(header, rows) + "\n\n" + table(trend_header, trend_rows)
