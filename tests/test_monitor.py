@@ -17,14 +17,44 @@ def _qk(seed=0, shape=(2, 64, 4, 16)):
   return tuple(jax.random.normal(key, shape) for key in keys)
 
 
+def _layer(stats) -> dict:
+  return {n: float(v) for n, v in stats.items() if not n.endswith("_per_head")}
+
+
 def test_statistics_find_outlier_channels_and_large_logits():
   q, k = _qk()
-  calm = {n: float(v) for n, v in attention_statistics(q, k).items()}
+  calm = _layer(attention_statistics(q, k))
   assert calm["k_outlier_ratio"] < 3 and calm["max_logit"] < 20
   massive = k.at[..., 5].multiply(100.0)
-  loud = {n: float(v) for n, v in attention_statistics(q, massive).items()}
+  loud = _layer(attention_statistics(q, massive))
   assert loud["k_outlier_ratio"] > 30 > loud["q_outlier_ratio"]
   assert loud["max_logit"] > 100 and loud["min_row_lse"] < calm["min_row_lse"]
+
+
+def test_per_head_statistics_find_the_one_loud_head_a_layer_hides():
+  """PyTorch #196678's NaN came from one head of Qwen2.5-0.5B: a massive
+  channel in head 2's keys shows there and nowhere else."""
+  q, k = _qk(3)
+  loud = k.at[:, :, 2, 5].multiply(100.0)
+  stats = attention_statistics(q, loud)
+  per_head = {n: np.asarray(v) for n, v in stats.items() if "_per_head" in n}
+  assert all(v.shape == (4,) for v in per_head.values())
+  assert int(np.argmax(per_head["max_logit_per_head"])) == 2
+  assert per_head["k_outlier_ratio_per_head"][2] > 30
+  assert np.all(np.delete(per_head["k_outlier_ratio_per_head"], 2) < 3)
+  # The layer's extremes are its heads' extremes; shares their mean (every
+  # head has the same rows).
+  assert float(stats["max_logit"]) == per_head["max_logit_per_head"].max()
+  assert float(stats["min_row_lse"]) == per_head["min_row_lse_per_head"].min()
+  for name in ("near_tied_share", "tied_max_share", "entropy"):
+    assert np.isclose(
+      float(stats[name]), per_head[f"{name}_per_head"].mean(), rtol=1e-6
+    )
+  # One head's statistics are those of that head alone.
+  alone = attention_statistics(q[:, :, 2:3], loud[:, :, 2:3])
+  for name, value in per_head.items():
+    layer_name = name.removesuffix("_per_head")
+    assert np.isclose(value[2], float(alone[layer_name]), rtol=1e-6), name
 
 
 def test_fp16_underflow_share_counts_attended_probabilities_below_tiny():

@@ -87,6 +87,16 @@ def test_controls_and_pairs(smoke_run):
   ]
   assert {r["layer"] for r in shadow} == {0, 1}
   assert all(r["shadow_max_abs"] > 0 for r in shadow)
+  # The monitor per head too, for every layer of every run's log.
+  heads = drift_config.get_config("smoke").model.heads
+  attention = [r for r in rows if r["kind"] == "attention"]
+  assert {r["layer"] for r in attention} == {0, 1}
+  for r in attention:
+    assert len(r["max_logit_per_head"]) == len(r["near_tied_share_per_head"])
+    assert len(r["max_logit_per_head"]) == heads
+    assert max(r["max_logit_per_head"]) == r["max_logit"]
+    tied = np.mean(r["near_tied_share_per_head"])
+    assert tied == pytest.approx(r["near_tied_share"], rel=1e-6, abs=1e-9)
 
 
 def test_fix_pair_and_attention_gradient_error(smoke_run):

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # FP16's smallest normal: probabilities below it lose bits in a half P.
 FP16_TINY = float(jnp.finfo(jnp.float16).tiny)
@@ -39,6 +40,10 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
     largest channel over that of the median channel (massive activations);
   - `entropy`: the mean row entropy.
 
+  Each also per head, as `<name>_per_head` ([H]: the same statistic over
+  that head's rows and channels), since field failures sit in one head
+  (MaxText and Megatron log the largest logit per head).
+
   `causal`: the statistics of causal attention (True) or of every key
   (False); q and k of one length and of as many heads (repeat k for GQA).
   """
@@ -52,44 +57,76 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
   s = jnp.where(allowed, s, -jnp.inf)
   log_p = jax.nn.log_softmax(s, axis=-1)
   p = jnp.exp(log_p)
-  entropy = -jnp.sum(jnp.where(allowed, p * log_p, 0.0), -1)
   row_max = jnp.max(s, axis=-1)
-  at_max = jnp.sum(s == row_max[..., None], axis=-1)
-  tied = jnp.mean((at_max[..., first:] > 1).astype(jnp.float32))
   lse = jax.nn.logsumexp(s, axis=-1)
-  underflow = allowed & (p > 0) & (p < FP16_TINY)
-  return {
-    "max_logit": jnp.max(s),
-    "min_row_lse": jnp.min(lse),
-    "median_n_eff": jnp.median(jnp.exp(lse - row_max)[..., first:]),
-    "entropy": jnp.mean(entropy),
-    "tied_max_share": tied,
-    "near_tied_share": _near_tied_share(
-      s, input_dtype or q_BxTxHxD.dtype, first
-    ),
-    "fp16_underflow_share": jnp.mean(
-      underflow, where=jnp.broadcast_to(allowed, p.shape)
-    ),
-    "q_outlier_ratio": _outlier_ratio(q),
-    "k_outlier_ratio": _outlier_ratio(k),
+  # Per row [B, H, T]: what each statistic reduces over rows (and keys).
+  rows = {
+    "entropy": -jnp.sum(jnp.where(allowed, p * log_p, 0.0), -1),
+    "tied": (jnp.sum(s == row_max[..., None], axis=-1) > 1)[..., first:],
+    "near_tied": _near_tied(s, input_dtype or q_BxTxHxD.dtype)[..., first:],
+    "n_eff": jnp.exp(lse - row_max)[..., first:],
   }
+  underflow = allowed & (p > 0) & (p < FP16_TINY)
+  attended = jnp.broadcast_to(allowed, p.shape)
+
+  def reduce(over_heads: bool):
+    """The statistics over every head (a layer's), or per head ([H])."""
+    kept = (1,) if not over_heads else ()
+    axes = lambda x: tuple(i for i in range(x.ndim) if i not in kept)  # noqa: E731
+    share = lambda x: jnp.mean(x.astype(jnp.float32), axis=axes(x))  # noqa: E731
+    return {
+      "max_logit": jnp.max(s, axis=axes(s)),
+      "min_row_lse": jnp.min(lse, axis=axes(lse)),
+      "median_n_eff": _median(rows["n_eff"], over_heads),
+      "entropy": jnp.mean(rows["entropy"], axis=axes(rows["entropy"])),
+      "tied_max_share": share(rows["tied"]),
+      "near_tied_share": share(rows["near_tied"]),
+      "fp16_underflow_share": jnp.sum(underflow, axis=axes(p))
+      / jnp.sum(attended, axis=axes(p)),
+      "q_outlier_ratio": _outlier_ratio(q, over_heads),
+      "k_outlier_ratio": _outlier_ratio(k, over_heads),
+    }
+
+  layer = reduce(over_heads=True)
+  per_head = reduce(over_heads=False)
+  return {**layer, **{f"{name}_per_head": v for name, v in per_head.items()}}
 
 
-def _outlier_ratio(x_BxTxHxD):
-  """The largest channel's max |x| over the median channel's: massive
-  activations put a few channels hundreds of times above the rest."""
-  per_channel = jnp.max(jnp.abs(x_BxTxHxD), axis=(0, 1)).ravel()
-  return jnp.max(per_channel) / jnp.maximum(
-    jnp.median(per_channel), jnp.float32(1e-30)
+def plain(stats: dict) -> dict:
+  """Statistics as JSON holds them: numbers, and a list per head."""
+  out = {}
+  for name, value in stats.items():
+    value = np.asarray(value, np.float64)
+    out[name] = float(value) if value.ndim == 0 else value.tolist()
+  return out
+
+
+def _median(x_BxHxT, over_heads: bool):
+  if over_heads:
+    return jnp.median(x_BxHxT)
+  return jnp.median(
+    jnp.moveaxis(x_BxHxT, 1, 0).reshape(x_BxHxT.shape[1], -1), -1
   )
 
 
-def _near_tied_share(s, dtype, first: int):
-  """The share of rows (with two keys or more) whose two largest logits
-  lie within one ulp of the input format (`dtype`) at the larger: the
-  rows where a flash backward's delta and dS cancel (docs/audit.md)."""
+def _outlier_ratio(x_BxTxHxD, over_heads: bool = True):
+  """The largest channel's max |x| over the median channel's: massive
+  activations put a few channels hundreds of times above the rest. Over
+  every head's channels, or per head ([H])."""
+  per_channel = jnp.max(jnp.abs(x_BxTxHxD), axis=(0, 1))  # [H, D]
+  if over_heads:
+    per_channel = per_channel.ravel()
+  return jnp.max(per_channel, -1) / jnp.maximum(
+    jnp.median(per_channel, -1), jnp.float32(1e-30)
+  )
+
+
+def _near_tied(s, dtype):
+  """Per row: whether its two largest logits lie within one ulp of the
+  input format (`dtype`) at the larger: the rows where a flash backward's
+  delta and dS cancel (docs/audit.md)."""
   top_two = jax.lax.top_k(s, 2)[0]
   gap = top_two[..., 0] - top_two[..., 1]
   magnitude = jnp.maximum(jnp.abs(top_two[..., 0]), jnp.float32(2.0**-100))
   ulp = jnp.exp2(jnp.floor(jnp.log2(magnitude)) - jnp.finfo(dtype).nmant)
-  return jnp.mean((gap[..., first:] <= ulp[..., first:]).astype(jnp.float32))
+  return gap <= ulp

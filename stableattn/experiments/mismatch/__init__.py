@@ -32,6 +32,7 @@ from stableattn.experiments.mismatch.pairs import Pair, resolve
 from stableattn.harness import environment
 from stableattn.harness.config_values import field
 from stableattn.harness.rundir import RunDir, opened
+from stableattn.numerics import monitor
 from stableattn.training import data, rollout
 from stableattn.training.model import AttentionSpec, ModelSpec
 from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
@@ -186,7 +187,7 @@ def attention_of(model, s: Settings, held_out) -> list[dict]:
     held_out, seed=1, step=0, batch_size=s.train_batch, seq_len=s.model.max_len
   )
   _, layers = model(jax.numpy.asarray(batch[:, :-1]), collect_stats=True)
-  return [{k: float(v) for k, v in layer.items()} for layer in layers]
+  return [monitor.plain(layer) for layer in layers]
 
 
 def prompts_of(s: Settings, held_out, seed: int) -> np.ndarray:

@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from stableattn.numerics import monitor
 from stableattn.training.drift import attention_grad_error_rows, param_drift
 from stableattn.training.model import FP32, SHADOW, AttentionSpec
 
@@ -35,7 +36,7 @@ def run_rows(name: str, tag: dict, loss, layer_stats, last_train) -> list:
       "replicate": tag["replicate"],
       "step": tag["step"],
       "layer": i,
-      **{k: float(v) for k, v in stats.items()},
+      **monitor.plain(stats),
     }
     for i, stats in enumerate(layer_stats)
   ]
