@@ -21,10 +21,13 @@ Public API:
     FlashAttention's rule
   make_attention_fn(options, features) -> attention_fn for
     flax.nnx.MultiHeadAttention
+  monitor_verdict(records) -> dict: the monitor's per-head statistics over
+    logged steps placed on the calibrated 2-D map, with remedies
 """
 
 from stableattn.auditing.check import CheckReport, check
 from stableattn.auditing.kernel_audit import AuditReport, audit
+from stableattn.auditing.monitor_verdict import verdict as monitor_verdict
 from stableattn.contract.features import Features
 from stableattn.contract.golden import golden_attention, golden_attention_vjp
 from stableattn.contract.options import SCHEMES, Options
@@ -62,6 +65,7 @@ __all__ = [
   "golden_attention",
   "golden_attention_vjp",
   "make_attention_fn",
+  "monitor_verdict",
   "paged_attention",
   "passes_fa_rule",
   "preset_names",

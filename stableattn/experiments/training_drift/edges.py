@@ -11,7 +11,7 @@ logit; this section gives their largest values per run.
 
 from __future__ import annotations
 
-from stableattn.auditing import thresholds
+from stableattn.auditing import monitor_verdict, thresholds
 from stableattn.experiments.training_drift.analysis import (
   ratio_summary,
   worst_max_abs,
@@ -106,6 +106,42 @@ def regime_verdicts(rows, data=None) -> list[str]:
       "or the error: not measured in this run)."
     )
   return lines + [""]
+
+
+def monitor_section(run_dir, settings, rows, headline, data=None) -> list:
+  """Per run, the monitor's verdict from its per-head statistics
+  (`stableattn.auditing.monitor_verdict`): which heads entered a region of
+  the calibrated 2-D map where a kernel misses a rule, when, and whether
+  they left, with remedies marked measured here or not; and the heads x
+  steps timeline (`monitor_heads.png`)."""
+  data = thresholds.load() if data is None else data
+  runs = sorted({r["run"] for r in rows if "max_logit_per_head" in r})
+  if not runs or not data.get("regions"):
+    return []
+  measured = {}
+  if "stable_vs_baseline" in settings.pairs:
+    measured["stable preset"] = (
+      "measured in this run: pair stable_vs_baseline, above"
+    )
+  records = {run: monitor_verdict.head_records(rows, run) for run in runs}
+  figure = "monitor_heads.png"
+  monitor_verdict.plot_timeline(records, data, run_dir.path / figure)
+  lines = [
+    "## The monitor's verdict, per head",
+    "",
+    "Each head's largest logit and near-tie share at each logged step "
+    "(worst over replicates) placed on the calibrated 2-D map "
+    f"(`{data['command']}`, docs/monitor.md).",
+    "",
+  ]
+  headline["monitor_verdicts"] = {}
+  for run in runs:
+    found = monitor_verdict.verdict(records[run], data, measured)
+    headline["monitor_verdicts"][run] = {
+      k: found[k] for k in ("entries", "kernels", "heads")
+    }
+    lines += [f"**{run}.** " + found["lines"][0], *found["lines"][1:], ""]
+  return lines + [f"![{figure}]({figure})", ""]
 
 
 def stable_finding(rows, headline) -> str:

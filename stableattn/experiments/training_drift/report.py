@@ -16,6 +16,7 @@ from stableattn.experiments.training_drift.analysis import (
 )
 from stableattn.experiments.training_drift.edges import (
   edge_section,
+  monitor_section,
   stable_finding,
 )
 from stableattn.experiments.training_drift.pairs import with_role
@@ -88,6 +89,7 @@ def write_report(
     *grad_error_section(rows, headline),
     "",
     *edge_section(rows, headline),
+    *monitor_section(run_dir, settings, rows, headline),
     "## Plots",
     "",
   ]

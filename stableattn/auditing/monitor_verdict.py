@@ -1,0 +1,217 @@
+"""The monitor's verdict on a run: where each layer's heads were on the
+calibrated 2-D map (largest logit, near-tie share) at every logged step,
+when a head entered a region where a calibrated kernel misses a rule and
+whether it left, and what to do about it, each remedy marked measured or
+not.
+
+The records are the monitor's per-head statistics at each logged step
+(`<name>_per_head` of `stableattn.numerics.monitor.attention_statistics`:
+the training reports' metrics.jsonl rows, or what the Flax drop-in sows),
+so a run's verdict and a user's own loop's come from one function,
+`verdict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from stableattn.auditing import thresholds
+
+# Remedies for a head in a kernel's miss region, in the order to try them,
+# each with what it changes (Wortsman et al. 2023 for QK-norm; Gemma 2 for
+# the softcap; Kimi K2's QK-clip for clipping; docs/precision.md for the
+# stable presets).
+REMEDIES = {
+  "stable preset": "the kernel's stable preset (e.g. bf16-fa2-stable): the "
+  "backward's delta from dP's own product, which passes where ties cancel",
+  "qk-norm": "QK-norm (RMSNorm of each head's q and k): bounds the logits",
+  "softcap": "a logit softcap (softcap * tanh(s / softcap)): caps the logits",
+  "logit clipping": "per-head QK-clip (rescaling W_q, W_k when a head's "
+  "largest logit passes a bound)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One head's stay in the region where `kernels` miss."""
+
+  layer: int
+  head: int
+  kernels: tuple[str, ...]
+  entered: int  # the first logged step in the region
+  left: int | None  # the first logged step out of it again; None: stayed
+  max_logit: float  # the head's statistics where it entered
+  near_tied_share: float
+
+
+def head_records(rows, run: str | None = None) -> list[dict]:
+  """Per-head statistics from metrics.jsonl rows (kind "attention"), of
+  `run` (None: rows without a run name, or every run's), worst over
+  replicates: one record per (step, layer)."""
+  worst: dict = {}
+  for r in rows:
+    if r.get("kind", "attention") != "attention":
+      continue
+    if run is not None and r.get("run") != run:
+      continue
+    if "max_logit_per_head" not in r:
+      continue
+    key = (r["step"], r["layer"])
+    logits = np.asarray(r["max_logit_per_head"], np.float64)
+    ties = np.asarray(r["near_tied_share_per_head"], np.float64)
+    if key in worst:
+      logits = np.maximum(logits, worst[key]["max_logit_per_head"])
+      ties = np.maximum(ties, worst[key]["near_tied_share_per_head"])
+    worst[key] = {
+      "step": r["step"],
+      "layer": r["layer"],
+      "max_logit_per_head": logits,
+      "near_tied_share_per_head": ties,
+    }
+  return [worst[k] for k in sorted(worst)]
+
+
+def missing_kernels(max_logit: float, near_tied_share: float, data) -> tuple:
+  """The calibrated kernels whose 2-D map holds this point."""
+  return tuple(thresholds.kernels_missing_at(max_logit, data, near_tied_share))
+
+
+def timeline(records, data) -> dict:
+  """{(layer, head): [(step, kernels missing there), ...]} by step."""
+  out: dict = {}
+  for rec in records:
+    pairs = zip(rec["max_logit_per_head"], rec["near_tied_share_per_head"])
+    for head, (logit, share) in enumerate(pairs):
+      kernels = missing_kernels(float(logit), float(share), data)
+      out.setdefault((rec["layer"], head), []).append(
+        (rec["step"], kernels, float(logit), float(share))
+      )
+  return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def entries(records, data) -> list[Entry]:
+  """Every stay of a head in a miss region: when it entered (the region
+  of a set of kernels), and when it left, if it did."""
+  found = []
+  for (layer, head), steps in timeline(records, data).items():
+    current = None
+    for step, kernels, logit, share in steps:
+      if current is not None and kernels != current.kernels:
+        found.append(dataclasses.replace(current, left=step))
+        current = None
+      if current is None and kernels:
+        current = Entry(layer, head, kernels, step, None, logit, share)
+    if current is not None:
+      found.append(current)
+  return found
+
+
+def verdict(records, data=None, measured: dict | None = None) -> dict:
+  """The run's verdict from its per-head records (`head_records`, or the
+  Flax drop-in's sown statistics as {"step", "layer",
+  "max_logit_per_head", "near_tied_share_per_head"}):
+
+    {"entries": [Entry as dict], "kernels": the calibrated kernels that
+     miss somewhere the run went, "heads": heads that entered / all heads,
+     "recommendations": [{"remedy", "what", "evidence"}], "lines": the
+     verdict in words}.
+
+  `measured`: {remedy: where it was measured} for remedies a study
+  measured (the drift study's stable pair, the stability sweep's arms);
+  the others are marked "not measured". `data`: the calibration
+  (`thresholds.load()` by default)."""
+  data = thresholds.load() if data is None else data
+  if not data.get("regions"):
+    raise ValueError(
+      "the calibration has no 2-D map: run python launch/monitor_thresholds.py"
+    )
+  measured = measured or {}
+  found = entries(records, data)
+  heads = {(r["layer"], h) for r in records
+           for h in range(len(r["max_logit_per_head"]))}  # fmt: skip
+  kernels = sorted({k for e in found for k in e.kernels})
+  recommendations = [
+    {
+      "remedy": name,
+      "what": what,
+      "evidence": measured.get(name, "not measured"),
+    }
+    for name, what in REMEDIES.items()
+  ]
+  return {
+    "entries": [dataclasses.asdict(e) for e in found],
+    "kernels": kernels,
+    "heads": [len({(e.layer, e.head) for e in found}), len(heads)],
+    "recommendations": recommendations if found else [],
+    "lines": _lines(found, len(heads), kernels, recommendations),
+  }
+
+
+def _lines(found, heads: int, kernels, recommendations) -> list[str]:
+  if not found:
+    return [
+      f"No head of {heads} entered a region where a calibrated kernel "
+      "misses a rule (the 2-D map of `python launch/monitor_thresholds.py`)."
+    ]
+  entered = len({(e.layer, e.head) for e in found})
+  lines = [
+    f"{entered} of {heads} heads entered a region where calibrated "
+    f"kernels miss a rule on drawn inputs ({', '.join(kernels)}):"
+  ]
+  for e in found[:12]:
+    stay = (
+      f"left at step {e.left}"
+      if e.left is not None
+      else "still there at the last log"
+    )
+    lines.append(
+      f"- layer {e.layer} head {e.head}: from step {e.entered} (largest "
+      f"logit {e.max_logit:.3g}, near-tie share {e.near_tied_share:.2f}), "
+      f"{stay}; missing there: {', '.join(e.kernels)}."
+    )
+  if len(found) > 12:
+    lines.append(f"- ... and {len(found) - 12} more stays.")
+  lines.append(
+    "What to do if the run uses one of them (the map is measured; whether "
+    "a remedy helps this run is measured only where marked):"
+  )
+  lines += [
+    f"- {r['remedy']}: {r['what']} ({r['evidence']})." for r in recommendations
+  ]
+  return lines
+
+
+def plot_timeline(records_by_run: dict, data, path) -> None:
+  """Per run, heads x logged steps, coloured by how many calibrated
+  kernels miss where each head is on the 2-D map (0: none)."""
+  from stableattn.harness.plotting import plt, save_figure
+
+  lines_by_run = {run: timeline(r, data) for run, r in records_by_run.items()}
+  heads = max(len(v) for v in lines_by_run.values())
+  fig, axes = plt.subplots(
+    len(lines_by_run),
+    1,
+    figsize=(7, max(2.0, 0.22 * heads + 1.2) * len(lines_by_run)),
+    squeeze=False,
+  )
+  vmax = max(1, len(data["regions"]))
+  for ax, (run, lines) in zip(axes[:, 0], lines_by_run.items()):
+    steps = sorted({step for v in lines.values() for step, *_ in v})
+    grid = np.zeros((len(lines), len(steps)))
+    for row, points in enumerate(lines.values()):
+      for step, kernels, *_ in points:
+        grid[row, steps.index(step)] = len(kernels)
+    image = ax.imshow(grid, aspect="auto", cmap="Reds", vmin=0, vmax=vmax)
+    ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
+    ax.set_yticks(
+      range(len(lines)),
+      [f"L{layer} H{head}" for layer, head in lines],
+      fontsize=6,
+    )
+    ax.set_title(f"{run}: calibrated kernels missing where each head is",
+                 fontsize=9)  # fmt: skip
+    fig.colorbar(image, ax=ax, label="kernels")
+  axes[-1, 0].set_xlabel("logged step")
+  save_figure(fig, path)
