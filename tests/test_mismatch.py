@@ -301,3 +301,44 @@ def test_a_killed_run_restarts_to_the_same_rows(tmp_path):
     )
 
   assert rows(killed) == rows(tmp_path / "whole")
+
+
+def _short(x: float) -> str:
+  """A number as docs/results.md writes it: two digits, no exponent pad."""
+  return f"{x:.1e}".replace("e-0", "e-").replace("e+0", "e+")
+
+
+def test_the_docs_quote_the_stored_mismatch_run_as_its_rows_give_it():
+  import gzip
+  import json
+
+  from helpers import results_page, stored_headline, stored_run
+
+  from stableattn.experiments.mismatch import report
+
+  name = "mismatch-2026-11-27"
+  with gzip.open(stored_run(name) / "metrics.jsonl.gz", "rt") as lines:
+    rows = [json.loads(line) for line in lines]
+  docs = results_page(folded=False)
+  assert report._ratio_table([r for r in rows if "pair" in r]) in docs
+  pairs = stored_headline(name)["pairs"]
+  for pair in (
+    "flash_decode_vs_train_bf16",
+    "flash_decode_vs_train_fp16",
+    "flash_decode_vs_train_bf16_activations",
+    "model_bf16_activations_vs_fp32",
+  ):
+    mean = pairs[pair]["rollout_probs_diff_mean"]
+    quoted = (
+      f"| {_short(mean['mean'])} [{_short(mean['low'])}, "
+      f"{_short(mean['high'])}] |"
+    )
+    assert quoted in docs, (pair, quoted)
+  verdicts = stored_headline(name)["verdicts"]
+  folded = results_page(folded=True)
+  for key in ("bf16_activations", "attention_vs_bf16_model"):
+    ratio = verdicts[key]["ratio"]
+    assert (
+      f"{report.num(ratio['mean'])}x [{report.num(ratio['low'])}, "
+      f"{report.num(ratio['high'])}]" in folded
+    ), key
