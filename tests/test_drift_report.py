@@ -10,6 +10,7 @@ from helpers import results_page, stored_headline, stored_run
 from stableattn.experiments.training_drift import analysis, ratio_report, report
 from stableattn.experiments.training_drift.analysis import ratio_summary
 from stableattn.experiments.training_drift.ratio_report import runs_table
+from stableattn.training import compute_format
 
 STEPS = (0, 10, 20)
 
@@ -242,3 +243,16 @@ def test_the_docs_quote_the_stored_ring_run_as_its_rows_give_it():
     subject="context_parallel_vs_single",
   )
   assert quoted in results_page(folded=False)
+
+
+def test_the_docs_quote_the_stored_ablation_as_its_rows_give_it():
+  headline = stored_headline("training-drift-ablation-2026-11-27")
+  assert ratio_report.ablation_table(headline) in results_page(folded=False)
+  # Every class kept in FP32 is the FP32 run itself: the control held.
+  assert headline["bf16_all_in_fp32_vs_fp32_max_abs"] == 0.0
+  alone = [
+    headline["ratios"][f"bf16_only_{c}_vs_fp32"]["bf16_vs_fp32"]["wasserstein"]
+    for c in compute_format.FP32_CLASSES
+  ]
+  total = sum(r["over_replicates"]["mean"] for r in alone)
+  assert f"add up to {total:.1f}x the whole" in results_page(folded=True)

@@ -101,8 +101,8 @@ def test_records_from_metrics_rows_take_the_worst_replicate():
      "layer": 1, "max_logit_per_head": [1.0 + r, 9.0],
      "near_tied_share_per_head": [0.5 - r / 10, 0.0]}
     for r in range(3)
-  ] + [{"kind": "attention", "run": "base", "step": 5, "layer": 1,
-        "max_logit_per_head": [99.0], "near_tied_share_per_head": [0.0]}]  # fmt: skip
+  ]  # fmt: skip
+  rows.append(_record(5, [99.0], [0.0], layer=1) | {"run": "base"})
   (record,) = monitor_verdict.head_records(rows, "flash")
   np.testing.assert_array_equal(record["max_logit_per_head"], [3.0, 9.0])
   np.testing.assert_array_equal(record["near_tied_share_per_head"], [0.5, 0.0])

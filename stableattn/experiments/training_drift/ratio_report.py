@@ -197,3 +197,33 @@ def runs_table(
       row.append(_cell(ratios.get(f"{metric}_slope")))
     rows.append(row)
   return table(header, rows)
+
+
+def ablation_table(headline: dict, reference: str = "bf16_vs_fp32") -> str:
+  """The ablation's pairs (`--config=ablation`) as shares of `reference`:
+  per tensor class, the drift from FP32 training of BF16 training with
+  that class kept in FP32, and of FP32 training with only that class in
+  BF16, over `reference`'s, end point and growth rate, on Wasserstein and
+  max |dW|; docs/results.md quotes it."""
+  from stableattn.training.compute_format import FP32_CLASSES
+
+  header = ["tensor class"] + [
+    f"{run}: {metric}"
+    for run in ("kept in FP32", "alone in BF16")
+    for metric in ("Wasserstein", "growth rate", "max |dW|")
+  ]
+  rows = []
+  for tensor_class in FP32_CLASSES:
+    row = [tensor_class]
+    for pair in (
+      f"bf16_{tensor_class}_in_fp32_vs_fp32",
+      f"bf16_only_{tensor_class}_vs_fp32",
+    ):
+      ratios = headline["ratios"].get(pair, {}).get(reference, {})
+      row += [
+        _cell(ratios.get("wasserstein", {}).get("over_replicates")),
+        _cell(ratios.get("wasserstein_slope")),
+        _cell(ratios.get("max_abs", {}).get("over_replicates")),
+      ]
+    rows.append(row)
+  return table(header, rows)
