@@ -171,3 +171,51 @@ def test_the_drift_report_names_where_a_run_met_a_calibrated_kernels_miss():
   )
   assert "layer 2, step 40" in lines[1]
   assert "pallas fp32, jax_mha fp32" in lines[1] and "xla" not in lines[1]
+
+
+def test_statistics_from_our_kernels_pass_match_the_evaluations():
+  """The same step's statistics two ways: from the kernel's own row max,
+  runner-up and log-sum-exp (no second pass), and from q and k."""
+  import stableattn as sa
+  from stableattn.numerics.monitor import KERNEL_STATISTICS
+  from stableattn.training.model import AttentionSpec, ModelSpec
+  from stableattn.training.trainer import OptimizerSpec, RunSpec, Trainer
+
+  spec = ModelSpec(vocab_size=64, width=32, depth=2, heads=4, max_len=32)
+  attention = AttentionSpec("pallas", sa.Options("bf16-fa2", 16, 16))
+  trainer = Trainer(spec, RunSpec(attention, "bf16"), OptimizerSpec(), 4)
+  state = trainer.init_state()
+  # Without positions, one token repeated makes equal keys: the rows that
+  # see only those tie exactly, and others may.
+  state.params["positions"][...] = jnp.zeros_like(state.params["positions"])
+  tokens = np.random.default_rng(0).integers(0, 64, (4, 33), dtype=np.int32)
+  tokens[:, :8] = 7
+  batch = trainer.shard_batch(tokens)
+  _, _, from_kernel = trainer.evaluate(state, batch)
+  captured = jax.jit(trainer._capture_impl)(state.params, batch)
+  assert all("entropy" not in layer for layer in from_kernel)
+  for layer, inputs in zip(from_kernel, captured):
+    evaluated = attention_statistics(inputs["q"], inputs["k"], jnp.bfloat16)
+    for name in KERNEL_STATISTICS:
+      for key in (name, f"{name}_per_head"):
+        np.testing.assert_allclose(
+          np.asarray(layer[key]),
+          np.asarray(evaluated[key]),
+          rtol=1e-5,
+          atol=1e-6,
+          err_msg=key,
+        )
+  shares = [float(layer["tied_max_share"]) for layer in from_kernel]
+  assert max(shares) > 0  # the tie was seen, by both sources
+
+
+def test_kernel_statistics_are_refused_where_they_do_not_exist():
+  import stableattn as sa
+
+  q, k = _qk(4, (1, 32, 2, 16))
+  with pytest.raises(ValueError, match="return_statistics=True is only"):
+    sa.attention(q, k, k, implementation="reference", return_statistics=True)
+  with pytest.raises(ValueError, match="split-KV.*attention_statistics"):
+    sa.attention(
+      q, k, k, num_splits=2, block_q=16, block_k=16, return_statistics=True
+    )

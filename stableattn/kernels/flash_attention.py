@@ -116,7 +116,14 @@ def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
 
 
 def _forward(
-  q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None, residuals=True
+  q,
+  k,
+  v,
+  ops: MaskOperands,
+  cfg: KernelConfig,
+  scales=None,
+  residuals=True,
+  monitor=False,
 ):
   """(out, residuals of the backward): the padded q, k, v, operands and
   output, the lse, and {name: extra residual} (`residual_names`)."""
@@ -137,6 +144,7 @@ def _forward(
     cfg,
     _pad_scales(scales, cfg),
     residuals=residuals,
+    monitor=monitor,
   )
   out = out_p[:, : cfg.q_len, :, : cfg.value_dim]
   return out, (q_p, k_p, v_p, ops_p, out_p, lse, *extra)
@@ -157,6 +165,29 @@ def flash_attention_with_lse(
   +inf for a row no key attends, as FlashAttention)."""
   out, residuals = _forward(q, k, v, ops, cfg, scales, residuals=False)
   return out, residuals[-1][:, :, : cfg.q_len]
+
+
+def flash_attention_with_statistics(
+  q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None
+):
+  """Forward only; also returns, per row [B, H, T], the log-sum-exp
+  ("lse"), the largest score ("row_max") and the second largest
+  ("second", equal to the largest where it is tied) as the kernel
+  computed them in its one pass, in natural-log units (a base-2 kernel's
+  scores are converted), for the attention monitor. No gradient."""
+  out, residuals = _forward(
+    q, k, v, ops, cfg, scales, residuals=False, monitor=True
+  )
+  lse, found = residuals[-2], residuals[-1]
+  rows = slice(0, cfg.q_len)
+  scale = np.log(2.0) if cfg.policy.exp2 else 1.0
+  return out, {
+    "lse": lse[:, :, rows],
+    **{
+      name: found[name][:, :, rows].astype(lse.dtype) * scale
+      for name in ("row_max", "second")
+    },
+  }
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -39,6 +39,7 @@ from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.kernel_operands import TileReader, operand_specs
 from stableattn.kernels.mma_accumulator import promote, two_level_update
 from stableattn.kernels.residuals import (
+  MONITOR_RESIDUALS,
   residual_names,
   residual_specs,
   store_residuals,
@@ -76,8 +77,10 @@ def _forward_kernel(
 
   first, end, split = _key_blocks(cfg, tiles)
 
+  track_top_two = "row_max" in residual_refs
+
   def body(step, carry):
-    acc_BqxD, m_Bq, l_Bq, mma = carry
+    acc_BqxD, m_Bq, l_Bq, mma, top_two = carry
     # Key blocks in order, or last to first (policy option key_order).
     k_index = step if forward_order else first + end - 1 - step
     k_start = pl.multiple_of(k_index * block_k, block_k)
@@ -101,6 +104,8 @@ def _forward_kernel(
     m_block_Bq = tie_safe_max(
       s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.options
     )
+    if track_top_two:
+      top_two = _merged_top_two(top_two, s_BqxBk)
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
     # A row with no key so far keeps m = -inf; subtract 0 instead.
     m_use_Bq = no_key_safe(m_new_Bq)
@@ -120,16 +125,39 @@ def _forward_kernel(
       acc_BqxD, l_new_Bq = _fa1_update(
         ar, base2, s_BqxBk, stats_Bq, acc_BqxD, times_values
       )
-    return acc_BqxD, m_new_Bq, l_new_Bq, mma
+    return acc_BqxD, m_new_Bq, l_new_Bq, mma, top_two
 
   init = _initial_state(tiles, ar, block_q, v_ref.shape[-1], split)
-  acc_BqxD, m_Bq, l_Bq, mma = lax.fori_loop(first, end, body, init)
+  no_score = jnp.full((block_q,), -jnp.inf, ar.carrier)
+  top_two = (no_score, no_score) if track_top_two else ()
+  acc_BqxD, m_Bq, l_Bq, mma, top_two = lax.fori_loop(
+    first, end, body, (*init, top_two)
+  )
+  if track_top_two:
+    for name, value in zip(MONITOR_RESIDUALS, top_two):
+      residual_refs.pop(name)[...] = ar.stored(value, "scores")
   if mma:
     acc_BqxD = promote(ar, acc_BqxD, mma)
   carry = acc_BqxD, m_Bq, l_Bq
   _store(
     carry, cfg, ar, (o_ref, lse_ref, residual_refs), partial=split is not None
   )
+
+
+def _merged_top_two(top_two, s_BqxBk):
+  """The running largest and second largest raw score of each row, with
+  this block's: the second equals the largest where the largest is tied
+  (two keys at it), in this block or across blocks."""
+  top_Bq, second_Bq = top_two
+  block_top = jnp.max(s_BqxBk, axis=-1)
+  at_top = s_BqxBk == block_top[:, None]
+  rest = jnp.max(jnp.where(at_top, -jnp.inf, s_BqxBk), axis=-1)
+  tied = jnp.sum(at_top.astype(jnp.int32), axis=-1) > 1
+  block_second = jnp.where(tied, block_top, rest)
+  second_Bq = jnp.maximum(
+    jnp.minimum(top_Bq, block_top), jnp.maximum(second_Bq, block_second)
+  )
+  return jnp.maximum(top_Bq, block_top), second_Bq
 
 
 def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):
@@ -282,6 +310,7 @@ def flash_forward(
   page_table=None,
   merge: bool = True,
   residuals: bool = False,
+  monitor: bool = False,
 ):
   """Runs the forward kernel on padded inputs.
 
@@ -311,7 +340,9 @@ def flash_forward(
      `merge_splits` returns them merged, in the same formats as above.
     With `residuals`, a third element: {name: array} of the backward's
     extra residuals (`residual_names`), empty under the default policy;
-    split-KV has none.
+    split-KV has none. With `monitor`, that dict also holds each row's
+    largest and second largest score (`MONITOR_RESIDUALS`, [batch, heads,
+    q_len_padded], in the kernel's score units: base 2 under exp2).
   """
   batch, q_len_padded, heads, head_dim_padded = q.shape
   group = heads // k.shape[2]
@@ -325,6 +356,8 @@ def flash_forward(
   o_shape = (*q.shape[:3], v.shape[-1])
   o_spec, lse_spec, out_shape = _output_specs(cfg, o_shape, splits)
   extra = residual_names(cfg.policy) if residuals else ()
+  if monitor:
+    extra += MONITOR_RESIDUALS
   # Residuals exist without split-KV only, where O's spec is its rows'.
   extra_specs, extra_shapes = residual_specs(
     cfg, o_shape, (o_spec, lse_spec), extra
@@ -346,7 +379,7 @@ def flash_forward(
   )(q, k, v, *arrays)
   if split_kv and merge:
     out, lse = merge_splits(out, lse, cfg)
-  if residuals:
+  if residuals or monitor:
     return out, lse, dict(zip(extra, extra_out))
   return out, lse
 

@@ -22,6 +22,12 @@ from stableattn.kernels.block_math import no_key_safe
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.numerics.precision import Precision
 
+# What the forward also writes for the attention monitor, per row: the
+# largest raw score and the second largest (equal to it where the row's
+# maximum is tied), so the monitor's statistics come from the kernel's own
+# pass (`stableattn.numerics.monitor.kernel_statistics`).
+MONITOR_RESIDUALS = ("row_max", "second")
+
 
 def residual_names(policy: Precision) -> tuple[str, ...]:
   """The outputs the forward writes for the backward beyond O and the
@@ -59,6 +65,13 @@ def residual_specs(cfg: KernelConfig, o_shape, specs, extra):
   lse (m, l), tiles like O (o_fp32, o_lo). `o_shape`: O's padded shape;
   `specs`: O's and the lse's BlockSpecs.
   Split-KV writes none: its partial outputs are merged by lse only."""
+  if set(extra) & set(MONITOR_RESIDUALS) and cfg.blocks_per_split is not None:
+    raise ValueError(
+      "the monitor's statistics from the kernel need one pass over each "
+      "row's keys; split-KV (num_splits, split_size) splits them: drop the "
+      "split options, or take the statistics from q and k "
+      "(stableattn.numerics.monitor.attention_statistics)."
+    )
   if extra and cfg.blocks_per_split is not None:
     raise ValueError(
       f"precision {cfg.policy.name!r} keeps residuals for a stable "
@@ -74,6 +87,9 @@ def residual_specs(cfg: KernelConfig, o_shape, specs, extra):
     "l": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("softmax_stats"))),
     "o_fp32": (o_spec, jax.ShapeDtypeStruct(o_shape, dtype("out_accum"))),
     "o_lo": (o_spec, jax.ShapeDtypeStruct(o_shape, dtype("output"))),
+    # Scores as the kernel rounded them: exact in the scores' format.
+    "row_max": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("scores"))),
+    "second": (lse_spec, jax.ShapeDtypeStruct(rows, dtype("scores"))),
   }
   return [shapes[n][0] for n in extra], [shapes[n][1] for n in extra]
 

@@ -92,6 +92,64 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
   return {**layer, **{f"{name}_per_head": v for name, v in per_head.items()}}
 
 
+# The statistics the kernel's own pass gives (`kernel_statistics`); the
+# others (entropy, FP16 underflow) need the normalized P of every key,
+# which a flash forward never holds, and stay with `attention_statistics`.
+KERNEL_STATISTICS = (
+  "max_logit",
+  "min_row_lse",
+  "median_n_eff",
+  "tied_max_share",
+  "near_tied_share",
+  "q_outlier_ratio",
+  "k_outlier_ratio",
+)
+
+
+@functools.partial(jax.jit, static_argnames=("input_dtype",))
+def kernel_statistics(rows: dict, q_BxTxHxD, k_BxTxHxD, input_dtype=None):
+  """The monitor's statistics from a flash kernel's own pass (MaxText
+  reads splash's residuals the same way, TransformerEngine returns
+  `max_logit`): `rows` holds per row [B, H, T] the log-sum-exp, the
+  largest score and the second largest (`sa.attention(...,
+  return_statistics=True)`), so no second pass over q and k is made; the
+  outlier ratios read q and k's channels directly. Keys and meanings as
+  `attention_statistics` (`KERNEL_STATISTICS`, each also per head), on
+  the scores the kernel computed (after a softcap or bias, if any)."""
+  lse = rows["lse"].astype(jnp.float32)
+  top = rows["row_max"].astype(jnp.float32)
+  second = rows["second"].astype(jnp.float32)
+  attended = jnp.isfinite(top)  # a row some key attends
+  two_keys = attended & jnp.isfinite(second)  # ... with two keys or more
+  magnitude = jnp.maximum(jnp.abs(top), jnp.float32(2.0**-100))
+  dtype = input_dtype or q_BxTxHxD.dtype
+  ulp = jnp.exp2(jnp.floor(jnp.log2(magnitude)) - jnp.finfo(dtype).nmant)
+  n_eff = jnp.where(two_keys, jnp.exp(lse - top), jnp.nan)
+  q = jax.lax.stop_gradient(q_BxTxHxD).astype(jnp.float32)
+  k = jax.lax.stop_gradient(k_BxTxHxD).astype(jnp.float32)
+
+  def reduce(over_heads: bool):
+    axes = (0, 2) if not over_heads else None
+
+    def share(flags):
+      flags = (flags & two_keys).astype(jnp.float32)
+      return jnp.sum(flags, axes) / jnp.sum(two_keys.astype(jnp.float32), axes)
+
+    return {
+      "max_logit": jnp.max(jnp.where(attended, top, -jnp.inf), axes),
+      "min_row_lse": jnp.min(jnp.where(attended, lse, jnp.inf), axes),
+      "median_n_eff": jnp.nanmedian(n_eff, axes),
+      "tied_max_share": share(second == top),
+      "near_tied_share": share(top - second <= ulp),
+      "q_outlier_ratio": _outlier_ratio(q, over_heads),
+      "k_outlier_ratio": _outlier_ratio(k, over_heads),
+    }
+
+  layer = reduce(over_heads=True)
+  per_head = reduce(over_heads=False)
+  return {**layer, **{f"{name}_per_head": v for name, v in per_head.items()}}
+
+
 def plain(stats: dict) -> dict:
   """Statistics as JSON holds them: numbers, and a list per head."""
   out = {}

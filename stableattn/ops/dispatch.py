@@ -27,6 +27,7 @@ from stableattn.kernels import quantization
 from stableattn.kernels.flash_attention import (
   flash_attention,
   flash_attention_with_lse,
+  flash_attention_with_statistics,
   padded_head_dim,
   quantized_flash_attention,
 )
@@ -207,6 +208,7 @@ def attention(
   options: Options | None = None,
   features: Features | None = None,
   return_lse: bool = False,
+  return_statistics: bool = False,
   **keywords,
 ):
   """Scaled dot-product attention under a precision policy.
@@ -226,6 +228,11 @@ def attention(
       lengths, segments, bias, mask, scale, softcap, sink); default none.
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
       only; not differentiable; +inf for a row no key attends).
+    return_statistics: also return {"lse", "row_max", "second"}, each
+      [batch, heads, q_len]: the log-sum-exp and each row's largest and
+      second largest score from the kernel's own pass, for the monitor
+      (`stableattn.numerics.monitor.kernel_statistics`; pallas only,
+      without split-KV; not differentiable).
     **keywords: any field of `Options` or `Features` by name (sugar:
       `precision="bf16-fa2", causal=True`), applied over the two values.
 
@@ -252,8 +259,15 @@ def attention(
   spec, ops = features.split(q.shape, k.shape)
   cfg = kernel_config(options, q.shape, k.shape, spec, v.shape[3])
   _check_implementation_options(implementation, cfg, return_lse)
+  check_flag("return_statistics", return_statistics)
+  if return_statistics and (implementation != "pallas" or return_lse):
+    raise ValueError(
+      "return_statistics=True is only available for 'pallas', and holds "
+      "the lse already (without return_lse)."
+    )
+  returns = "statistics" if return_statistics else "lse" if return_lse else ""
   return _compute(
-    q, k, v, ops, implementation=implementation, cfg=cfg, return_lse=return_lse
+    q, k, v, ops, implementation=implementation, cfg=cfg, returns=returns
   )
 
 
@@ -325,10 +339,10 @@ def _check_xla(cfg: KernelConfig) -> None:
 
 
 @functools.partial(
-  jax.jit, static_argnames=("implementation", "cfg", "return_lse")
+  jax.jit, static_argnames=("implementation", "cfg", "returns")
 )
 def _compute(
-  q, k, v, ops, *, implementation: str, cfg: KernelConfig, return_lse: bool
+  q, k, v, ops, *, implementation: str, cfg: KernelConfig, returns: str = ""
 ):
   """One compiled program per (shapes, implementation, configuration)."""
   # Explicit rounding: a bare cast to a half type may be skipped by XLA when
@@ -345,8 +359,10 @@ def _compute(
       q, k, v, cfg.policy, cfg.block_q, cfg.block_k
     )
   if implementation == "pallas":
-    if return_lse:
+    if returns == "lse":
       return flash_attention_with_lse(q, k, v, ops, cfg, scales)
+    if returns == "statistics":
+      return flash_attention_with_statistics(q, k, v, ops, cfg, scales)
     if scales is not None:
       return quantized_flash_attention(q, k, v, ops, scales, cfg)
     return flash_attention(q, k, v, ops, cfg)

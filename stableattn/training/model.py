@@ -12,9 +12,11 @@ format is left to type promotion. Attention is one of:
     of them downstream (`shadow_downstream`) and, when statistics are
     collected, reports their per-layer deviation (Golden et al. ran both
     attentions inside the model the same way).
-With `collect_stats=True` every layer also reports its largest attention
-logit, the mean entropy of its attention rows and the share of rows whose
-largest logit is tied (Qiu & Yao's biased rounding starts there).
+With `collect_stats=True` every layer also reports the monitor's
+statistics (`stableattn.numerics.monitor`): its largest attention logit,
+row log-sum-exps, near ties (Qiu & Yao's biased rounding starts there),
+per layer and per head; from our kernel's own pass where it computes the
+flash output, else from q and k.
 
 Stability options (Wortsman et al., arXiv 2309.14322): `ModelSpec.qk_norm`
 normalizes each head's queries and keys (RMSNorm over the head dim, with
@@ -34,8 +36,9 @@ from flax import nnx
 
 from stableattn.contract.features import Features
 from stableattn.contract.options import Options
-from stableattn.numerics.monitor import attention_statistics
+from stableattn.numerics.monitor import attention_statistics, kernel_statistics
 from stableattn.ops import registry
+from stableattn.ops.dispatch import attention
 from stableattn.ops.ring import ring_attention
 from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
 from stableattn.training.compute_format import ComputeFormat
@@ -96,6 +99,30 @@ class AttentionSpec:
         f"shadow_downstream must be 'reference' or 'pallas', got "
         f"{self.shadow_downstream!r}."
       )
+
+  @property
+  def kernel_monitors(self) -> bool:
+    """Whether our kernel computes the flash output and can give the
+    monitor's statistics from its own pass: one device, no split-KV."""
+    return (
+      self.kind in ("pallas", SHADOW)
+      and self.context_parallel == 1
+      and self.options.num_splits is None
+      and self.options.split_size is None
+    )
+
+  def flash_with_statistics(self, q, k, v):
+    """Our kernel's output and its per-row statistics (lse, largest and
+    second largest score; `sa.attention(..., return_statistics=True)`)."""
+    return attention(
+      q,
+      k,
+      v,
+      implementation="pallas",
+      options=self.options,
+      features=self.features,
+      return_statistics=True,
+    )
 
   def call(self, q, k, v, kind: str | None = None, options=None):
     """Attention of `kind` (default: this spec's) on q, k, v."""
@@ -212,8 +239,12 @@ class SelfAttention(nnx.Module):
     q, k, v = self.project(x_BxTxW)
     spec = self.attention_spec
     stats = {}
+    from_kernel = collect_stats and spec.kernel_monitors
+    if from_kernel:
+      flash, rows = spec.flash_with_statistics(q, k, v)
     if spec.kind == SHADOW:
-      flash = spec.call(q, k, v, "pallas")
+      if not from_kernel:
+        flash = spec.call(q, k, v, "pallas")
       base = spec.call(q, k, v, "reference", spec.shadow_baseline)
       out = flash if spec.shadow_downstream == "pallas" else base
       if collect_stats:
@@ -223,10 +254,13 @@ class SelfAttention(nnx.Module):
           base.astype(jnp.float32)
         )
     else:
-      out = spec.call(q, k, v)
+      out = flash if from_kernel else spec.call(q, k, v)
     if collect_stats:
       inputs = spec.options.precision.dtype("inputs")
-      stats.update(attention_statistics(q, k, inputs))
+      if from_kernel:
+        stats.update(kernel_statistics(rows, q, k, inputs))
+      else:
+        stats.update(attention_statistics(q, k, inputs))
     if probe_tap is not None:
       stats.update(q=q, k=k, v=v)  # as the kernel received them
       stats["out"] = out
