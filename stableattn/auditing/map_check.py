@@ -1,0 +1,123 @@
+"""Does the calibrated 2-D map predict where kernels miss on a model's own
+tensors? Each captured layer's largest logit and near-tie share place it
+on the map (`thresholds.regions`): a kernel is predicted to miss there if
+the point lies in one of its corners' quadrants. The kernel's audit on
+the same captured tensors (`launch/audit.py --config.inputs=...`) says
+whether it did. A confusion table per kernel counts the four outcomes and
+the false-alarm rate (predicted, yet passed, over all that passed).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from stableattn.auditing import captures, thresholds
+from stableattn.harness.reporting import table
+
+# What an audit run computed -> its name in the calibration: the audit's
+# `kernel` (and `kernel_precision=stable`) with BF16 inputs.
+AUDITED = {
+  ("pallas", "bf16-framework", False): "pallas bf16-fa2",
+  ("pallas", "bf16-framework", True): "pallas bf16-fa2-stable",
+  ("pallas", "fp32", False): "pallas fp32",
+  ("pallas", "fp32", True): "pallas fp32-stable",
+  ("jax_mha", "bf16-framework", False): "jax_mha bf16",
+  ("jax_mha", "fp32", False): "jax_mha fp32",
+  ("xla", "bf16-framework", False): "xla bf16",
+  ("xla", "fp32", False): "xla fp32",
+}
+
+
+def layer_points(path) -> dict[str, dict]:
+  """{label: {"max_logit", "near_tied_share"}} of every captured layer
+  under `path`, measured in the tensors' own format."""
+  return {
+    layer.label: captures.statistics(layer) for layer in captures.load(path)
+  }
+
+
+def audit_misses(audit_dir) -> dict[str, dict[str, bool]]:
+  """{calibration kernel name: {layer label: missed a rule}} from one
+  audit run's rows on captured tensors (each input policy its own
+  kernel)."""
+  audit_dir = pathlib.Path(audit_dir)
+  config = json.loads((audit_dir / "config.json").read_text())
+  stable = config.get("kernel_precision") == "stable"
+  out: dict = {}
+  for line in (audit_dir / "metrics.jsonl").read_text().splitlines():
+    row = json.loads(line)
+    if row.get("regime") != "captured":
+      continue
+    name = AUDITED.get((row["kernel"], row["policy"], stable))
+    if name is None:
+      continue
+    missed = bool(
+      row["nonfinite"]
+      or not row["flashattention_passed"]
+      or not row["flexattention_passed"]
+    )
+    layers = out.setdefault(name, {})
+    layers[row["detail"]] = layers.get(row["detail"], False) or missed
+  return out
+
+
+def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
+  """Per kernel: the layers predicted and measured to miss, and the four
+  counts with the false-alarm rate (None where no layer passed)."""
+  out = {}
+  for name, measured in misses.items():
+    region = data["regions"].get(name)
+    if region is None:
+      continue
+    counts = {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
+    layers = {}
+    for label, failed in sorted(measured.items()):
+      point = points[label]
+      predicted = (
+        thresholds.region_of(
+          point["max_logit"], point["near_tied_share"], region
+        )
+        is not None
+      )
+      outcome = {
+        (True, True): "hit",
+        (True, False): "false_alarm",
+        (False, True): "missed",
+        (False, False): "quiet",
+      }[(predicted, failed)]
+      counts[outcome] += 1
+      layers[label] = {"predicted": predicted, "measured": failed, **point}
+    passed = counts["false_alarm"] + counts["quiet"]
+    out[name] = {
+      **counts,
+      "false_alarm_rate": counts["false_alarm"] / passed if passed else None,
+      "layers": layers,
+    }
+  return out
+
+
+def confusion_table(found: dict) -> str:
+  """Markdown: per kernel, predicted against measured misses."""
+  rows = []
+  for name, c in found.items():
+    rate = c["false_alarm_rate"]
+    rows.append(
+      [
+        name,
+        c["hit"],
+        c["false_alarm"],
+        c["missed"],
+        c["quiet"],
+        "-" if rate is None else f"{rate:.2f}",
+      ]
+    )
+  header = [
+    "kernel",
+    "predicted, missed",
+    "predicted, passed (false alarm)",
+    "not predicted, missed",
+    "not predicted, passed",
+    "false-alarm rate",
+  ]
+  return table(header, rows)
