@@ -91,6 +91,12 @@ def _default() -> ml_collections.ConfigDict:
   # first logging step whose largest logit reaches this, for the audit's
   # --config.inputs (docs/monitor.md); 0: never.
   c.train.capture_logit = 0.0
+  # > 0: capture each flash arm's tensors, in every replicate, at its first
+  # logging step and at each logging step where the set of calibrated
+  # kernels whose 2-D map holds one of its heads changes (a head entered
+  # or left a miss region), up to this many steps per cell: the map's
+  # test on real tensors (launch/monitor_map_check.py); 0: never.
+  c.train.capture_map = 0
   c.train.capture_rows = 2
 
   c.data = ml_collections.ConfigDict()

@@ -1,6 +1,15 @@
 """The 2-D map's predictions against audits on captured tensors."""
 
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
 from stableattn.auditing import map_check
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 DATA = {
   "regions": {
@@ -42,3 +51,50 @@ def test_each_layer_lands_in_one_cell_of_the_confusion_table():
   )
   table = map_check.confusion_table({"pallas bf16-fa2": found})
   assert "| pallas bf16-fa2 | 1 | 1 | 1 | 1 | 0.50 |" in table
+
+
+@pytest.mark.slow  # a sweep, an audit and the check end to end
+def test_captures_on_the_map_are_audited_and_tabled(tmp_path):
+  """A smoke stability sweep captures at its first logging step and where
+  the heads move on the map, in every replicate; an audit of those
+  tensors and the map's predictions make one confusion table."""
+  runs = {
+    "stability": [
+      "--config=smoke",
+      "--config.variants=flash",
+      "--config.mitigations=none",
+      "--config.train.machine_pair=False",
+      "--config.train.replicates=2",
+      "--config.train.capture_map=2",
+    ],
+    "audit": [
+      "--config.kernel=xla",
+      "--config.precisions=bf16-framework",
+      "--config.shapes=((1,16,2,16),)",
+      "--config.features=causal",
+      "--config.seeds=1",
+      "--config.repeats=2",
+      f"--config.inputs={tmp_path / 'stability' / 'captures'}",
+    ],
+  }
+  for name, args in runs.items():
+    subprocess.run(
+      [sys.executable, str(REPO / "launch" / f"{name}.py"),
+       f"--workdir={tmp_path / name}", *args],
+      check=True, cwd=REPO, timeout=600,
+    )  # fmt: skip
+  cells = sorted(
+    p.name for p in (tmp_path / "stability" / "captures").iterdir()
+  )
+  assert {c.rsplit("-", 1)[1] for c in cells} == {"r0", "r1"}
+  out = tmp_path / "map.json"
+  printed = subprocess.run(
+    [sys.executable, str(REPO / "launch" / "monitor_map_check.py"),
+     f"--captures={tmp_path / 'stability' / 'captures'}",
+     f"--audits={tmp_path / 'audit'}", f"--out={out}"],
+    check=True, cwd=REPO, timeout=600, capture_output=True, text=True,
+  ).stdout  # fmt: skip
+  found = json.loads(out.read_text())["xla bf16"]
+  layers = sum(found[k] for k in ("hit", "false_alarm", "missed", "quiet"))
+  assert layers == len(found["layers"]) > 0
+  assert "| xla bf16 |" in printed

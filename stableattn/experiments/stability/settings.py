@@ -97,6 +97,7 @@ class Settings:
   machine_flags: str | None
   machine: str
   capture_logit: float = 0.0
+  capture_map: int = 0
   capture_rows: int = 2
 
   @property
@@ -153,6 +154,7 @@ class TrainSection:
   # replicate) whose largest logit reaches this saves every attention
   # layer's q, k, v and dO under captures/<arm>-lr<lr>/ (0: never).
   capture_logit: float = spec(minimum=0)
+  capture_map: int = spec(minimum=0)
   capture_rows: int = spec(minimum=1)
 
 
@@ -215,6 +217,7 @@ def settings_from_config(config, *, machine: str | None = None) -> Settings:
     machine_flags=flags,
     machine=label,
     capture_logit=train.capture_logit,
+    capture_map=train.capture_map,
     capture_rows=train.capture_rows,
   )
   runs = {arm: _run(c, arm.here, settings.model, attention) for arm in arms}

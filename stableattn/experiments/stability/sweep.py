@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from stableattn.auditing import captures
+from stableattn.auditing import captures, thresholds
 from stableattn.experiments.stability.settings import Arm, Settings
 from stableattn.numerics.metrics import signed_share
 from stableattn.training import data as data_lib
@@ -50,10 +50,25 @@ def delta_signed_shares(trainer, state, batch) -> list[float]:
   ]
 
 
-def _log_row(trainer, state, eval_batch, heads: int) -> dict:
+def _log_row(trainer, state, eval_batch, heads: int, calibration=None) -> dict:
   logits, loss, layer_stats = trainer.evaluate(state, eval_batch)
   log_z = np.asarray(jax.nn.logsumexp(logits, axis=-1), np.float64)
   stats = jax.device_get(layer_stats)
+  extra = {}
+  if calibration is not None:
+    # The calibrated kernels whose 2-D map holds one of the heads.
+    extra["map_kernels"] = sorted(
+      {
+        kernel
+        for layer in stats
+        for logit, share in zip(
+          layer["max_logit_per_head"], layer["near_tied_share_per_head"]
+        )
+        for kernel in thresholds.kernels_missing_at(
+          float(logit), calibration, float(share)
+        )
+      }
+    )
   spectral = spectral_norms(state.params, heads)
   shares = delta_signed_shares(trainer, state, eval_batch)
   return {
@@ -67,6 +82,7 @@ def _log_row(trainer, state, eval_batch, heads: int) -> dict:
     "log_z_max": float(np.max(log_z)),
     "wq_spectral": spectral,
     "wq_spectral_max": max(max(layer) for layer in spectral),
+    **extra,
   }
 
 
@@ -105,7 +121,9 @@ def train_cell(
   threshold stops there; it is a row (diverged, with its step), not an
   error, and its final loss is the clip value. With `capture_dir`, the
   first logging step whose largest logit reaches `s.capture_logit` saves
-  the attention tensors there (`_capture`)."""
+  the attention tensors there (`_capture`); with `s.capture_map`, the
+  first logging step and each one where the calibrated kernels whose 2-D
+  map holds one of the heads change, up to `s.capture_map` of them."""
   tag = {
     "arm": arm.name,
     "variant": arm.variant,
@@ -118,6 +136,8 @@ def train_cell(
   start = time.perf_counter()
   state = trainer.init_state(replicate)
   rows, diverged_at, train_loss = [], None, float("nan")
+  calibration = thresholds.load() if s.capture_map else None
+  map_captures, last_map = 0, None
   for step in range(s.steps):
     batch = data_lib.settings_batch(tokens, s, step, replicate)
     state, metrics = trainer.step(state, trainer.shard_batch(batch), lr)
@@ -126,8 +146,22 @@ def train_cell(
       diverged_at = step + 1
       break
     if (step + 1) % s.log_every == 0 or step + 1 == s.steps:
-      row = _log_row(trainer, state, eval_batch, heads)
-      if capture_dir is not None and row["max_logit"] >= s.capture_logit:
+      row = _log_row(trainer, state, eval_batch, heads, calibration)
+      on_map = row.get("map_kernels")
+      if (
+        capture_dir is not None
+        and s.capture_map
+        and map_captures < s.capture_map
+        and (last_map is None or on_map != last_map)
+      ):
+        _capture(trainer, state, s, tokens, step + 1, replicate, capture_dir)
+        map_captures += 1
+      last_map = on_map
+      if (
+        capture_dir is not None
+        and s.capture_logit
+        and row["max_logit"] >= s.capture_logit
+      ):
         _capture(trainer, state, s, tokens, step + 1, replicate, capture_dir)
         capture_dir = None  # once per cell
       rows.append(
@@ -199,9 +233,12 @@ def sweep(s: Settings, arms, run_dir, done: set) -> None:
     eval_sharded = trainer.shard_batch(eval_batch)
     capture_dir = None
     flash = trainer.run.attention.kind == "pallas"
+    name = arm.name.replace("/", "_")
     if s.capture_logit and replicate == 0 and flash:
-      name = arm.name.replace("/", "_")
       capture_dir = run_dir.path / "captures" / f"{name}-lr{lr:g}"
+    if s.capture_map and flash:
+      cell = f"{name}-lr{lr:g}-r{replicate}"
+      capture_dir = run_dir.path / "captures" / cell
     run_dir.append_metrics(
       train_cell(
         trainer, s, arm, lr, replicate, tokens, eval_sharded, capture_dir
