@@ -83,7 +83,7 @@ def test_ties_are_made_in_about_the_share_of_rows_asked_for():
     case = thresholds._case(100.0, (1, 64, 2, 32), causal, share)
     measured = thresholds.case_statistics(case, "fp32")["near_tied_share"]
     assert share - 0.05 <= measured <= share + 0.1, (causal, share, measured)
-  # Duplicated keys survive any rounding: the same share in BF16.
+  # Repeated tokens survive any rounding: the same share in BF16.
   bf16 = thresholds.case_statistics(case, "bf16-framework")["near_tied_share"]
   assert bf16 >= measured
 

@@ -5,7 +5,7 @@ statistics into a verdict on its kernel.
 `sweep` audits each kernel on inputs whose scores have standard deviation
 1, 10, 30, ..., 3000 (q and k both scaled by the root), with exact ties
 of the largest logit made in a chosen share of rows (0, 10%, 30%, 90%:
-keys duplicated, so the ties survive any rounding), at two shapes (the
+tokens repeated, key and value, so the ties survive any rounding), at two shapes (the
 edge audit's and a larger one), causal and not, and records each case's
 largest logit and near-tie share (measured on the inputs as the kernel
 receives them) and which rule each tensor missed. `thresholds` reads
@@ -68,7 +68,7 @@ def _case(
   k = scale * rng.standard_normal(shape)
   v = rng.standard_normal(shape)
   if tie_share:
-    k = with_tied_rows(q, k, tie_share, causal, rng)
+    k, v = with_tied_rows(q, k, v, tie_share, causal, rng)
   detail = (
     f"score std {std:g}, ties in {tie_share:.0%} of rows, "
     f"{'causal' if causal else 'full'}"
@@ -78,15 +78,18 @@ def _case(
   )
 
 
-def with_tied_rows(q, k, share: float, causal: bool, rng) -> np.ndarray:
-  """k with keys duplicated so that about `share` of the rows with two
-  keys or more (per batch and head) have their largest logit tied
-  exactly with a copy of its key: each copy overwrites a key that is no
-  row's largest and comes earlier, so every row that sees the original
-  sees the copy (causal: where no such key is left, the first free key
-  after it, which the rows from there on see). q and k [B, T, H, D], one
-  KV head per query head."""
+def with_tied_rows(q, k, v, share: float, causal: bool, rng):
+  """(k, v) with tokens repeated so that about `share` of the rows with
+  two keys or more (per batch and head) have their largest logit tied
+  exactly: a row's top key and its value are copied over a key that is
+  no row's largest, as a repeated token in text holds the same key and
+  value twice (the real tensors' ties, docs/results.md). Each copy goes
+  to an earlier key, so every row that sees the original sees the copy
+  (causal: where no such key is left, the first free key after it, which
+  the rows from there on see). q, k, v [B, T, H, D], one KV head per
+  query head."""
   k = np.array(k, np.float64)
+  v = np.array(v, np.float64)
   s = logits(q, k, causal)  # [B, H, T, S]
   first = 1 if causal else 0  # a causal first row has a single key
   for b, h in np.ndindex(s.shape[0], s.shape[1]):
@@ -101,10 +104,11 @@ def with_tied_rows(q, k, share: float, causal: bool, rng) -> np.ndarray:
       copy = earlier[-1] if earlier else free[0]
       free.remove(copy)
       k[b, copy, h] = k[b, key, h]
+      v[b, copy, h] = v[b, key, h]
       # Rows that see both: all of the key's under full attention.
       seen = rows >= copy if causal else np.ones_like(rows, bool)
       tied += int(np.sum((winners == key) & seen))
-  return k
+  return k, v
 
 
 def case_statistics(case: EdgeCase, inputs: str) -> dict:
