@@ -269,3 +269,13 @@ def test_the_docs_quote_the_stored_stable_arm_as_its_rows_give_it():
   assert f"{difference} (stable Flash)" in docs
   spread = _quoted(stable["spread_ratio"]["BF16-vs-FP32"], 2, "x")
   assert f"{spread} BF16-vs-FP32's" in docs
+
+
+def test_the_docs_quote_the_stored_sweeps_across_sizes_side_by_side():
+  from stableattn.experiments.stability.across_sizes import before_after_tables
+
+  now = stored_headline("stability-sizes-2026-11-27")
+  before = stored_headline("stability-sizes-2026-11-26")
+  assert before_after_tables(now, before) in results_page(folded=False)
+  flash = now["changes"]["w96-d3"]["flash (none)"]
+  assert "above 0.192" in flash["lr_sensitivity_resolution"]
