@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import results_page, stored_run
+from helpers import REPO, results_page, stored_run
 
 import stableattn as sa
 from stableattn.auditing import captures
@@ -86,6 +86,34 @@ def test_bad_capture_paths_are_refused_saying_what_is_valid(tmp_path):
   record.write_text(json.dumps({**json.loads(record.read_text()), "format": 9}))
   with pytest.raises(ValueError, match="reads format 1"):
     captures.load(root)
+
+
+def test_a_truncated_or_misshapen_capture_is_one_line_naming_the_file(
+  tmp_path,
+):
+  """The audit command says which file is bad and exits 2, no traceback."""
+  root = _saved(tmp_path / "truncated")
+  file = root / "step_000010" / "layer_01.npz"
+  file.write_bytes(file.read_bytes()[:200])
+  other = _saved(tmp_path / "misshapen")
+  bad = other / "step_000020" / "layer_00.npz"
+  with np.load(bad) as data:
+    arrays = {name: data[name] for name in data.files}
+  np.savez(bad, **{**arrays, "k": arrays["k"][..., :-1]})
+  for folder, named in ((root, file), (other, bad)):
+    with pytest.raises(ValueError, match=str(named)):
+      captures.load(folder)
+    done = subprocess.run(
+      [sys.executable, str(REPO / "launch" / "audit.py"),
+       f"--workdir={tmp_path / 'audit'}", "--config=smoke",
+       "--config.kernel=xla", f"--config.inputs={folder}"],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(said) == 1 and str(named) in said[0], done.stderr[-2000:]
+    assert not done.stdout.strip()
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.slow  # a model or a sweep end to end; CI's slow tier

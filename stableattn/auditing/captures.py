@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import zipfile
 
 import numpy as np
 
@@ -169,8 +170,7 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
       layer = int(name)
       if layers is not None and layer not in layers:
         continue
-      with np.load(folder / f"layer_{layer:02d}.npz") as data:
-        tensors = {t: np.asarray(data[t], np.float64) for t in data.files}
+      tensors = _read_layer(folder / f"layer_{layer:02d}.npz")
       nested = folder.parent.relative_to(root) if folder != root else None
       if nested is not None and nested.parts[:1] == ("captures",):
         nested = pathlib.Path(*nested.parts[1:])  # a run directory's own
@@ -190,6 +190,43 @@ def load(path, *, layers=None, steps=None) -> list[CapturedLayer]:
       f"steps={steps}."
     )
   return found
+
+
+def _read_layer(file: pathlib.Path) -> dict:
+  """One layer's arrays as float64, or a ValueError naming the file: a
+  truncated or unreadable file, a missing tensor, or shapes that are not
+  one attention's q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv]
+  and d_out [B, T, H, Dv]."""
+  try:
+    with np.load(file) as data:
+      tensors = {t: np.asarray(data[t], np.float64) for t in data.files}
+  except (OSError, EOFError, ValueError, zipfile.BadZipFile) as e:
+    raise ValueError(
+      f"{file}: cannot be read as a captured layer ({type(e).__name__}: "
+      f"{e}); it may be truncated: capture it again."
+    ) from None
+  missing = [t for t in ("q", "k", "v") if t not in tensors]
+  if missing:
+    raise ValueError(f"{file}: holds {sorted(tensors)}, missing {missing}.")
+  q, k, v = tensors["q"], tensors["k"], tensors["v"]
+  d_out = tensors.get("d_out")
+  shapes = {name: x.shape for name, x in tensors.items()}
+  consistent = (
+    q.ndim == k.ndim == v.ndim == 4
+    and q.shape[0] == k.shape[0] == v.shape[0]
+    and q.shape[3] == k.shape[3]
+    and k.shape[:3] == v.shape[:3]
+    and k.shape[2] > 0
+    and q.shape[2] % k.shape[2] == 0
+    and (d_out is None or d_out.shape == (*q.shape[:3], v.shape[3]))
+  )
+  if not consistent:
+    raise ValueError(
+      f"{file}: inconsistent shapes {shapes}; expected q [B, T, H, D], "
+      "k [B, S, Hkv, D], v [B, S, Hkv, Dv] and d_out [B, T, H, Dv], with "
+      "Hkv dividing H."
+    )
+  return tensors
 
 
 def edge_cases(inputs) -> list[EdgeCase]:

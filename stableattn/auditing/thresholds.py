@@ -5,10 +5,10 @@ statistics into a verdict on its kernel.
 `sweep` audits each kernel on inputs whose scores have standard deviation
 1, 10, 30, ..., 3000 (q and k both scaled by the root), with exact ties
 of the largest logit made in a chosen share of rows (0, 10%, 30%, 90%:
-tokens repeated, key and value, so the ties survive any rounding), at two shapes (the
-edge audit's and a larger one), causal and not, and records each case's
-largest logit and near-tie share (measured on the inputs as the kernel
-receives them) and which rule each tensor missed. `thresholds` reads
+tokens repeated, key and value, so the ties survive any rounding), at
+two shapes (the edge audit's and a larger one), causal and not, and
+records each case's largest logit and near-tie share (measured on the
+inputs as the kernel receives them) and which rule each tensor missed. `thresholds` reads
 off, per kernel, the smallest largest logit at which it missed a rule
 without ties (and the largest at which it still passed); `regions` the
 2-D map: the fewest (largest logit, near-tie share) corners whose
