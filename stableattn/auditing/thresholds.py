@@ -8,11 +8,11 @@ of the largest logit made in a chosen share of rows (0, 10%, 30%, 90%:
 tokens repeated, key and value, so the ties survive any rounding), at
 two shapes (the edge audit's and a larger one), causal and not, and
 records each case's largest logit and near-tie share (measured on the
-inputs as the kernel receives them) and which rule each tensor
-missed. `thresholds` reads off, per kernel, the smallest largest logit at which it missed a rule
-without ties (and the largest at which it still passed); `regions` the
-2-D map: the fewest (largest logit, near-tie share) corners whose
-upper-right quadrants hold every case that missed.
+inputs as the kernel receives them) and which rule each tensor missed.
+`thresholds` reads off, per kernel, the smallest largest logit at which
+it missed a rule without ties (and the largest at which it still
+passed); `regions` the 2-D map: the fewest (largest logit, near-tie
+share) corners whose upper-right quadrants hold every case that missed.
 `launch/monitor_thresholds.py` writes them to `monitor_thresholds.json`
 beside this module, which the training reports read; nothing in it is
 typed by hand.
