@@ -75,7 +75,10 @@ def test_the_monitor_overhead_is_measured_per_step_at_the_logging_interval():
   sizes = types.SimpleNamespace(
     width=32, depth=1, heads=2, seq_len=32, batch_size=2, log_every=10
   )
-  row = monitor_overhead.measure(sizes, repeats=2)
+  row = monitor_overhead.measure(sizes, repeats=2, source="q and k")
+  assert row["source"] == "q and k" and "from q and k" in (
+    monitor_overhead.overhead_line(row)
+  )
   assert row["step_ms"] > 0 and row["eval_ms_with_monitor"] > 0
   extra = max(row["eval_ms_with_monitor"] - row["eval_ms_without_monitor"], 0)
   assert np.isclose(row["overhead_per_step"], extra / 10 / row["step_ms"])

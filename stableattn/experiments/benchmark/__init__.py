@@ -69,9 +69,10 @@ def _measurements(s: Settings):
       )
     ]
   if s.monitor_overhead:
-    row = monitor_overhead.measure(s.monitor)
-    print(monitor_overhead.overhead_line(row))
-    yield [row]
+    for source in monitor_overhead.SOURCES:
+      row = monitor_overhead.measure(s.monitor, source=source)
+      print(monitor_overhead.overhead_line(row))
+      yield [row]
   if s.tile_search:
     for precision, head_dim, causal in itertools.product(
       s.precisions, s.head_dims, s.causal

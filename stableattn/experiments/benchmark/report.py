@@ -37,8 +37,10 @@ def write_report(run_dir: RunDir, s: Settings, rows) -> dict:
     headline["forward_time_ratio_vs_reference"] = finding[1]
   monitor = [r for r in rows if r["kind"] == "monitor"]
   if monitor:
-    parts.append(monitor_overhead.overhead_line(monitor[0]))
-    headline["monitor_overhead_per_step"] = monitor[0]["overhead_per_step"]
+    parts += [monitor_overhead.overhead_line(row) for row in monitor]
+    headline["monitor_overhead_per_step"] = {
+      row.get("source", "kernel"): row["overhead_per_step"] for row in monitor
+    }
   if masks:
     text, savings = masks_section(masks)
     parts.append(text)
