@@ -33,7 +33,8 @@ def test_each_layer_lands_in_one_cell_of_the_confusion_table():
     "d": {"max_logit": 900.0, "near_tied_share": 0.0},  # out, passed
   }
   misses = {"pallas bf16-fa2": {"a": True, "b": False, "c": True, "d": False}}
-  found = map_check.confusion(points, misses, DATA)["pallas bf16-fa2"]
+  found = map_check.confusion({"bfloat16": points}, misses, DATA)
+  found = found["pallas bf16-fa2"]
   assert (
     found["hit"],
     found["false_alarm"],
@@ -46,6 +47,7 @@ def test_each_layer_lands_in_one_cell_of_the_confusion_table():
     1,
   )
   assert found["false_alarm_rate"] == 0.5
+  assert map_check.input_format("pallas fp32") == "float32"
   assert (
     found["layers"]["b"]["predicted"] and not found["layers"]["b"]["measured"]
   )

@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 import pathlib
 
+import numpy as np
+
 from stableattn.auditing import captures, thresholds
 from stableattn.harness.reporting import table
+from stableattn.numerics.precision import Precision
 
 # What an audit run computed -> its name in the calibration: the audit's
 # `kernel` (and `kernel_precision=stable`) with BF16 inputs.
@@ -29,11 +32,20 @@ AUDITED = {
 }
 
 
-def layer_points(path) -> dict[str, dict]:
-  """{label: {"max_logit", "near_tied_share"}} of every captured layer
-  under `path`, measured in the tensors' own format."""
+def input_format(kernel: str) -> str:
+  """The format a calibrated kernel's inputs arrive in (its audit
+  policy's), in which a near tie is counted."""
+  inputs = thresholds.KERNELS[kernel][2]
+  return str(np.dtype(Precision.from_name(inputs).dtype("inputs")))
+
+
+def layer_points(path, formats=("bfloat16", "float32")) -> dict:
+  """{input format: {label: {"max_logit", "near_tied_share"}}} of every
+  captured layer under `path`, near ties counted in each format."""
+  layers = captures.load(path)
   return {
-    layer.label: captures.statistics(layer) for layer in captures.load(path)
+    fmt: {layer.label: captures.statistics(layer, fmt) for layer in layers}
+    for fmt in formats
   }
 
 
@@ -64,7 +76,9 @@ def audit_misses(audit_dir) -> dict[str, dict[str, bool]]:
 
 def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
   """Per kernel: the layers predicted and measured to miss, and the four
-  counts with the false-alarm rate (None where no layer passed)."""
+  counts with the false-alarm rate (None where no layer passed).
+  `points`: `layer_points`' {format: {label: point}}, each kernel read in
+  its own input format."""
   out = {}
   for name, measured in misses.items():
     region = data["regions"].get(name)
@@ -73,7 +87,7 @@ def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
     counts = {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
     layers = {}
     for label, failed in sorted(measured.items()):
-      point = points[label]
+      point = points[input_format(name)][label]
       predicted = (
         thresholds.region_of(
           point["max_logit"], point["near_tied_share"], region
