@@ -284,3 +284,17 @@ def test_a_sweep_from_before_the_fixed_step_arm_extends_into_it(tmp_path):
   )
   assert set(headline["arm_trends"]) == {TOKENS_PER_PARAMETER, FIXED_STEPS}
   assert set(headline["trends"]["seed"]["slopes"]) == {"parameters", "steps"}
+
+
+def test_the_docs_quote_the_stored_sweeps_side_by_side():
+  from helpers import results_page, stored_headline
+
+  now = stored_headline("drift-scaling-2026-11-27")
+  before = stored_headline("drift-scaling-2026-11-26")
+  assert report.before_after_tables(now, before) in results_page(folded=False)
+  steps = now["trends"]["bf16_vs_fp32"]["slopes"]["steps"]
+  assert steps["verdict"] == "grows"
+  quoted = (
+    f"{steps['estimate']:+.3f} [{steps['low']:+.3f}, {steps['high']:+.3f}]"
+  )
+  assert quoted in results_page(folded=True)
