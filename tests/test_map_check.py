@@ -100,3 +100,35 @@ def test_captures_on_the_map_are_audited_and_tabled(tmp_path):
   layers = sum(found[k] for k in ("hit", "false_alarm", "missed", "quiet"))
   assert layers == len(found["layers"]) > 0
   assert "| xla bf16 |" in printed
+
+
+def test_the_docs_quote_the_stored_map_check_as_its_rows_give_it():
+  """The confusion table is recomputed from the stored audits' rows, the
+  stored layer points and the calibration regions the check used."""
+  from helpers import results_page, stored_run
+
+  root = stored_run("map-check-2026-11-27")
+  stored = json.loads((root / "map_check.json").read_text())
+  regions = json.loads((root / "calibration_regions.json").read_text())
+  points: dict = {}
+  for kernel, found in stored.items():
+    fmt = map_check.input_format(kernel)
+    for label, layer in found["layers"].items():
+      points.setdefault(fmt, {})[label] = {
+        k: layer[k] for k in ("max_logit", "near_tied_share")
+      }
+  misses = {}
+  for audit in sorted(root.glob("audit_*")):
+    misses.update(map_check.audit_misses(audit))
+  again = map_check.confusion(points, misses, regions)
+  assert again == stored
+  docs = results_page(folded=False)
+  assert map_check.confusion_table(again) in docs
+  held = map_check.held_out_tie_threshold(again["pallas bf16-fa2"]["layers"])
+  total = held["total"]
+  assert (total["hit"], total["false_alarm"]) == (42, 2)
+  assert (
+    f"finds {total['hit']} of the {total['hit'] + total['missed']} misses "
+    f"with {total['false_alarm']} false alarms in "
+    f"{total['false_alarm'] + total['quiet']} passes"
+  ) in results_page(folded=True)

@@ -9,6 +9,7 @@ the false-alarm rate (predicted, yet passed, over all that passed).
 
 from __future__ import annotations
 
+import gzip
 import json
 import pathlib
 
@@ -57,7 +58,13 @@ def audit_misses(audit_dir) -> dict[str, dict[str, bool]]:
   config = json.loads((audit_dir / "config.json").read_text())
   stable = config.get("kernel_precision") == "stable"
   out: dict = {}
-  for line in (audit_dir / "metrics.jsonl").read_text().splitlines():
+  rows = audit_dir / "metrics.jsonl"
+  if rows.exists():
+    text = rows.read_text()
+  else:  # as stored under results/
+    with gzip.open(rows.with_suffix(".jsonl.gz"), "rt") as f:
+      text = f.read()
+  for line in text.splitlines():
     row = json.loads(line)
     if row.get("regime") != "captured":
       continue
@@ -112,9 +119,11 @@ def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
 
 
 def confusion_table(found: dict) -> str:
-  """Markdown: per kernel, predicted against measured misses."""
+  """Markdown: per kernel (in the calibration's order), predicted against
+  measured misses."""
   rows = []
-  for name, c in found.items():
+  for name in sorted(found, key=list(thresholds.KERNELS).index):
+    c = found[name]
     rate = c["false_alarm_rate"]
     rows.append(
       [
@@ -135,3 +144,48 @@ def confusion_table(found: dict) -> str:
     "false-alarm rate",
   ]
   return table(header, rows)
+
+
+def _counts(layers, threshold: float) -> dict:
+  """The four outcomes of predicting a miss where a layer's near-tie share
+  exceeds `threshold`."""
+  out = {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
+  for layer in layers:
+    predicted = layer["near_tied_share"] > threshold
+    key = {
+      (True, True): "hit",
+      (True, False): "false_alarm",
+      (False, True): "missed",
+      (False, False): "quiet",
+    }[(predicted, layer["measured"])]
+    out[key] += 1
+  return out
+
+
+def held_out_tie_threshold(layers: dict) -> dict:
+  """Whether the near-tie share alone predicts a kernel's misses on real
+  tensors, without grading on the layers it was fitted to: for each model
+  size (a label's first folder), the share threshold that makes the
+  fewest errors on the other sizes' layers, judged on that size's. Returns
+  {size: {"threshold", "fitted", "held_out"}} and the held-out outcomes
+  summed ("total")."""
+  sizes = sorted({label.split("/")[0] for label in layers})
+  out, total = {}, {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
+  for size in sizes:
+    fit = [v for k, v in layers.items() if k.split("/")[0] != size]
+    test = [v for k, v in layers.items() if k.split("/")[0] == size]
+    candidates = sorted({v["near_tied_share"] for v in fit})
+
+    def errors(threshold, fit=fit):
+      c = _counts(fit, threshold)
+      return c["false_alarm"] + c["missed"], threshold
+
+    threshold = min(candidates, key=errors)
+    held = _counts(test, threshold)
+    out[size] = {
+      "threshold": threshold,
+      "fitted": _counts(fit, threshold),
+      "held_out": held,
+    }
+    total = {k: total[k] + held[k] for k in total}
+  return {"sizes": out, "total": total}
