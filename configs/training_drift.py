@@ -116,7 +116,8 @@ def _default() -> ml_collections.ConfigDict:
   c.data.corpus_tokens = 1 << 19
 
   # "all": every pair in stableattn/experiments/training_drift/pairs.py
-  # (one_vs_n_devices only with several devices); or a comma list of names.
+  # but the ablation's (one_vs_n_devices only with several devices); or a
+  # comma list of names.
   c.pairs = "all"
   return c
 

@@ -64,8 +64,14 @@ def test_writes_every_file(smoke_run):
     "fig8_all_pairs.png",
     "shadow_deviation.png",
     "loss.png",
+    "monitor_heads.png",
   ):
     assert (workdir / name).stat().st_size > 0, name
+  # The monitor's verdict per run, with its remedies where a head entered
+  # a region (the calibration's 2-D map), or why there is nothing to do.
+  report = (workdir / "report.md").read_text()
+  assert "## The monitor's verdict, per head" in report
+  assert "**flash.**" in report and "heads" in report
 
 
 def test_controls_and_pairs(smoke_run):

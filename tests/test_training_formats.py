@@ -263,3 +263,14 @@ def test_the_flax_drop_in_model_of_the_docs_computes_in_bf16():
   # Without the dtype, nnx's defaults: the same check sees FP32 products.
   dots, _, _ = _flax_step_formats(docs, None)
   assert ("float32", "float32") in dots
+
+
+def test_the_ablation_runs_only_when_asked_for():
+  from stableattn.configs import training_drift
+  from stableattn.experiments.training_drift.settings import (
+    settings_from_config,
+  )
+
+  default = settings_from_config(training_drift.get_config())
+  assert not [p for p in default.pairs if "in_fp32" in p or "only" in p]
+  assert not [r for r in default.physical_runs if r.startswith("bf16_")]

@@ -276,11 +276,15 @@ def settings_from_config(config, *, twin: bool = False) -> Settings:
 
 
 def _pairs(c, attention: AttentionSection, devices: int) -> tuple[str, ...]:
-  """`config.pairs` ("all": every pair whose config is set) that exist on
-  `devices`."""
+  """`config.pairs` ("all": every pair whose config is set, the ablation's
+  left out) that exist on `devices`."""
   names = as_tuple(c.pairs)
   if names == ("all",):
-    names = tuple(p.name for p in PAIRS if not p.requires or _set(attention, p))
+    names = tuple(
+      p.name
+      for p in PAIRS
+      if p.in_all and (not p.requires or _set(attention, p))
+    )
   unknown = [p for p in names if p not in BY_NAME]
   if unknown:
     raise ValueError(
