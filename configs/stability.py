@@ -87,16 +87,11 @@ def _default() -> ml_collections.ConfigDict:
   # instruction set down; on a GPU, no autotuning): the deviation a job
   # meets on other hardware, the reference for Flash's.
   c.train.machine_pair = True
-  # > 0: capture the attention tensors (q, k, v, dO) of each flash arm's
-  # first logging step whose largest logit reaches this, for the audit's
-  # --config.inputs (docs/monitor.md); 0: never.
-  c.train.capture_logit = 0.0
-  # > 0: capture each flash arm's tensors, in every replicate, at its first
-  # logging step and at each logging step where the set of calibrated
-  # kernels whose 2-D map holds one of its heads changes (a head entered
-  # or left a miss region), up to this many steps per cell: the map's
-  # test on real tensors (launch/monitor_map_check.py); 0: never.
-  c.train.capture_map = 0
+  # Capture each flash arm's q, k, v, dO for the audit (docs/monitor.md)
+  # at the first logging step whose largest logit reaches capture_logit
+  # (> 0); or in every replicate at up to capture_map logging steps: the
+  # first, and each where its heads move on the calibrated 2-D map.
+  c.train.capture_logit, c.train.capture_map = 0.0, 0
   c.train.capture_rows = 2
 
   c.data = ml_collections.ConfigDict()

@@ -115,9 +115,8 @@ def _default() -> ml_collections.ConfigDict:
   c.data.seed = 0
   c.data.corpus_tokens = 1 << 19
 
-  # "all": every pair in stableattn/experiments/training_drift/pairs.py
-  # but the ablation's (one_vs_n_devices only with several devices); or a
-  # comma list of names.
+  # "all": every pair of training_drift/pairs.py but the ablation's
+  # (one_vs_n_devices only with several devices); or a comma list.
   c.pairs = "all"
   return c
 

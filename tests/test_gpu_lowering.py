@@ -77,28 +77,6 @@ def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
-@pytest.mark.parametrize("precision", ["bf16-fa2", "fp32", "bf16-fa2+exp2=on"])
-def test_the_forward_with_the_monitors_row_statistics_lowers_for_cuda(
-  precision,
-):
-  """The forward that also keeps each row's top two scores (the monitor
-  from the kernel's own pass) is one Triton call with its two outputs."""
-  dtype = sa.Precision.from_name(precision).dtype("inputs")
-  q = jax.ShapeDtypeStruct((2, 200, 4, 64), dtype)
-  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
-
-  def forward(q, k, v):
-    return sa.attention(
-      q, k, v, precision=precision, block_q=64, block_k=64, causal=True,
-      interpret=False, return_statistics=True,
-    )  # fmt: skip
-
-  text = (
-    jax.jit(forward).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
-  ).as_text()
-  assert text.count("__gpu$xla.gpu.triton") == 1
-
-
 # Each stability option alone (the stable presets are in GPU_PRESETS).
 STABILITY_POLICIES = [
   "bf16-fa2+delta_source=fp32",
@@ -318,28 +296,6 @@ def test_compiled_kernel_rounds_like_interpret_mode(precision):
   ulp = np.spacing(np.float32(np.abs(outs[1]).max()))
   apart = float(np.abs(outs[0] - outs[1]).max() / ulp)
   assert apart <= 16, f"{apart:.1f} ulps of the largest output apart"
-
-
-@pytest.mark.gpu
-def test_compiled_monitor_statistics_match_interpret_mode():
-  """The row statistics the compiled forward keeps for the monitor are the
-  interpreted kernel's: ties (a repeated key) found by both."""
-  q, k, v = (
-    np.clip(np.round(x * 16) / 16, -4, 4).astype(np.float32)
-    for x in random_qkv(4, batch=1, q_len=256, head_dim=64)
-  )
-  k[:, 100] = k[:, 30]
-  stats = [
-    sa.attention(
-      q, k, v, precision="bf16-fa2", block_q=64, block_k=64, causal=True,
-      interpret=interpret, return_statistics=True,
-    )[1]
-    for interpret in (False, True)
-  ]  # fmt: skip
-  for name in ("row_max", "second"):
-    np.testing.assert_array_equal(stats[0][name], stats[1][name], name)
-  np.testing.assert_allclose(stats[0]["lse"], stats[1]["lse"], rtol=1e-6)
-  assert float(np.mean(np.asarray(stats[1]["second"] == stats[1]["row_max"])))
 
 
 @pytest.mark.gpu

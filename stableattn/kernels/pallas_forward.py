@@ -40,9 +40,12 @@ from stableattn.kernels.kernel_operands import TileReader, operand_specs
 from stableattn.kernels.mma_accumulator import promote, two_level_update
 from stableattn.kernels.residuals import (
   MONITOR_RESIDUALS,
+  initial_top_two,
+  merged_top_two,
   residual_names,
   residual_specs,
   store_residuals,
+  store_top_two,
 )
 from stableattn.kernels.split_merge import merge_splits
 
@@ -77,8 +80,6 @@ def _forward_kernel(
 
   first, end, split = _key_blocks(cfg, tiles)
 
-  track_top_two = "row_max" in residual_refs
-
   def body(step, carry):
     acc_BqxD, m_Bq, l_Bq, mma, top_two = carry
     # Key blocks in order, or last to first (policy option key_order).
@@ -104,8 +105,7 @@ def _forward_kernel(
     m_block_Bq = tie_safe_max(
       s_BqxBk, jnp.max(s_BqxBk, axis=-1), ar, cfg.options
     )
-    if track_top_two:
-      top_two = _merged_top_two(top_two, s_BqxBk)
+    top_two = merged_top_two(top_two, s_BqxBk)
     m_new_Bq = jnp.maximum(m_Bq, m_block_Bq)
     # A row with no key so far keeps m = -inf; subtract 0 instead.
     m_use_Bq = no_key_safe(m_new_Bq)
@@ -127,37 +127,16 @@ def _forward_kernel(
       )
     return acc_BqxD, m_new_Bq, l_new_Bq, mma, top_two
 
-  init = _initial_state(tiles, ar, block_q, v_ref.shape[-1], split)
-  no_score = jnp.full((block_q,), -jnp.inf, ar.carrier)
-  top_two = (no_score, no_score) if track_top_two else ()
-  acc_BqxD, m_Bq, l_Bq, mma, top_two = lax.fori_loop(
-    first, end, body, (*init, top_two)
-  )
-  if track_top_two:
-    for name, value in zip(MONITOR_RESIDUALS, top_two):
-      residual_refs.pop(name)[...] = ar.stored(value, "scores")
+  init = (*_initial_state(tiles, ar, block_q, v_ref.shape[-1], split),
+          initial_top_two(residual_refs, ar, block_q))  # fmt: skip
+  acc_BqxD, m_Bq, l_Bq, mma, top_two = lax.fori_loop(first, end, body, init)
+  store_top_two(residual_refs, ar, top_two)
   if mma:
     acc_BqxD = promote(ar, acc_BqxD, mma)
   carry = acc_BqxD, m_Bq, l_Bq
   _store(
     carry, cfg, ar, (o_ref, lse_ref, residual_refs), partial=split is not None
   )
-
-
-def _merged_top_two(top_two, s_BqxBk):
-  """The running largest and second largest raw score of each row, with
-  this block's: the second equals the largest where the largest is tied
-  (two keys at it), in this block or across blocks."""
-  top_Bq, second_Bq = top_two
-  block_top = jnp.max(s_BqxBk, axis=-1)
-  at_top = s_BqxBk == block_top[:, None]
-  rest = jnp.max(jnp.where(at_top, -jnp.inf, s_BqxBk), axis=-1)
-  tied = jnp.sum(at_top.astype(jnp.int32), axis=-1) > 1
-  block_second = jnp.where(tied, block_top, rest)
-  second_Bq = jnp.maximum(
-    jnp.minimum(top_Bq, block_top), jnp.maximum(second_Bq, block_second)
-  )
-  return jnp.maximum(top_Bq, block_top), second_Bq
 
 
 def _fa2_update(cfg: KernelConfig, visited, s_BqxBk, stats_Bq, o_state, pv):

@@ -17,6 +17,7 @@ per query row. The options keep more, or compute from it differently:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from stableattn.kernels.block_math import no_key_safe
 from stableattn.kernels.kernel_config import KernelConfig
@@ -116,3 +117,38 @@ def residual_bytes_per_row(policy: Precision, head_dim: int) -> dict:
     "o_lo": head_dim * dtype("output").itemsize,
   }
   return {name: sizes[name] for name in residual_names(policy)}
+
+
+def initial_top_two(refs: dict, ar, block_q: int) -> tuple:
+  """The running (largest, second largest) score of each row before the
+  first key block, where the monitor's residuals are asked for; else ()."""
+  if "row_max" not in refs:
+    return ()
+  no_score = jnp.full((block_q,), -jnp.inf, ar.carrier)
+  return no_score, no_score
+
+
+def merged_top_two(top_two, s_BqxBk):
+  """The running largest and second largest raw score of each row, with
+  this block's: the second equals the largest where the largest is tied
+  (two keys at it), in this block or across blocks. `()` (the monitor's
+  residuals not asked for) stays `()`."""
+  if not top_two:
+    return top_two
+  top_Bq, second_Bq = top_two
+  block_top = jnp.max(s_BqxBk, axis=-1)
+  at_top = s_BqxBk == block_top[:, None]
+  rest = jnp.max(jnp.where(at_top, -jnp.inf, s_BqxBk), axis=-1)
+  tied = jnp.sum(at_top.astype(jnp.int32), axis=-1) > 1
+  block_second = jnp.where(tied, block_top, rest)
+  second_Bq = jnp.maximum(
+    jnp.minimum(top_Bq, block_top), jnp.maximum(second_Bq, block_second)
+  )
+  return jnp.maximum(top_Bq, block_top), second_Bq
+
+
+def store_top_two(refs: dict, ar, top_two) -> None:
+  """Writes each row's largest and second largest score (`row_max`,
+  `second`), exact in the scores' format."""
+  for name, value in zip(MONITOR_RESIDUALS, top_two):
+    refs.pop(name)[...] = ar.stored(value, "scores")

@@ -34,111 +34,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stableattn.contract.features import Features
 from stableattn.contract.options import Options
 from stableattn.numerics.monitor import attention_statistics, kernel_statistics
 from stableattn.ops import registry
-from stableattn.ops.dispatch import attention
-from stableattn.ops.ring import ring_attention
-from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
+from stableattn.training.attention_spec import SHADOW, AttentionSpec
 from stableattn.training.compute_format import ComputeFormat
 
-SHADOW = "shadow"
 FP32 = Options(precision="fp32")
 FP32_COMPUTE = ComputeFormat()  # a model computing in FP32 throughout
 # The language-model head's formats: the model's compute format, FP32
 # operands, or BF16 operands (FP32 accumulation) with the logits stored in
 # BF16, as a BF16 inference engine computes them.
 HEAD_FORMATS = ("compute", "fp32", "bf16")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionSpec:
-  """How every layer computes attention: a registry name and its options.
-
-  Attributes:
-    kind: a name of `stableattn.ops.registry` ("reference", "pallas",
-      "xla", a peer, "package.module:function"), or "shadow": the flash
-      kernel under `options` and the baseline under `shadow_baseline`,
-      both computed, `shadow_downstream` passed on.
-    options: how `kind` computes (`stableattn.Options`); peers ignore it.
-    features: what every layer computes (causal; a softcap, a window).
-    shadow_baseline: the Options of "shadow"'s baseline (the reference).
-    context_parallel: our flash kernel ("pallas") runs as ring attention
-      with the sequence sharded over this many devices (a mesh axis
-      "context" of the first devices; `context_mesh`); 1: one device.
-  """
-
-  kind: str = "reference"
-  options: Options = Options(precision="fp32")
-  features: Features = Features(causal=True)
-  shadow_baseline: Options = Options(precision="fp32")
-  shadow_downstream: str = "reference"  # which output "shadow" passes on
-  context_parallel: int = 1
-
-  def __post_init__(self):
-    if not isinstance(self.context_parallel, int) or self.context_parallel < 1:
-      raise ValueError(
-        f"context_parallel must be an int >= 1 (devices the sequence is "
-        f"sharded over), got {self.context_parallel!r}."
-      )
-    if self.context_parallel > 1 and self.kind != "pallas":
-      raise ValueError(
-        f"context_parallel={self.context_parallel} shards our flash kernel "
-        f"over a ring; it needs kind 'pallas', got {self.kind!r}."
-      )
-    if self.kind != SHADOW:
-      try:
-        registry.check_name(self.kind)
-      except ValueError as e:
-        raise ValueError(
-          f"{e} Or {SHADOW!r} (flash beside baseline)."
-        ) from None
-    if self.shadow_downstream not in ("reference", "pallas"):
-      raise ValueError(
-        f"shadow_downstream must be 'reference' or 'pallas', got "
-        f"{self.shadow_downstream!r}."
-      )
-
-  @property
-  def kernel_monitors(self) -> bool:
-    """Whether our kernel computes the flash output and can give the
-    monitor's statistics from its own pass: one device, no split-KV."""
-    return (
-      self.kind in ("pallas", SHADOW)
-      and self.context_parallel == 1
-      and self.options.num_splits is None
-      and self.options.split_size is None
-    )
-
-  def flash_with_statistics(self, q, k, v):
-    """Our kernel's output and its per-row statistics (lse, largest and
-    second largest score; `sa.attention(..., return_statistics=True)`)."""
-    return attention(
-      q,
-      k,
-      v,
-      implementation="pallas",
-      options=self.options,
-      features=self.features,
-      return_statistics=True,
-    )
-
-  def call(self, q, k, v, kind: str | None = None, options=None):
-    """Attention of `kind` (default: this spec's) on q, k, v."""
-    kind = kind or self.kind
-    if kind == "pallas" and self.context_parallel > 1:
-      return ring_attention(
-        q,
-        k,
-        v,
-        mesh=context_mesh(self.context_parallel),
-        axis=CONTEXT_AXIS,
-        options=options or self.options,
-        features=self.features,
-      )
-    fn = registry.resolve(kind, options or self.options)
-    return fn(q, k, v, **self.features.kwargs())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,32 @@ def _capture(trainer, state, s: Settings, tokens, step, replicate, folder):
   )
 
 
+class _CapturePlan:
+  """When a cell saves its tensors to `folder` (none: never): once, at
+  the first logging step whose largest logit reaches `logit` (> 0); or
+  at up to `map_steps` logging steps, the first and each where the
+  calibrated kernels whose 2-D map holds one of its heads change."""
+
+  def __init__(self, folder, logit: float, map_steps: int):
+    self.folder, self.logit, self.map_steps = folder, logit, map_steps
+    self.calibration = thresholds.load() if map_steps else None
+    self.taken, self.last_map = 0, None
+
+  def due(self, row: dict) -> bool:
+    if self.folder is None:
+      return False
+    on_map, last = row.get("map_kernels"), self.last_map
+    self.last_map = on_map
+    if self.map_steps and self.taken < self.map_steps:
+      if last is None or on_map != last:
+        self.taken += 1
+        return True
+    if self.logit and row["max_logit"] >= self.logit:
+      self.folder = None  # once per cell
+      return True
+    return False
+
+
 def train_cell(
   trainer,
   s: Settings,
@@ -136,8 +162,7 @@ def train_cell(
   start = time.perf_counter()
   state = trainer.init_state(replicate)
   rows, diverged_at, train_loss = [], None, float("nan")
-  calibration = thresholds.load() if s.capture_map else None
-  map_captures, last_map = 0, None
+  plan = _CapturePlan(capture_dir, s.capture_logit, s.capture_map)
   for step in range(s.steps):
     batch = data_lib.settings_batch(tokens, s, step, replicate)
     state, metrics = trainer.step(state, trainer.shard_batch(batch), lr)
@@ -146,24 +171,9 @@ def train_cell(
       diverged_at = step + 1
       break
     if (step + 1) % s.log_every == 0 or step + 1 == s.steps:
-      row = _log_row(trainer, state, eval_batch, heads, calibration)
-      on_map = row.get("map_kernels")
-      if (
-        capture_dir is not None
-        and s.capture_map
-        and map_captures < s.capture_map
-        and (last_map is None or on_map != last_map)
-      ):
+      row = _log_row(trainer, state, eval_batch, heads, plan.calibration)
+      if plan.due(row):
         _capture(trainer, state, s, tokens, step + 1, replicate, capture_dir)
-        map_captures += 1
-      last_map = on_map
-      if (
-        capture_dir is not None
-        and s.capture_logit
-        and row["max_logit"] >= s.capture_logit
-      ):
-        _capture(trainer, state, s, tokens, step + 1, replicate, capture_dir)
-        capture_dir = None  # once per cell
       rows.append(
         {
           "kind": "log",
