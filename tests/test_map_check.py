@@ -85,6 +85,8 @@ def test_captures_on_the_map_are_audited_and_tabled(tmp_path):
        f"--workdir={tmp_path / name}", *args],
       check=True, cwd=REPO, timeout=600,
     )  # fmt: skip
+  report = (tmp_path / "stability" / "report.md").read_text()
+  assert "## The monitor's verdict, per head" in report
   cells = sorted(
     p.name for p in (tmp_path / "stability" / "captures").iterdir()
   )

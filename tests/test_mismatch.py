@@ -183,6 +183,9 @@ def test_experiment_measures_pairs_reports_and_resumes(tmp_path):
   for png in ("mismatch.png", "importance_ratio.png", "rl_reward.png"):
     assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
   assert "## Does it matter" in report
+  # The trained model's heads on the calibrated map, and their figure.
+  assert "## The monitor's verdict, per head" in report
+  assert (tmp_path / "monitor_heads.png").read_bytes()[:4] == b"\x89PNG"
   runs = [
     json.loads(line)
     for line in (tmp_path / "metrics.jsonl").open()

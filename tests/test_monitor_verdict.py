@@ -117,3 +117,21 @@ def test_the_timeline_figure_is_drawn(tmp_path):
   records = {"flash": [_record(0, [5.0, 150.0], [0.0, 0.0])]}
   monitor_verdict.plot_timeline(records, DATA, tmp_path / "heads.png")
   assert (tmp_path / "heads.png").stat().st_size > 0
+
+
+def test_a_report_section_names_the_runs_that_entered_and_draws_them(
+  tmp_path,
+):
+  from stableattn.experiments.monitor_report import verdict_section
+
+  records = {
+    "quiet": [_record(0, [5.0], [0.0])],
+    "loud": [_record(0, [5.0], [0.0]), _record(10, [500.0], [0.0])],
+  }
+  lines, entered = verdict_section(records, tmp_path, {}, DATA)
+  text = "\n".join(lines)
+  assert entered == ["loud"]
+  assert "Heads of 1 of 2 runs entered" in text and "**loud.**" in text
+  assert "**quiet.**" not in text
+  assert (tmp_path / "monitor_heads.png").stat().st_size > 0
+  assert verdict_section(records, tmp_path, {}, {"thresholds": {}}) == ([], [])

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
@@ -71,7 +72,7 @@ def test_writes_every_file(smoke_run):
   # a region (the calibration's 2-D map), or why there is nothing to do.
   report = (workdir / "report.md").read_text()
   assert "## The monitor's verdict, per head" in report
-  assert "**flash.**" in report and "heads" in report
+  assert re.search(r"Heads of \d+ of \d+ runs entered a region", report)
 
 
 def test_controls_and_pairs(smoke_run):

@@ -73,6 +73,20 @@ def head_records(rows, run: str | None = None) -> list[dict]:
   return [worst[k] for k in sorted(worst)]
 
 
+def records_of_layers(step: int, logits_LxH, ties_LxH) -> list[dict]:
+  """One step's records from per-layer lists of per-head values (as the
+  stability sweep logs them)."""
+  return [
+    {
+      "step": step,
+      "layer": layer,
+      "max_logit_per_head": np.asarray(logits, np.float64),
+      "near_tied_share_per_head": np.asarray(ties, np.float64),
+    }
+    for layer, (logits, ties) in enumerate(zip(logits_LxH, ties_LxH))
+  ]
+
+
 def missing_kernels(max_logit: float, near_tied_share: float, data) -> tuple:
   """The calibrated kernels whose 2-D map holds this point."""
   return tuple(thresholds.kernels_missing_at(max_logit, data, near_tied_share))

@@ -5,7 +5,9 @@ to."""
 
 from __future__ import annotations
 
-from stableattn.auditing import thresholds
+import numpy as np
+
+from stableattn.auditing import monitor_verdict, thresholds
 from stableattn.harness.reporting import num, table
 
 
@@ -37,3 +39,66 @@ def attention_section(attention) -> list[str]:
     "",
     table(["layer", *keys], body),
   ]
+
+
+def verdict_section(records_by_run: dict, out_dir, measured: dict, data=None):
+  """(lines, the runs whose heads entered a region): per run (a cell of a
+  sweep, a trained model), the monitor's verdict on its heads' records
+  (`monitor_verdict`), worst over replicates, on the calibrated 2-D map;
+  those that entered a region (or, none did, the first) drawn as heads x
+  steps (`monitor_heads.png`, six at most). None without a map or
+  records."""
+  data = thresholds.load() if data is None else data
+  if not records_by_run or not data.get("regions"):
+    return [], []
+  worst = {run: _worst(records) for run, records in records_by_run.items()}
+  found = {
+    run: monitor_verdict.verdict(records, data, measured)
+    for run, records in worst.items()
+  }
+  entered = [run for run, v in found.items() if v["entries"]]
+  lines = [
+    "",
+    "## The monitor's verdict, per head",
+    "",
+    f"Heads of {len(entered)} of {len(found)} runs entered a region of "
+    f"the calibrated 2-D map (`{data['command']}`) where a kernel misses "
+    "a rule (worst over replicates; docs/monitor.md).",
+    "",
+  ]
+  for run in entered:
+    verdict = found[run]["lines"]
+    lines += [f"**{run}.** " + verdict[0], *verdict[1:], ""]
+  # The runs that entered a region, or (none did) the first ones, quiet.
+  shown = {run: worst[run] for run in (entered or list(worst))[:6]}
+  monitor_verdict.plot_timeline(shown, data, out_dir / "monitor_heads.png")
+  lines += ["![monitor_heads.png](monitor_heads.png)", ""]
+  return lines, entered
+
+
+def _worst(records) -> list[dict]:
+  """One record per (step, layer): the largest statistics of the
+  replicates."""
+  worst: dict = {}
+  for r in records:
+    key = (r["step"], r["layer"])
+    if key in worst:
+      for name in ("max_logit_per_head", "near_tied_share_per_head"):
+        r = {**r, name: np.maximum(r[name], worst[key][name])}
+    worst[key] = r
+  return [worst[k] for k in sorted(worst)]
+
+
+def trained_model_verdict(out_dir, attention, step: int) -> list[str]:
+  """A trained model's heads (its per-layer statistics, `attention`) on
+  the calibrated 2-D map at one step, the end of training; nothing is
+  measured there as a remedy."""
+  if not attention or "max_logit_per_head" not in attention[0]:
+    return []
+  records = monitor_verdict.records_of_layers(
+    step,
+    [layer["max_logit_per_head"] for layer in attention],
+    [layer["near_tied_share_per_head"] for layer in attention],
+  )
+  lines, _ = verdict_section({"trained model": records}, out_dir, {})
+  return lines

@@ -9,7 +9,10 @@ import numpy as np
 
 from stableattn.experiments.mismatch.pairs import PAIRS, REFERENCE, SUBJECT
 from stableattn.experiments.mismatch.policy_gradient import collapse_step
-from stableattn.experiments.monitor_report import attention_section
+from stableattn.experiments.monitor_report import (
+  attention_section,
+  trained_model_verdict,
+)
 from stableattn.harness import environment
 from stableattn.harness.plotting import Series, interval_plot, line_plot
 from stableattn.harness.reporting import (
@@ -433,6 +436,7 @@ def write_report(
     f"![importance ratios]({ratio_png.name})",
     *_rl_section(run_dir, rl_rows, rl_found),
     *attention_section(attention),
+    *trained_model_verdict(run_dir.path, attention, training_log["steps"]),
   ]
   run_dir.write_text("report.md", "\n".join(parts) + "\n")
   return {"verdicts": {**found, **rl_found}, "environment": env}

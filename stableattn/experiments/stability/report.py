@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from stableattn.experiments.stability import analysis
+from stableattn.experiments.stability import analysis, monitor_cells
 from stableattn.experiments.stability.settings import Arm, Settings
 from stableattn.experiments.stability.sweep import load_tokens
 from stableattn.harness import environment
@@ -210,9 +210,9 @@ def write_report(run_dir, s: Settings, rows) -> dict:
   result = headline(s, numbers, judged)
   run_dir.write_text("headline.json", json.dumps(result, indent=2) + "\n")
   figures = _figures(s, numbers, run_dir.path)
-  run_dir.write_text(
-    "report.md", _markdown(s, numbers, judged, figures, result["environment"])
-  )
+  text = _markdown(s, numbers, judged, figures, result["environment"])
+  monitor = monitor_cells.verdict_lines(s, rows, run_dir.path, result)
+  run_dir.write_text("report.md", "\n".join([text, *monitor]) + "\n")
   return result
 
 

@@ -82,6 +82,14 @@ def _log_row(trainer, state, eval_batch, heads: int, calibration=None) -> dict:
     "log_z_max": float(np.max(log_z)),
     "wq_spectral": spectral,
     "wq_spectral_max": max(max(layer) for layer in spectral),
+    # Per layer, one value per head: the monitor's verdict reads them.
+    **{
+      f"{name}_per_head": [
+        np.asarray(layer[f"{name}_per_head"], np.float64).tolist()
+        for layer in stats
+      ]
+      for name in ("max_logit", "near_tied_share")
+    },
     **extra,
   }
 

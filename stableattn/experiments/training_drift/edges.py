@@ -12,6 +12,7 @@ logit; this section gives their largest values per run.
 from __future__ import annotations
 
 from stableattn.auditing import monitor_verdict, thresholds
+from stableattn.experiments.monitor_report import verdict_section
 from stableattn.experiments.training_drift.analysis import (
   ratio_summary,
   worst_max_abs,
@@ -108,40 +109,20 @@ def regime_verdicts(rows, data=None) -> list[str]:
   return lines + [""]
 
 
-def monitor_section(run_dir, settings, rows, headline, data=None) -> list:
+def monitor_section(run_dir, settings, rows, headline) -> list:
   """Per run, the monitor's verdict from its per-head statistics
-  (`stableattn.auditing.monitor_verdict`): which heads entered a region of
-  the calibrated 2-D map where a kernel misses a rule, when, and whether
-  they left, with remedies marked measured here or not; and the heads x
-  steps timeline (`monitor_heads.png`)."""
-  data = thresholds.load() if data is None else data
+  (`stableattn.experiments.monitor_report.verdict_section`), with the
+  stable preset marked measured where this run's pairs hold it."""
   runs = sorted({r["run"] for r in rows if "max_logit_per_head" in r})
-  if not runs or not data.get("regions"):
-    return []
+  records = {run: monitor_verdict.head_records(rows, run) for run in runs}
   measured = {}
   if "stable_vs_baseline" in settings.pairs:
     measured["stable preset"] = (
       "measured in this run: pair stable_vs_baseline, above"
     )
-  records = {run: monitor_verdict.head_records(rows, run) for run in runs}
-  figure = "monitor_heads.png"
-  monitor_verdict.plot_timeline(records, data, run_dir.path / figure)
-  lines = [
-    "## The monitor's verdict, per head",
-    "",
-    "Each head's largest logit and near-tie share at each logged step "
-    "(worst over replicates) placed on the calibrated 2-D map "
-    f"(`{data['command']}`, docs/monitor.md).",
-    "",
-  ]
-  headline["monitor_verdicts"] = {}
-  for run in runs:
-    found = monitor_verdict.verdict(records[run], data, measured)
-    headline["monitor_verdicts"][run] = {
-      k: found[k] for k in ("entries", "kernels", "heads")
-    }
-    lines += [f"**{run}.** " + found["lines"][0], *found["lines"][1:], ""]
-  return lines + [f"![{figure}]({figure})", ""]
+  lines, entered = verdict_section(records, run_dir.path, measured)
+  headline["monitor_runs_entered"] = entered
+  return lines
 
 
 def stable_finding(rows, headline) -> str:
