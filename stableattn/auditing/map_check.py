@@ -81,6 +81,18 @@ def audit_misses(audit_dir) -> dict[str, dict[str, bool]]:
   return out
 
 
+# The confusion table's cells: predicted and missed, predicted but passed,
+# missed unpredicted, passed unpredicted.
+OUTCOMES = ("hit", "false_alarm", "missed", "quiet")
+
+
+def _outcome(predicted: bool, measured: bool) -> str:
+  """The confusion table's cell of one layer."""
+  if predicted:
+    return "hit" if measured else "false_alarm"
+  return "missed" if measured else "quiet"
+
+
 def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
   """Per kernel: the layers predicted and measured to miss, and the four
   counts with the false-alarm rate (None where no layer passed).
@@ -91,7 +103,7 @@ def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
     region = data["regions"].get(name)
     if region is None:
       continue
-    counts = {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
+    counts = dict.fromkeys(OUTCOMES, 0)
     layers = {}
     for label, failed in sorted(measured.items()):
       point = points[input_format(name)][label]
@@ -101,13 +113,7 @@ def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
         )
         is not None
       )
-      outcome = {
-        (True, True): "hit",
-        (True, False): "false_alarm",
-        (False, True): "missed",
-        (False, False): "quiet",
-      }[(predicted, failed)]
-      counts[outcome] += 1
+      counts[_outcome(predicted, failed)] += 1
       layers[label] = {"predicted": predicted, "measured": failed, **point}
     passed = counts["false_alarm"] + counts["quiet"]
     out[name] = {
@@ -149,16 +155,10 @@ def confusion_table(found: dict) -> str:
 def _counts(layers, threshold: float) -> dict:
   """The four outcomes of predicting a miss where a layer's near-tie share
   exceeds `threshold`."""
-  out = {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
+  out = dict.fromkeys(OUTCOMES, 0)
   for layer in layers:
     predicted = layer["near_tied_share"] > threshold
-    key = {
-      (True, True): "hit",
-      (True, False): "false_alarm",
-      (False, True): "missed",
-      (False, False): "quiet",
-    }[(predicted, layer["measured"])]
-    out[key] += 1
+    out[_outcome(predicted, layer["measured"])] += 1
   return out
 
 
@@ -170,7 +170,7 @@ def held_out_tie_threshold(layers: dict) -> dict:
   {size: {"threshold", "fitted", "held_out"}} and the held-out outcomes
   summed ("total")."""
   sizes = sorted({label.split("/")[0] for label in layers})
-  out, total = {}, {"hit": 0, "false_alarm": 0, "missed": 0, "quiet": 0}
+  out, total = {}, dict.fromkeys(OUTCOMES, 0)
   for size in sizes:
     fit = [v for k, v in layers.items() if k.split("/")[0] != size]
     test = [v for k, v in layers.items() if k.split("/")[0] == size]

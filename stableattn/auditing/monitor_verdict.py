@@ -50,26 +50,32 @@ def head_records(rows, run: str | None = None) -> list[dict]:
   """Per-head statistics from metrics.jsonl rows (kind "attention"), of
   `run` (None: rows without a run name, or every run's), worst over
   replicates: one record per (step, layer)."""
-  worst: dict = {}
-  for r in rows:
-    if r.get("kind", "attention") != "attention":
-      continue
-    if run is not None and r.get("run") != run:
-      continue
-    if "max_logit_per_head" not in r:
-      continue
-    key = (r["step"], r["layer"])
-    logits = np.asarray(r["max_logit_per_head"], np.float64)
-    ties = np.asarray(r["near_tied_share_per_head"], np.float64)
-    if key in worst:
-      logits = np.maximum(logits, worst[key]["max_logit_per_head"])
-      ties = np.maximum(ties, worst[key]["near_tied_share_per_head"])
-    worst[key] = {
+  return worst_over_replicates(
+    {
       "step": r["step"],
       "layer": r["layer"],
-      "max_logit_per_head": logits,
-      "near_tied_share_per_head": ties,
+      "max_logit_per_head": np.asarray(r["max_logit_per_head"], np.float64),
+      "near_tied_share_per_head": np.asarray(
+        r["near_tied_share_per_head"], np.float64
+      ),
     }
+    for r in rows
+    if r.get("kind", "attention") == "attention"
+    and (run is None or r.get("run") == run)
+    and "max_logit_per_head" in r
+  )
+
+
+def worst_over_replicates(records) -> list[dict]:
+  """One record per (step, layer), sorted: each head's largest statistics
+  over the replicates' records."""
+  worst: dict = {}
+  for r in records:
+    key = (r["step"], r["layer"])
+    if key in worst:
+      for name in ("max_logit_per_head", "near_tied_share_per_head"):
+        r = {**r, name: np.maximum(r[name], worst[key][name])}
+    worst[key] = r
   return [worst[k] for k in sorted(worst)]
 
 
@@ -87,18 +93,15 @@ def records_of_layers(step: int, logits_LxH, ties_LxH) -> list[dict]:
   ]
 
 
-def missing_kernels(max_logit: float, near_tied_share: float, data) -> tuple:
-  """The calibrated kernels whose 2-D map holds this point."""
-  return tuple(thresholds.kernels_missing_at(max_logit, data, near_tied_share))
-
-
 def timeline(records, data) -> dict:
   """{(layer, head): [(step, kernels missing there), ...]} by step."""
   out: dict = {}
   for rec in records:
     pairs = zip(rec["max_logit_per_head"], rec["near_tied_share_per_head"])
     for head, (logit, share) in enumerate(pairs):
-      kernels = missing_kernels(float(logit), float(share), data)
+      kernels = tuple(
+        thresholds.kernels_missing_at(float(logit), data, float(share))
+      )
       out.setdefault((rec["layer"], head), []).append(
         (rec["step"], kernels, float(logit), float(share))
       )

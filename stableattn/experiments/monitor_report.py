@@ -5,8 +5,6 @@ to."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from stableattn.auditing import monitor_verdict, thresholds
 from stableattn.harness.reporting import num, table
 
@@ -51,7 +49,10 @@ def verdict_section(records_by_run: dict, out_dir, measured: dict, data=None):
   data = thresholds.load() if data is None else data
   if not records_by_run or not data.get("regions"):
     return [], []
-  worst = {run: _worst(records) for run, records in records_by_run.items()}
+  worst = {
+    run: monitor_verdict.worst_over_replicates(records)
+    for run, records in records_by_run.items()
+  }
   found = {
     run: monitor_verdict.verdict(records, data, measured)
     for run, records in worst.items()
@@ -74,19 +75,6 @@ def verdict_section(records_by_run: dict, out_dir, measured: dict, data=None):
   monitor_verdict.plot_timeline(shown, data, out_dir / "monitor_heads.png")
   lines += ["![monitor_heads.png](monitor_heads.png)", ""]
   return lines, entered
-
-
-def _worst(records) -> list[dict]:
-  """One record per (step, layer): the largest statistics of the
-  replicates."""
-  worst: dict = {}
-  for r in records:
-    key = (r["step"], r["layer"])
-    if key in worst:
-      for name in ("max_logit_per_head", "near_tied_share_per_head"):
-        r = {**r, name: np.maximum(r[name], worst[key][name])}
-    worst[key] = r
-  return [worst[k] for k in sorted(worst)]
 
 
 def trained_model_verdict(out_dir, attention, step: int) -> list[str]:
