@@ -14,6 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from stableattn.contract.masking import logits_in_base, scores
@@ -84,7 +85,7 @@ def block_scores(
     bias = logits_in_base(bias, ar, base2, "scores")
     s = ar.round(s + bias, "softmax_stats")
   if mask is not None:
-    s = jnp.where(mask, s, jnp.asarray(-jnp.inf, s.dtype))
+    s = masked_fill(mask, s, -jnp.inf)
   return s, tanh
 
 
@@ -140,8 +141,34 @@ def unattended_keys_zeroed(mask, *tiles_BkxD):
   if mask is None:
     return tiles_BkxD
   # A max, not jnp.any: Triton's lowering has no reduce_or.
-  attended_Bk = jnp.max(jnp.where(mask, 1.0, 0.0), axis=0)[:, None] > 0
-  return tuple(jnp.where(attended_Bk, t, jnp.zeros_like(t)) for t in tiles_BkxD)
+  attended_Bk = jnp.max(mask.astype(jnp.int32), axis=0)
+  return tuple(
+    masked_fill(jnp.broadcast_to(attended_Bk[:, None], t.shape), t, 0.0)
+    for t in tiles_BkxD
+  )
+
+
+_BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def masked_fill(keep, x, fill: float):
+  """jnp.where(keep, x, fill) with no boolean tile at a select.
+
+  `keep`: booleans or 0/1 integers of x's shape. Triton keeps a select's
+  condition tile as i1, and moving an i1 tile between register layouts
+  goes through shared memory, which Triton refuses below a byte
+  (triton-lang/triton #10351: split-KV decoding with key lengths stopped
+  compiling). Here the condition becomes an all-ones or all-zeros integer
+  mask of x's width, and the result is x's bits ANDed with it, ORed with
+  the fill's bits where it is zero: exact for every x, NaN included.
+  """
+  bits = _BITS[jnp.dtype(x.dtype).itemsize]
+  ones = -(keep.astype(bits))  # two's complement: -1 is every bit set
+  x_bits = lax.bitcast_convert_type(x, bits)
+  fill_bits = np.asarray(fill, x.dtype).view(bits)
+  return lax.bitcast_convert_type(
+    (x_bits & ones) | (fill_bits & ~ones), x.dtype
+  )
 
 
 def no_key_safe(m):

@@ -261,7 +261,7 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   dk = sum_groups(dk_p)[:, : cfg.kv_len, :, : cfg.head_dim]
   dv = sum_groups(dv_p)[:, : cfg.kv_len, :, : cfg.value_dim]
   grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
-  d_ops = jax.tree_util.tree_map(_zero_cotangent, ops)
+  d_ops = jax.tree_util.tree_map(zero_cotangent, ops)
   if dbias_p is not None:
     dbias = dbias_p[:, :, : cfg.q_len, : cfg.kv_len]
     per_example, per_head = cfg.mask.bias
@@ -289,7 +289,8 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   return (*grads, d_ops)
 
 
-def _zero_cotangent(x):
+def zero_cotangent(x):
+  """The zero cotangent of a feature operand (float0 for integer ids)."""
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
   return np.zeros(x.shape, jax.dtypes.float0)

@@ -23,7 +23,7 @@ from stableattn.contract.tiling import (
   check_flag,
   resolve_interpret,
 )
-from stableattn.kernels import quantization
+from stableattn.kernels import mosaic_attention, quantization
 from stableattn.kernels.flash_attention import (
   flash_attention,
   flash_attention_with_lse,
@@ -36,7 +36,7 @@ from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
 
-IMPLEMENTATIONS = ("pallas", "reference", "xla")
+IMPLEMENTATIONS = ("pallas", "reference", "xla", "mosaic_gpu")
 
 
 def _check_choice(name: str, value, valid) -> None:
@@ -219,15 +219,18 @@ def attention(
     v: [batch, kv_len, kv_heads, head_dim_v]: head_dim_v is head_dim, or
       another value head dim (MLA, DeepSeek-V2/V3's 128 beside 192) for
       "pallas" and "reference".
-    implementation: "pallas" (our flash kernel), "reference" (materialized
-      baseline in jnp) or "xla" (`jax.nn.dot_product_attention`).
+    implementation: "pallas" (our flash kernel, Pallas Triton),
+      "mosaic_gpu" (our flash kernel on Pallas Mosaic GPU, Hopper; the
+      policies and features `kernels.mosaic_attention` lists), "reference"
+      (materialized baseline in jnp) or "xla"
+      (`jax.nn.dot_product_attention`).
     options: how to compute (`stableattn.Options`: precision, tiles,
       scheme, Qiu & Yao's tie fix, compiler parameters, interpret);
       default Options().
     features: what to compute (`stableattn.Features`: causal, window,
       lengths, segments, bias, mask, scale, softcap, sink); default none.
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
-      only; not differentiable; +inf for a row no key attends).
+      and mosaic_gpu only; not differentiable; +inf for a row no key attends).
     return_statistics: also return {"lse", "row_max", "second"}, each
       [batch, heads, q_len]: the log-sum-exp and each row's largest and
       second largest score from the kernel's own pass, for the monitor
@@ -249,7 +252,7 @@ def attention(
   """
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
   options, features = split_keywords(options, features, keywords)
-  if implementation != "pallas":
+  if implementation not in ("pallas", "mosaic_gpu"):
     # Tiles are validated for every implementation, so a sweep with a bad
     # tile fails the same way whichever runs first; only the kernel is
     # bound by GPU constraints.
@@ -277,6 +280,8 @@ def _check_implementation_options(
   """Raises for options the chosen implementation does not have."""
   if implementation == "xla":
     _check_xla(cfg)
+  if implementation == "mosaic_gpu":
+    mosaic_attention.check_supported(cfg)
   changed = [
     text
     for text, used in (
@@ -300,8 +305,10 @@ def _check_implementation_options(
       "smooth_k=off with softcap."
     )
   check_flag("return_lse", return_lse)
-  if return_lse and implementation != "pallas":
-    raise ValueError("return_lse=True is only available for 'pallas'.")
+  if return_lse and implementation not in ("pallas", "mosaic_gpu"):
+    raise ValueError(
+      "return_lse=True is only available for 'pallas' and 'mosaic_gpu'."
+    )
 
 
 def _check_xla(cfg: KernelConfig) -> None:
@@ -366,6 +373,10 @@ def _compute(
     if scales is not None:
       return quantized_flash_attention(q, k, v, ops, scales, cfg)
     return flash_attention(q, k, v, ops, cfg)
+  if implementation == "mosaic_gpu":
+    if returns == "lse":
+      return mosaic_attention.mosaic_flash_attention_with_lse(q, k, v, ops, cfg)
+    return mosaic_attention.mosaic_flash_attention(q, k, v, ops, cfg)
   if implementation == "reference":
     return reference_attention(
       q, k, v, ops, options=cfg.options, spec=cfg.mask, scales=scales

@@ -1,0 +1,258 @@
+"""`implementation="mosaic_gpu"`: our flash attention on Pallas Mosaic GPU
+(Hopper), forward and backward, under the precision policy it can honour.
+
+What the path honours of a policy: 16-bit inputs and matmul operands
+(BF16 or FP16, one format), FP32 products (wgmma's accumulator), scores,
+softmax statistics, output accumulator, delta and gradient accumulators;
+P rounded to the operand format before P V (wgmma takes one format); O
+normalized once, at the end; the log-sum-exp in FP32; the softmax in base
+2 (`exp2`); l summing the rounded P (`softmax_sum=rounded_probs`).
+Everything else is refused in one line naming the stage or option
+(`refusals`). On a CPU the kernels run in jax's GPU interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.contract.masking import (
+  KEY_PAD_ID,
+  QUERY_PAD_ID,
+  MaskOperands,
+  keys_of_some_query,
+  without_unattended_keys,
+)
+from stableattn.contract.tiling import round_up
+from stableattn.kernels.backward_delta import delta_operands, output_delta
+from stableattn.kernels.flash_attention import zero_cotangent
+from stableattn.kernels.kernel_config import KernelConfig
+from stableattn.kernels.mosaic_backward import mosaic_backward
+from stableattn.kernels.mosaic_forward import mosaic_forward, output_names
+from stableattn.kernels.mosaic_support import (
+  HEAD_DIM_MULTIPLE,
+  ROWS,
+  MosaicPlan,
+)
+from stableattn.numerics.rounding import PolicyArithmetic
+
+OPERAND_FORMATS = ("bf16", "fp16")
+# Stages wgmma and this kernel compute in FP32 and nothing else.
+FP32_STAGES = (
+  "matmul_accum",
+  "scores",
+  "softmax_stats",
+  "out_accum",
+  "delta",
+  "grad_accum",
+)
+# Policy options at these values only (the stable presets' options and
+# the emulations of other hardware are the Triton path's).
+OPTION_VALUES = {
+  "key_order": "forward",
+  "scaling": "none",
+  "hadamard": False,
+  "smooth_k": False,
+  "mma_chunk": 0,
+  "score_chunk": 0,
+  "promote_every": 1,
+  "kv_cache": "none",
+}
+# The stable presets' options this path runs (`precision.STABLE_OPTIONS`);
+# sink_delta is refused with the sink itself.
+STABILITY_VALUES = {
+  "delta_source": ("output", "hi_lo"),
+  "delta_product": ("rowsum", "matmul"),
+  "softmax_residuals": ("lse", "max_sum"),
+  "ds_for_dq": ("rounded", "hi_lo"),
+}
+MAX_HEAD_DIM = 256  # wgmma's widest N (P V's value head dim)
+
+
+def refusals(cfg: KernelConfig) -> list[str]:
+  """Why the Mosaic GPU path cannot run `cfg`, one line per reason."""
+  policy, spec, options = cfg.policy, cfg.mask, cfg.options
+  why = []
+  if (
+    policy.inputs not in OPERAND_FORMATS
+    or policy.matmul_operands != policy.inputs
+  ):
+    why.append(
+      f"inputs={policy.inputs}, matmul_operands={policy.matmul_operands}: "
+      "wgmma multiplies BF16 or FP16 operands of the inputs' format here "
+      "(FP32 operands would be TF32)"
+    )
+  if policy.probs != policy.matmul_operands:
+    why.append(
+      f"probs={policy.probs}: P enters P V as a wgmma operand, in "
+      f"matmul_operands' format ({policy.matmul_operands})"
+    )
+  why += [
+    f"{stage}={getattr(policy, stage)}: computed in fp32 by this path"
+    for stage in FP32_STAGES
+    if getattr(policy, stage) != "fp32"
+  ]
+  if policy.output not in (policy.inputs, "fp32"):
+    why.append(f"output={policy.output}: stored in the inputs' format or fp32")
+  why += [
+    f"{name}={getattr(policy, name)!r}: only {value!r} on this path (the "
+    "Triton path, implementation='pallas', runs it)"
+    for name, value in OPTION_VALUES.items()
+    if getattr(policy, name) != value
+  ]
+  why += [
+    f"{name}={getattr(policy, name)!r}: one of {list(values)} on this path"
+    for name, values in STABILITY_VALUES.items()
+    if getattr(policy, name) not in values
+  ]
+  features = {
+    "window": spec.window is not None,
+    "per-example key positions (bottom-right with lengths)": spec.key_positions,
+    "bias": spec.bias is not None,
+    "mask": spec.dense_mask is not None,
+    "sink": spec.sink,
+    "softcap": spec.softcap is not None,
+    "paged KV cache": cfg.page_size is not None,
+    "split-KV": cfg.blocks_per_split is not None,
+    "tie_beta": options.tie_beta is not None,
+    "scheme=fa1": options.scheme != "fa2",
+  }
+  why += [
+    f"{name}: not built on this path" for name, on in features.items() if on
+  ]
+  if max(cfg.head_dim, cfg.value_dim) > MAX_HEAD_DIM:
+    why.append(f"head dim {max(cfg.head_dim, cfg.value_dim)} > {MAX_HEAD_DIM}")
+  return why
+
+
+def check_supported(cfg: KernelConfig) -> None:
+  why = refusals(cfg)
+  if why:
+    raise ValueError(
+      f"implementation='mosaic_gpu' cannot run precision {cfg.policy.name!r} "
+      f"with these options: {'; '.join(why)}."
+    )
+
+
+def plan_of(
+  cfg: KernelConfig, group: int, *, detect_races: bool = True
+) -> MosaicPlan:
+  block_k = 128 if cfg.options.block_k >= 128 else 64
+  policy = cfg.policy
+  return MosaicPlan(
+    q_len=cfg.q_len,
+    kv_len=cfg.kv_len,
+    q_len_padded=round_up(cfg.q_len, ROWS),
+    kv_len_padded=round_up(cfg.kv_len, block_k),
+    head_dim=round_up(cfg.head_dim, HEAD_DIM_MULTIPLE),
+    value_dim=round_up(cfg.value_dim, HEAD_DIM_MULTIPLE),
+    group=group,
+    block_k=block_k,
+    scale=cfg.mask.scale,
+    exp2=policy.exp2,
+    rounded_sum=policy.softmax_sum == "rounded_probs",
+    o_lo=policy.delta_source == "hi_lo",
+    max_sum=policy.softmax_residuals == "max_sum",
+    ds_hi_lo=policy.ds_for_dq == "hi_lo",
+    operand_dtype=np.dtype(policy.dtype("matmul_operands")),
+    output_dtype=np.dtype(policy.dtype("output")),
+    causal=cfg.mask.causal,
+    key_offset=cfg.mask.key_offset,
+    token_ids=cfg.mask.token_ids,
+    interpret=bool(cfg.interpret),
+    detect_races=detect_races,
+  )
+
+
+def _pad(x, axis_lengths: dict, value=0):
+  widths = [(0, axis_lengths.get(a, n) - n) for a, n in enumerate(x.shape)]
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _padded(q, k, v, ops: MaskOperands, plan: MosaicPlan):
+  tq, tk = plan.q_len_padded, plan.kv_len_padded
+  q_p = _pad(q, {1: tq, 3: plan.head_dim})
+  k_p = _pad(k, {1: tk, 3: plan.head_dim})
+  v_p = _pad(v, {1: tk, 3: plan.value_dim})
+  ids = ()
+  if plan.token_ids:
+    ids = (
+      _pad(ops.q_ids, {1: tq}, QUERY_PAD_ID),
+      _pad(ops.kv_ids, {1: tk}, KEY_PAD_ID),
+    )
+  return q_p, k_p, v_p, ids
+
+
+def _forward(q, k, v, ops, cfg: KernelConfig):
+  plan = plan_of(cfg, q.shape[2] // k.shape[2])
+  if plan.token_ids:
+    # P is 0 at keys no query attends, but 0 x NaN is NaN.
+    k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
+  q_p, k_p, v_p, ids = _padded(q, k, v, ops, plan)
+  out_p, lse, *kept = mosaic_forward(
+    q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, ids, plan
+  )
+  extra = dict(zip(output_names(plan)[2:], kept))
+  out = out_p[:, : cfg.q_len, :, : cfg.value_dim]
+  return out, (q_p, k_p, v_p, ids, out_p, lse, extra)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def mosaic_flash_attention(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+  """Flash attention of q [B, T, H, D], k [B, S, Hkv, D], v [B, S, Hkv,
+  Dv] on Mosaic GPU; `check_supported(cfg)` first."""
+  return _forward(q, k, v, ops, cfg)[0]
+
+
+def mosaic_flash_attention_with_lse(q, k, v, ops, cfg: KernelConfig):
+  out, residuals = _forward(q, k, v, ops, cfg)
+  return out, residuals[-2][:, :, : cfg.q_len]
+
+
+def _fwd(q, k, v, ops, cfg):
+  out, residuals = _forward(q, k, v, ops, cfg)
+  return out, (residuals, ops)
+
+
+def delta_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
+  """`cfg` with the Triton delta kernel's tiles dividing our padding."""
+  options = dataclasses.replace(
+    cfg.options, block_q=ROWS, bwd_block_q=ROWS, bwd_block_k=plan.block_k
+  )
+  return dataclasses.replace(cfg, options=options)
+
+
+def _bwd(cfg: KernelConfig, saved, d_out):
+  (q_p, k_p, v_p, ids, out_p, lse, extra), ops = saved
+  plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
+  d_out_p = _pad(
+    d_out.astype(out_p.dtype), {1: plan.q_len_padded, 3: plan.value_dim}
+  )
+  delta = output_delta(
+    delta_operands(out_p, extra), d_out_p, delta_config(cfg, plan)
+  )
+  stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
+  dq, dk, dv = mosaic_backward(
+    q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, ids, plan
+  )
+  ar = PolicyArithmetic(cfg.policy)
+  batch, kv_len, kv_heads = k_p.shape[:3]
+
+  def sum_groups(g):
+    if plan.group == 1:
+      return g
+    g = g.reshape(batch, kv_len, kv_heads, plan.group, g.shape[-1])
+    return ar.sum(g, "grad_accum", axis=3)
+
+  dq = dq[:, : cfg.q_len, :, : cfg.head_dim]
+  dk = sum_groups(dk)[:, : cfg.kv_len, :, : cfg.head_dim]
+  dv = sum_groups(dv)[:, : cfg.kv_len, :, : cfg.value_dim]
+  grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
+  return (*grads, jax.tree_util.tree_map(zero_cotangent, ops))
+
+
+mosaic_flash_attention.defvjp(_fwd, _bwd)

@@ -1,0 +1,311 @@
+"""The flash forward as a Pallas Mosaic GPU kernel (Hopper, sm_90).
+
+One thread block per (batch, query head, 64-row query block), one
+warpgroup: Q arrives by TMA once; each key block's K^T and V arrive by
+TMA into a two-slot shared-memory ring, the next block's copy issued
+before this block's arithmetic, so the copy engine overlaps the softmax.
+S = Q K^T and O += P V are wgmma with FP32 accumulators. The steps are
+FlashAttention-2's in the order `pallas_forward` takes them, each rounded
+where the policy says (`mosaic_policy` lists what this path honours).
+
+Written with the constructs jax's GPU interpret mode runs on a CPU
+(`jax._src.pallas.mosaic_gpu.interpret`), so the same program is tested
+here and compiled on a GPU:
+* K enters transposed (K^T [B, Hkv, D, S] in global memory): the
+  interpreter's wgmma has no rule for a transposed shared-memory view.
+* P goes through shared memory (the interpreter's wgmma reads both
+  operands there), and P V into a fresh accumulator that is added to the
+  running one (it has no rule for `pl.run_state` over an accumulator).
+* Layout hints (`layout_cast`) are the identity in interpret mode
+  (`mosaic_support.interpretable_layout_hints`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from stableattn.kernels.mosaic_support import (
+  ROWS,
+  MosaicPlan,
+  as_rows,
+  block_mask,
+  causal_block_bounds,
+  column_vector,
+  row_vector,
+  smem_tile,
+)
+
+
+def _scores(acc_shape, q_smem, kt_smem, scale):
+  """S = (Q K^T) * scale, the product in FP32 (wgmma's accumulator)."""
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, kt_smem)
+    return acc_ref[...]
+
+  s = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
+  return s * jnp.float32(scale)
+
+
+def _probs_times_values(p, p_smem, v_smem, value_dim):
+  """P V: P stored to shared memory in the probs format, one wgmma."""
+  p_smem[...] = p.astype(p_smem.dtype)
+  plgpu.commit_smem()
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, p_smem, v_smem)
+    return acc_ref[...]
+
+  return pl.run_scoped(product, plgpu.ACC((ROWS, value_dim), jnp.float32))
+
+
+class _Block(NamedTuple):
+  """One thread block's operands, scratch buffers and place."""
+
+  plan: MosaicPlan
+  refs: dict  # global memory: q, kt, v, ids (or ()), o, lse, residuals
+  smem: dict  # shared memory: q, kt, v (two slots), p, o, lse, ids, ...
+  bars: tuple  # (q and ids, K^T slots, V slots)
+  batch: object
+  head: object
+  kv_head: object
+  q_start: object
+
+
+def _fetch(block: _Block, step):
+  """Issues the TMA copies of key block `step` into its ring slot."""
+  slot = lax.rem(step, jnp.int32(2))
+  keys = pl.ds(step * block.plan.block_k, block.plan.block_k)
+  _, kt_bars, v_bars = block.bars
+  refs, smem, b, h = block.refs, block.smem, block.batch, block.kv_head
+  plgpu.copy_gmem_to_smem(
+    refs["kt"].at[b, h, :, keys], smem["kt"].at[slot], kt_bars.at[slot]
+  )
+  plgpu.copy_gmem_to_smem(
+    refs["v"].at[b, keys, h], smem["v"].at[slot], v_bars.at[slot]
+  )
+
+
+def _allowed(block: _Block, k_start, q_ids):
+  """The tile's mask; the key block's token ids come by TMA if in use."""
+  kv_ids = None
+  if q_ids is not None:
+    ids_bar = block.bars[0].at[1]
+    keys = pl.ds(k_start, block.plan.block_k)
+    plgpu.copy_gmem_to_smem(
+      block.refs["ids"][1].at[block.batch, keys], block.smem["ids"][1], ids_bar
+    )
+    plgpu.barrier_wait(ids_bar)
+    kv_ids = column_vector(block.smem["ids"][1], block.plan.interpret)
+  return block_mask(block.plan, block.q_start, k_start, q_ids, kv_ids)
+
+
+def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
+  """FlashAttention-2's update for key block j (`pallas_forward`'s)."""
+  plan, smem = block.plan, block.smem
+  exp = jnp.exp2 if plan.exp2 else jnp.exp
+  acc, m, l_sum = carry
+  slot = lax.rem(j, jnp.int32(2))
+
+  @pl.when(j + 1 < end)
+  def _():
+    _fetch(block, j + 1)
+
+  plgpu.barrier_wait(block.bars[1].at[slot])
+  s = _scores(
+    (ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan.score_scale
+  )
+  if masked:
+    s = jnp.where(_allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(axis=1))
+  # A row with no key so far keeps m = -inf; subtract 0 instead.
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = exp(m - m_use)
+  p = exp(s - as_rows(m_use, s.shape))
+  summed = p
+  if plan.rounded_sum:
+    summed = p.astype(plan.operand_dtype).astype(jnp.float32)
+  l_new = alpha * l_sum + summed.sum(axis=1)
+  plgpu.barrier_wait(block.bars[2].at[slot])
+  pv = _probs_times_values(p, smem["p"], smem["v"].at[slot], plan.value_dim)
+  return as_rows(alpha, acc.shape) * acc + pv, m_new, l_new
+
+
+def _store(block: _Block, carry):
+  """O normalized once; lse = m + log l in natural log (+inf, and O = 0,
+  where no key attends)."""
+  plan, smem = block.plan, block.smem
+  acc, m, l_sum = carry
+  empty = l_sum == 0.0
+  l_safe = jnp.where(empty, 1.0, l_sum)
+  o = acc * as_rows(1.0 / l_safe, acc.shape)
+  smem["o"][...] = o.astype(smem["o"].dtype)
+  if plan.exp2:
+    lse = (m + jnp.log2(l_safe)) * jnp.float32(math.log(2.0))
+  else:
+    lse = m + jnp.log(l_safe)
+  smem["lse"][...] = jnp.where(empty, jnp.inf, lse)
+  if plan.o_lo:
+    # O - round(O): exact in FP32, round(O) being O's nearest neighbour.
+    o_hi = o.astype(smem["o"].dtype).astype(jnp.float32)
+    smem["o_lo"][...] = (o - o_hi).astype(smem["o"].dtype)
+  if plan.max_sum:
+    smem["m"][...] = jnp.where(m == -jnp.inf, 0.0, m)
+    smem["l"][...] = l_safe
+  plgpu.commit_smem()
+  rows = pl.ds(block.q_start, ROWS)
+  for name in block.refs["outputs"]:
+    tile = name in ("o", "o_lo")
+    index = (
+      (block.batch, rows, block.head)
+      if tile
+      else (block.batch, block.head, rows)
+    )
+    plgpu.copy_smem_to_gmem(smem[name], block.refs[name].at[index])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _initial_carry(value_dim: int):
+  """(O, m, l) before the first key block, in the layouts wgmma gives."""
+  layout = plgpu.Layout.WGMMA
+  return (
+    plgpu.layout_cast(jnp.zeros((ROWS, value_dim), jnp.float32), layout),
+    plgpu.layout_cast(
+      jnp.full((ROWS,), -jnp.inf, jnp.float32), layout.reduce(1)
+    ),
+    plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), layout.reduce(1)),
+  )
+
+
+def _block_program(block: _Block):
+  plan, smem = block.plan, block.smem
+  q_bar = block.bars[0]
+  rows = pl.ds(block.q_start, ROWS)
+  q_ref = block.refs["q"]
+  plgpu.copy_gmem_to_smem(
+    q_ref.at[block.batch, rows, block.head], smem["q"], q_bar.at[0]
+  )
+  q_ids = None
+  if block.refs["ids"]:
+    ids_ref = block.refs["ids"][0]
+    plgpu.copy_gmem_to_smem(
+      ids_ref.at[block.batch, rows], smem["ids"][0], q_bar.at[1]
+    )
+    plgpu.barrier_wait(q_bar.at[1])
+    q_ids = row_vector(smem["ids"][0], plan.interpret)
+  first, full, end = causal_block_bounds(plan, block.q_start)
+
+  @pl.when(end > first)
+  def _():
+    _fetch(block, first)
+
+  plgpu.barrier_wait(q_bar.at[0])
+  step = functools.partial(_step, block, end, q_ids)
+  carry = _initial_carry(plan.value_dim)
+  # Blocks every pair of which attends, then those that need the mask.
+  carry = lax.fori_loop(
+    first, full, functools.partial(step, masked=False), carry
+  )
+  carry = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
+  _store(block, carry)
+
+
+def output_names(plan: MosaicPlan) -> tuple[str, ...]:
+  """What the forward writes: O, the lse, and the residuals the policy's
+  stability options keep (`residuals.residual_names`)."""
+  names = ("o", "lse")
+  if plan.o_lo:
+    names += ("o_lo",)
+  if plan.max_sum:
+    names += ("m", "l")
+  return names
+
+
+def _residual_scratch(plan: MosaicPlan):
+  tiles = {
+    "o_lo": smem_tile((ROWS, plan.value_dim), plan.output_dtype),
+    "m": plgpu.SMEM((ROWS,), jnp.float32),
+    "l": plgpu.SMEM((ROWS,), jnp.float32),
+  }
+  return [tiles[name] for name in output_names(plan)[2:]]
+
+
+def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
+  outputs = output_names(plan)
+  ids_refs = refs[: len(refs) - len(outputs)]
+  batch, head, q_block = (lax.axis_index(n) for n in ("batch", "heads", "q"))
+  global_refs = dict(
+    q=q_ref,
+    kt=kt_ref,
+    v=v_ref,
+    ids=ids_refs,
+    outputs=outputs,
+    **dict(zip(outputs, refs[len(ids_refs) :])),
+  )
+  names = ("q", "kt", "v", "p", "o", "lse", "ids", *outputs[2:])
+
+  def scoped(*buffers):
+    block = _Block(
+      plan,
+      global_refs,
+      dict(zip(names, buffers[: len(names)])),
+      buffers[len(names) :],
+      batch,
+      head,
+      lax.div(head, jnp.int32(plan.group)),
+      q_block * ROWS,
+    )
+    _block_program(block)
+
+  dtype, block_k = plan.operand_dtype, plan.block_k
+  ids_scratch = ()
+  if ids_refs:
+    ids_scratch = (
+      plgpu.SMEM((ROWS,), jnp.int32),
+      plgpu.SMEM((block_k,), jnp.int32),
+    )
+  pl.run_scoped(
+    scoped,
+    smem_tile((ROWS, plan.head_dim), dtype),
+    smem_tile((2, plan.head_dim, block_k), dtype),
+    smem_tile((2, block_k, plan.value_dim), dtype),
+    smem_tile((ROWS, block_k), dtype),
+    smem_tile((ROWS, plan.value_dim), plan.output_dtype),
+    plgpu.SMEM((ROWS,), jnp.float32),
+    ids_scratch,
+    *_residual_scratch(plan),
+    plgpu.Barrier(num_barriers=2),
+    plgpu.Barrier(num_barriers=2),
+    plgpu.Barrier(num_barriers=2),
+  )
+
+
+def mosaic_forward(q, kt, v, ids, plan: MosaicPlan):
+  """(O [B, T, H, Dv] in the output format, lse [B, H, T] FP32, natural
+  log, +inf where no key attends, then `output_names`' residuals: O_lo
+  like O, m and l like the lse) of padded q [B, T, H, D], K^T [B, Hkv,
+  D, S], v [B, S, Hkv, Dv] and the token ids (q_ids [B, T], kv_ids [B,
+  S]) or ()."""
+  batch, q_len, heads, _ = q.shape
+  tile = jax.ShapeDtypeStruct(
+    (batch, q_len, heads, plan.value_dim), plan.output_dtype
+  )
+  rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+  types = {"o": tile, "o_lo": tile, "lse": rows, "m": rows, "l": rows}
+  kernel = plgpu.kernel(
+    functools.partial(_kernel, plan=plan),
+    out_type=tuple(types[name] for name in output_names(plan)),
+    grid=(batch, heads, q_len // ROWS),
+    grid_names=("batch", "heads", "q"),
+    interpret=plan.interpret_params,
+    kernel_name="stableattn_mosaic_forward",
+  )
+  return kernel(q, kt, v, *ids)

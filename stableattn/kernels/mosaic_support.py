@@ -1,0 +1,200 @@
+"""What the Mosaic GPU kernels share: the plan of one call, shared-memory
+tiles, masks built in registers, and the interpret-mode hooks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.interpreters import mlir
+from jax._src.pallas.mosaic_gpu.core import layout_cast_p
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# One warpgroup's wgmma tile: 64 rows (of queries, or of keys in dK dV).
+ROWS = 64
+# Head dims are padded to a multiple of this: a 128-byte swizzle of
+# 16-bit elements, the widest TMA and wgmma take.
+HEAD_DIM_MULTIPLE = 64
+SWIZZLE_BYTES = 128
+
+
+def interpretable_layout_hints() -> None:
+  """Makes `plgpu.layout_cast` the identity outside Mosaic GPU lowering.
+
+  A layout is how a compiled kernel spreads an array over a warpgroup's
+  registers; the values are the array's either way. jax 0.10's GPU
+  interpreter evaluates each equation with XLA:CPU, which has no rule for
+  the hint; the kernels need it compiled (a loop's carry must start in
+  the layout wgmma gives it).
+  """
+  if getattr(layout_cast_p, "impl", None) is not None and _has_cpu_rule():
+    return
+  layout_cast_p.def_impl(lambda x, **_: x)
+  mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
+
+
+def _has_cpu_rule() -> bool:
+  return layout_cast_p in mlir._platform_specific_lowerings.get("cpu", {})
+
+
+interpretable_layout_hints()
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicPlan:
+  """Everything static about one Mosaic GPU call (padded sizes)."""
+
+  q_len: int  # true lengths
+  kv_len: int
+  q_len_padded: int
+  kv_len_padded: int
+  head_dim: int  # padded to HEAD_DIM_MULTIPLE
+  value_dim: int
+  group: int  # query heads per key/value head
+  block_k: int
+  scale: float  # the score scale, natural base
+  exp2: bool  # the forward's softmax in base 2 (log2(e) in the scale)
+  rounded_sum: bool  # l sums P rounded to the probs format
+  o_lo: bool  # the forward also writes O - round(O) (delta_source=hi_lo)
+  max_sum: bool  # m and l kept apart (softmax_residuals=max_sum)
+  ds_hi_lo: bool  # dQ takes dS as dS_hi + dS_lo (ds_for_dq=hi_lo)
+  operand_dtype: object
+  output_dtype: object
+  causal: bool
+  key_offset: int  # key j's position is j - key_offset
+  token_ids: bool
+  interpret: bool
+  detect_races: bool = True
+
+  @property
+  def score_scale(self) -> float:
+    """The forward's one constant multiplier of Q K^T."""
+    return self.scale * (math.log2(math.e) if self.exp2 else 1.0)
+
+  @property
+  def interpret_params(self):
+    if not self.interpret:
+      return False
+    return InterpretGPUParams(
+      detect_races=self.detect_races, uninitialized_memory="nan"
+    )
+
+
+def smem_tile(shape, dtype):
+  """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles of
+  128 bytes, swizzled."""
+  elements = SWIZZLE_BYTES // np.dtype(dtype).itemsize
+  transforms = (
+    plgpu.TilingTransform((8, elements)),
+    plgpu.SwizzleTransform(SWIZZLE_BYTES),
+  )
+  return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def as_rows(vector, shape):
+  """A per-row vector broadcast across columns (in the wgmma layout)."""
+  return lax.broadcast_in_dim(vector, shape, [0])
+
+
+def as_columns(vector, shape):
+  """A per-column vector broadcast across rows."""
+  return lax.broadcast_in_dim(vector, shape, [1])
+
+
+def _vector(smem, layout, interpret: bool):
+  if interpret:
+    return smem[...]
+  return plgpu.load(smem, (), layout=layout)
+
+
+def row_vector(smem, interpret: bool):
+  """A vector of one entry per row of a wgmma tile, from shared memory."""
+  return _vector(smem, plgpu.Layout.WGMMA.reduce(1), interpret)
+
+
+def column_vector(smem, interpret: bool):
+  """A vector of one entry per column of a wgmma tile."""
+  return _vector(smem, plgpu.Layout.WGMMA.reduce(0), interpret)
+
+
+def block_mask(
+  plan: MosaicPlan,
+  q_start,
+  k_start,
+  q_ids,
+  kv_ids,
+  rows=ROWS,
+  cols=None,
+  transposed=False,
+):
+  """Which pairs of a (query rows x key columns) tile attend, as a
+  boolean array in registers (never in shared memory): keys past the
+  true length, causal and token ids (lengths and segments). With
+  `transposed` the tile is keys x queries (dK dV)."""
+  cols = plan.block_k if cols is None else cols
+  shape = (rows, cols)
+  q_axis, k_axis = (1, 0) if transposed else (0, 1)
+
+  def iota(axis):
+    return plgpu.broadcasted_iota(
+      jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA
+    )
+
+  q_index = iota(q_axis) + q_start
+  k_index = iota(k_axis) + k_start
+  allowed = k_index < plan.kv_len
+  if plan.causal:
+    allowed = allowed & (k_index - plan.key_offset <= q_index)
+  if q_ids is not None:
+    place_q, place_k = (
+      (as_columns, as_rows) if transposed else (as_rows, as_columns)
+    )
+    allowed = allowed & (place_q(q_ids, shape) == place_k(kv_ids, shape))
+  return allowed
+
+
+def stats_names(plan: MosaicPlan) -> tuple[str, ...]:
+  """The row vectors the backward recomputes P from."""
+  return ("m", "l") if plan.max_sum else ("lse",)
+
+
+def recomputed_probs(s, stats, broadcast):
+  """P = exp(s - lse), or exp(s - m) * (1 / l) with the row max and sum
+  kept apart (`block_math.recomputed_probs`); `broadcast(vector, shape)`
+  places a per-query vector on the tile."""
+  if len(stats) == 1:
+    return jnp.exp(s - broadcast(stats[0], s.shape))
+  m, l_sum = stats
+  return jnp.exp(s - broadcast(m, s.shape)) * broadcast(1.0 / l_sum, s.shape)
+
+
+def _nonnegative_div(x, d: int):
+  return lax.div(jnp.maximum(x, 0), jnp.int32(d))
+
+
+def causal_block_bounds(plan: MosaicPlan, q_start):
+  """(first, full, end): a query block visits key blocks [first, end);
+  blocks before `full` need no mask (every pair attends)."""
+  blocks = plan.kv_len_padded // plan.block_k
+  end = jnp.int32(blocks)
+  full = jnp.int32(0 if plan.token_ids else plan.kv_len // plan.block_k)
+  if plan.causal:
+    last = q_start + (ROWS - 1) + plan.key_offset
+    end = jnp.where(
+      last < 0, 0, jnp.minimum(end, _nonnegative_div(last, plan.block_k) + 1)
+    )
+    diagonal = _nonnegative_div(q_start + plan.key_offset + 1, plan.block_k)
+    full = jnp.minimum(full, diagonal)
+  full = jnp.minimum(full, end)
+  return jnp.int32(0), full, end
+
+
+def query_block_start(plan: MosaicPlan, k_start, block_q: int = ROWS):
+  """The first query block a key block can be attended from (causal)."""
+  if not plan.causal:
+    return jnp.int32(0)
+  return _nonnegative_div(k_start - plan.key_offset, block_q)

@@ -1,0 +1,262 @@
+"""implementation="mosaic_gpu": our flash kernel on Pallas Mosaic GPU, run
+on a CPU in jax's GPU interpret mode (with its race detector) and lowered
+for CUDA; the GPU-marked test compares the compiled kernel with interpret
+mode. Shapes are ragged on purpose: no case is a multiple of the tiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import random_qkv
+
+import stableattn as sa
+from stableattn.kernels import mosaic_attention
+from stableattn.ops import registry
+
+# (precision, q_len, kv_len, heads, kv_heads, head_dim, features)
+CASES = {
+  "causal-gqa": ("bf16-fa2", 96, 80, 2, 1, 64, {"causal": True}),
+  "ragged-gqa": ("bf16-fa2", 70, 130, 4, 2, 64, {}),
+  "fp16-causal-d128": ("fp16-fa2", 100, 100, 2, 1, 128, {"causal": True}),
+  "exp2": ("bf16-fa2+exp2=on", 96, 96, 2, 2, 64, {}),
+  "rounded-sum": ("bf16-fa2+softmax_sum=rounded_probs", 96, 96, 2, 2, 64, {}),
+  "key-lengths-d48": (
+    "bf16-fa2",
+    96,
+    96,
+    2,
+    2,
+    48,
+    {"key_value_seq_lengths": np.array([50, 96])},
+  ),
+  "bottom-right-empty-rows": (
+    "bf16-fa2",
+    128,
+    64,
+    2,
+    2,
+    64,
+    {"causal": True, "causal_alignment": "bottom_right"},
+  ),
+  "segments": (
+    "bf16-fa2",
+    96,
+    96,
+    2,
+    2,
+    64,
+    {"segment_ids": np.array([[0] * 40 + [1] * 56] * 2)},
+  ),
+}
+
+
+def _inputs(case):
+  precision, q_len, kv_len, heads, kv_heads, head_dim, features = case
+  q, k, v = random_qkv(
+    sum(map(ord, precision)) + q_len,
+    q_len=q_len,
+    kv_len=kv_len,
+    heads=heads,
+    kv_heads=kv_heads,
+    head_dim=head_dim,
+  )
+  dtype = jnp.float16 if precision.startswith("fp16") else jnp.bfloat16
+  d_out = np.random.default_rng(q_len).standard_normal(q.shape)
+  return [jnp.asarray(x, dtype) for x in (q, k, v, d_out)], features
+
+
+def _value_and_grads(implementation, case, **options):
+  (q, k, v, d_out), features = _inputs(case)
+
+  def fn(q, k, v):
+    return sa.attention(
+      q,
+      k,
+      v,
+      implementation=implementation,
+      precision=case[0],
+      **features,
+      **options,
+    )
+
+  out, vjp = jax.vjp(fn, q, k, v)
+  return [np.asarray(x, np.float64) for x in (out, *vjp(d_out))]
+
+
+def _differences(case):
+  """Per tensor: (entries that differ from the Triton path's interpret
+  mode, the largest difference over the tensor's largest entry)."""
+  ours = _value_and_grads("mosaic_gpu", case)
+  triton = _value_and_grads("pallas", case)
+  return [
+    (int(np.sum(a != b)), float(np.abs(a - b).max() / np.abs(b).max()))
+    for a, b in zip(ours, triton)
+  ], ours
+
+
+def _check_against_triton(case):
+  differences, ours = _differences(case)
+  assert all(np.isfinite(x).all() for x in ours)
+  for tensor, (count, largest) in zip(("out", "dq", "dk", "dv"), differences):
+    # wgmma's products are summed in another order than XLA's dots (and
+    # XLA:CPU may fuse a product into an add): a few entries round the
+    # other way (FP16's 3 more bits see more of them: 1.1% of dq at head
+    # dim 128), never by more than 2^-8 of the tensor's scale.
+    assert count <= max(1, ours[0].size // 50), (tensor, count)
+    assert largest <= 2.0**-8, (tensor, largest)
+
+
+def test_forward_and_gradients_match_the_triton_path():
+  """The fast tier's case: causal, GQA, lengths no tile divides."""
+  _check_against_triton(CASES["causal-gqa"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in CASES if n != "causal-gqa"])
+def test_every_supported_case_matches_the_triton_path(name):
+  _check_against_triton(CASES[name])
+
+
+@pytest.mark.slow
+def test_rows_no_key_attends_are_zero_with_zero_gradient():
+  """Bottom-right causal with more queries than keys: the first 64 rows
+  see no key; their output and dq are exactly 0."""
+  out, dq, _, _ = _value_and_grads(
+    "mosaic_gpu", CASES["bottom-right-empty-rows"]
+  )
+  assert np.all(out[:, :64] == 0) and np.all(dq[:, :64] == 0)
+  assert np.any(out[:, 64:] != 0)
+
+
+@pytest.mark.slow
+def test_nan_in_keys_past_the_length_never_reaches_a_result():
+  case = CASES["key-lengths-d48"]
+  (q, k, v, d_out), features = _inputs(case)
+  clean = _value_and_grads("mosaic_gpu", case)
+  k = k.at[0, 50:].set(jnp.nan)
+  v = v.at[0, 50:].set(jnp.nan)
+  out = sa.attention(
+    q, k, v, implementation="mosaic_gpu", precision=case[0], **features
+  )
+  np.testing.assert_array_equal(np.asarray(out, np.float64), clean[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(1, 130, 2, 96), (2, 77, 4, 64)], ids=str)
+def test_the_audit_passes_at_shapes_it_was_not_tuned_at(shape):
+  fn = registry.resolve("mosaic_gpu", precision="bf16-fa2")
+  report = sa.audit(fn, precision="bf16-fa2", shapes=(shape,))
+  assert report.passed, str(report)
+  assert {r["tensor"] for r in report.rows} == {"out", "dq", "dk", "dv"}
+
+
+def test_the_race_detector_runs_and_finds_no_race():
+  """The interpreter's happens-before detector watches every shared-memory
+  access of the forward and backward; a kernel that reads a buffer
+  before its copy's barrier is caught (the detector can fail)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  _value_and_grads("mosaic_gpu", CASES["causal-gqa"])
+  assert gpu_callbacks.get_races().races_found is False
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  _racy_copy()
+  assert gpu_callbacks.get_races().races_found is True
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+def _racy_copy():
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def body(x_ref, o_ref, smem, barrier):
+    plgpu.copy_gmem_to_smem(x_ref, smem, barrier.at[0])
+    early = smem[...]  # before the copy's barrier: a race
+    plgpu.barrier_wait(barrier.at[0])
+    smem[...] = early + 1
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  shape = jax.ShapeDtypeStruct((128,), jnp.float32)
+  kernel = plgpu.kernel(
+    body,
+    out_type=shape,
+    scratch_types=[plgpu.SMEM((128,), jnp.float32), plgpu.Barrier()],
+    interpret=InterpretGPUParams(detect_races=True),
+  )
+  jax.block_until_ready(kernel(jnp.ones((128,), jnp.float32)))
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    ({"precision": "fp32"}, r"inputs=fp32.*TF32"),
+    (
+      {"precision": "bf16-fa2+out_accum=bf16"},
+      r"out_accum=bf16: computed in fp32",
+    ),
+    ({"precision": "bf16-fa2-stable"}, r"delta_source='hi_lo'.*Triton path"),
+    (
+      {"precision": "bf16-fa2", "local_window_size": (8, 0)},
+      r"window: not built",
+    ),
+    ({"precision": "bf16-fa2", "softcap": 30.0}, r"softcap: not built"),
+  ],
+)
+def test_what_the_path_cannot_honour_is_refused_in_one_line(changes, message):
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(
+    ValueError, match=r"implementation='mosaic_gpu' cannot run.*" + message
+  ):
+    sa.attention(q, q, q, implementation="mosaic_gpu", **changes)
+
+
+def _lowered_text(**features):
+  q = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = sa.attention(
+      q,
+      k,
+      v,
+      implementation="mosaic_gpu",
+      precision="bf16-fa2",
+      interpret=False,
+      **features,
+    )
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return fn.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
+  """The three kernels (forward, dK dV, dQ) build their Mosaic GPU modules
+  on the CPU, causal with key lengths; delta is the Triton path's kernel."""
+  text = _lowered_text(causal=True, key_value_seq_lengths=np.array([150, 200]))
+  assert text.count("custom_call @mosaic_gpu") == 3
+  assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+
+
+def test_the_refusal_list_is_empty_for_the_base_presets():
+  for precision in ("bf16-fa2", "fp16-fa2", "bf16-fa2+exp2=on"):
+    cfg = sa.ops.dispatch.kernel_config(
+      sa.Options(precision=precision),
+      (1, 64, 2, 64),
+      (1, 64, 2, 64),
+      sa.Features().split((1, 64, 2, 64), (1, 64, 2, 64))[0],
+      64,
+    )
+    assert mosaic_attention.refusals(cfg) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_kernel_matches_interpret_mode(name):
+  case = CASES[name]
+  compiled = _value_and_grads("mosaic_gpu", case, interpret=False)
+  interpreted = _value_and_grads("mosaic_gpu", case, interpret=True)
+  for a, b in zip(compiled, interpreted):
+    assert np.abs(a - b).max() <= 2.0**-8 * np.abs(b).max()
