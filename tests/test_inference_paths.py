@@ -162,10 +162,13 @@ def test_split_count_changes_bits_but_not_accuracy():
   assert max(errors) <= 2 * min(errors)
 
 
-@pytest.mark.parametrize("implementation", sa.IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+  "implementation", [i for i in sa.IMPLEMENTATIONS if i != "mosaic_gpu"]
+)
 def test_decode_over_a_padded_cache_for_every_implementation(implementation):
   """Queries 1..n at the end of a padded cache (bottom-right alignment,
-  per-example lengths): each implementation against FP64."""
+  per-example lengths): each implementation against FP64 (the Hopper
+  path refuses per-example key positions and FP32: test_mosaic_gpu)."""
   for q_len in (1, 3):
     q, k, v = _decode_inputs(9, q_len=q_len)
     golden = sa.golden_attention(q, k, v, **DECODE)

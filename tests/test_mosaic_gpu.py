@@ -38,6 +38,8 @@ CASES = {
     64,
     {"causal": True, "causal_alignment": "bottom_right"},
   ),
+  "bf16-stable-causal": ("bf16-fa2-stable", 96, 80, 2, 1, 64, {"causal": True}),
+  "fp16-stable": ("fp16-fa2-stable", 96, 80, 2, 1, 64, {}),
   "segments": (
     "bf16-fa2",
     96,
@@ -196,7 +198,14 @@ def _racy_copy():
       {"precision": "bf16-fa2+out_accum=bf16"},
       r"out_accum=bf16: computed in fp32",
     ),
-    ({"precision": "bf16-fa2-stable"}, r"delta_source='hi_lo'.*Triton path"),
+    (
+      {"precision": "bf16-fa2+delta_source=probs"},
+      r"delta_source='probs': one of \['output', 'hi_lo'\]",
+    ),
+    (
+      {"precision": "bf16-fa2+key_order=reversed"},
+      r"key_order=.reversed.*Triton",
+    ),
     (
       {"precision": "bf16-fa2", "local_window_size": (8, 0)},
       r"window: not built",
@@ -260,3 +269,26 @@ def test_compiled_kernel_matches_interpret_mode(name):
   interpreted = _value_and_grads("mosaic_gpu", case, interpret=True)
   for a, b in zip(compiled, interpreted):
     assert np.abs(a - b).max() <= 2.0**-8 * np.abs(b).max()
+
+
+def test_jax_mgpu_is_a_registry_name_with_the_interpreters_reason():
+  """Off a GPU, jax_mgpu is n/a with the message jax's GPU interpret mode
+  gives. When a newer jax interprets attention_mgpu this test fails:
+  audit it on the CPU then (the registry already runs it that way)."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("on a GPU jax_mgpu runs compiled (launch/gpu_session.sh)")
+  assert "jax_mgpu" in registry.PEERS
+  reason = registry.unavailable("jax_mgpu")
+  assert reason is not None, "jax's GPU interpret mode now runs jax_mgpu"
+  assert reason.startswith("it needs an NVIDIA GPU: jax ")
+  assert "GPU interpret mode fails on it (" in reason and "\n" not in reason
+
+
+def test_jax_mgpu_refuses_what_it_cannot_take_in_one_line():
+  fn = registry.resolve("jax_mgpu")
+  q = jnp.zeros((1, 100, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"q_len by 128.*not 100 and 100"):
+    fn(q, q, q)
+  q = jnp.zeros((1, 128, 2, 64), jnp.float32)
+  with pytest.raises(ValueError, match="FP16 or BF16 inputs only"):
+    fn(q, q, q)

@@ -100,3 +100,33 @@ def tiles_from_sram(sram_elements: int, head_dim: int) -> SramTiles:
   block_k = math.ceil(sram_elements / (4 * head_dim))
   block_q = min(block_k, head_dim)
   return SramTiles(block_q, block_k, sram_elements, head_dim)
+
+
+# FP32 values one thread of a 4-warp Triton program holds in registers for
+# the forward's tiles (Q and O: block_q x d, K and V: block_k x d, S:
+# block_q x block_k) without spilling, with the rest of its registers (255
+# at most) left for addresses and the softmax. 64x64 tiles at head dim 128
+# (288 per thread) spilled on an H100: 2.95 s at 8K keys against 8.6 ms in
+# BF16, 2.58 G local loads at 2K (results/gpu/h100-2026-11-26).
+FP32_REGISTER_BUDGET = 160
+FP32_WARPS = 4
+_FP32_CANDIDATES = ((64, 64), (64, 32), (32, 64), (32, 32), (16, 32), (16, 16))
+
+
+def fp32_gpu_tiles(head_dim: int) -> dict:
+  """Tiles and warps for IEEE FP32 operands on a GPU: Triton multiplies
+  them on its FMA path (no tensor core; triton-lang/triton #5572), with
+  every operand tile in registers. The largest of 64x64 down to 16x16
+  whose FP32 values fit `FP32_REGISTER_BUDGET` per thread at 4 warps
+  (tokamax keeps its FP32-capable blocks at 16-64 with 4 warps):
+  64x64 up to head dim 64, 32x32 at 128, 16x16 at 256.
+
+  Returns {"block_q", "block_k", "num_warps"} for `stableattn.Options`.
+  """
+  threads = 32 * FP32_WARPS
+  padded = next_power_of_two(head_dim)
+  for block_q, block_k in _FP32_CANDIDATES:
+    values = 2 * block_q * padded + 2 * block_k * padded + block_q * block_k
+    if values / threads <= FP32_REGISTER_BUDGET:
+      break
+  return {"block_q": block_q, "block_k": block_k, "num_warps": FP32_WARPS}

@@ -4,11 +4,13 @@ The model's layers, the audit, the benchmark and the experiments resolve
 attention here, so a name is defined once:
 
 * our implementations of `stableattn.attention` (`IMPLEMENTATIONS`:
-  "pallas", "reference", "xla"), each under an `Options`;
+  "pallas", "reference", "xla", "mosaic_gpu"), each under an `Options`;
 * the kernels users compare against (`PEERS`): "cudnn"
   (`jax.nn.dot_product_attention(implementation="cudnn")`, GPU only),
   "jax_mha" (jax's Pallas Triton `mha` with its own tile sizes; interpret
-  mode off the GPU), and tokamax's implementations ("tokamax_xla",
+  mode off the GPU), "jax_mgpu" (jax's Mosaic GPU `attention_mgpu`,
+  Hopper; n/a off a GPU while jax's GPU interpret mode cannot run it),
+  jax's TPU kernels, and tokamax's implementations ("tokamax_xla",
   "tokamax_xla_chunked", "tokamax_triton", "tokamax_mosaic"; the optional
   `[peers]` extra), and PyTorch's (`TORCH_KERNELS`: SDPA's backends and
   FlexAttention, through `torch_bridge`; the optional `[torch]` extra);
@@ -338,6 +340,18 @@ def _jax_kernel(name: str, forward_only: str | None = None, **entry) -> Entry:
   )
 
 
+def _jax_mgpu_kernel():
+  from stableattn.ops import jax_mgpu
+
+  return jax_mgpu.jax_mgpu
+
+
+def _jax_mgpu_unavailable() -> str | None:
+  from stableattn.ops import jax_mgpu
+
+  return jax_mgpu.unavailable()
+
+
 # The one table of names: ours first, then the peers users compare with.
 REGISTRY: dict[str, Entry] = {
   **{name: _ours(name) for name in IMPLEMENTATIONS},
@@ -361,6 +375,10 @@ REGISTRY: dict[str, Entry] = {
     unavailable=jax_kernels.ragged_paged_unavailable,
   ),
   "keras_dpa": _jax_kernel("keras_dpa"),
+  # FlashAttention-3's design on Pallas Mosaic GPU (Hopper).
+  "jax_mgpu": Entry(
+    lambda _: _jax_mgpu_kernel(), unavailable=_jax_mgpu_unavailable
+  ),
 }
 NAMES = tuple(REGISTRY)
 PEERS = tuple(name for name in REGISTRY if name not in IMPLEMENTATIONS)

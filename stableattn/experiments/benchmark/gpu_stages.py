@@ -26,6 +26,7 @@ import pathlib
 
 import jax
 
+from stableattn.contract.tiling import fp32_gpu_tiles
 from stableattn.experiments.benchmark.timing import (
   _alternating_times,
   _timing_row,
@@ -71,6 +72,9 @@ class Sizes:
   block_q: int = 64
   block_k: int = 64
   fp32_length: int = 2048  # the FP32 pair's one length
+  # The FP32 pair at `tiling.fp32_gpu_tiles` (a compiled kernel's tiles and
+  # warps; interpret mode takes the sizes' own).
+  fp32_tiles: bool = True
 
 
 GPU_SIZES = Sizes(
@@ -91,6 +95,7 @@ CPU_SIZES = Sizes(
   repeats=1,
   block_q=32,
   block_k=32,
+  fp32_tiles=False,
 )
 
 
@@ -148,9 +153,10 @@ def _timed_rows(compiled, args, labels_of, s: Sizes, work) -> list[dict]:
 def price_points(s: Sizes, pairs=STABLE_PAIRS, modes=MODES):
   """(mode, causal, length, base, stable) in the order they are measured:
   the 16-bit pairs at each length in turn, then the FP32 pair at
-  `fp32_length` alone. The FP32 presets' compiled forward took 2.95 s at
-  8K on an H100 (a BF16 one 8.6 ms): at 8K their two forwards took 65 s
-  of a 130 s stage."""
+  `fp32_length` alone, at its own tiles (`tiling.fp32_gpu_tiles`). At
+  64x64 tiles the FP32 presets' compiled forward took 2.95 s at 8K on an
+  H100 (a BF16 one 8.6 ms): at 8K their two forwards took 65 s of a 130 s
+  stage."""
   half = [p for p in pairs if not _fp32_operands(p[0])]
   full = [p for p in pairs if _fp32_operands(p[0])]
   for seq_len, mode, causal, (base, stable) in itertools.product(
@@ -173,6 +179,8 @@ def price_rows(s: Sizes, mode, causal, seq_len, base, stable) -> list[dict]:
   shape = (s.batch, seq_len, s.heads, s.head_dim)
   args = random_inputs(jax.random.key(seq_len), shape, base)
   tiles = dict(block_q=s.block_q, block_k=s.block_k)
+  if s.fp32_tiles and _fp32_operands(base):
+    tiles = fp32_gpu_tiles(s.head_dim)
   fns = {
     precision: timed_fn(
       attention_fn("pallas", precision, causal, **tiles), mode
