@@ -4,20 +4,27 @@
 # measured; stages.jsonl says which stages ended and how):
 #   1. tests:   `pytest -m gpu` over what compiles differently from interpret
 #               mode: every preset's rounding, the stable presets' and MLA's
-#               gradients, NaN padding, split-KV;
-#   2. price:   the stable presets against their base presets (and jax's
+#               gradients, NaN padding, split-KV (with key lengths and
+#               segments), the FP32 presets at their tiles, and the Hopper
+#               path (mosaic_gpu) against its interpret mode;
+#   2. hopper:  the Hopper path against cuDNN, jax's mha and attention_mgpu
+#               and our Triton path, forward and forward+backward, causal
+#               and not, BF16, head dim 128 at 8K, 4K, 16K;
+#   3. price:   the stable presets against their base presets (and jax's
 #               mha and cuDNN in BF16), forward and forward+backward, time
-#               and program memory, head dim 128 at 8K, 4K, 16K;
-#   3. regimes: the audit of cuDNN, xla and the stable presets at
-#               small_logits, poisoned_padding, finite_mask, tied_maxima;
-#   4. levers:  one forward per lever (registers, shared memory, base 2,
-#               causal skipping) timed, then Nsight Compute's counters;
-#   5. drift:   Flash vs Baseline next to BF16 vs FP32 at 20M parameters.
+#               and program memory, head dim 128 at 8K, 4K, 16K (the FP32
+#               pair at 2K, at its own tiles);
+#   4. regimes: the audit of cuDNN, xla, the stable presets and mosaic_gpu
+#               at small_logits, poisoned_padding, finite_mask, tied_maxima;
+#   5. levers:  one forward per lever (registers, shared memory, base 2,
+#               causal skipping) timed, then Nsight Compute's counters, the
+#               Hopper path's forward among them;
+#   6. drift:   Flash vs Baseline next to BF16 vs FP32 at 20M parameters.
 # Usage:
 #   launch/gpu_session.sh RECORD_DIR [PACK.tgz]
 # RECORD_DIR receives the rows (launch/gpu_report.py reads it on a CPU);
 # PACK, if given, is rewritten after every stage with RECORD_DIR packed.
-# Stage limits in seconds: TESTS_S PRICE_S REGIMES_S LEVERS_S DRIFT_S
+# Stage limits in seconds: TESTS_S HOPPER_S PRICE_S REGIMES_S LEVERS_S DRIFT_S
 # (0 skips a stage). GPU_SESSION_SMALL=1 runs every stage on the CPU path
 # (interpret mode, a test's sizes): tests/test_gpu_session.py does.
 set -u
@@ -25,10 +32,11 @@ record=${1:?usage: launch/gpu_session.sh RECORD_DIR [PACK.tgz]}
 pack=${2:-}
 small=${GPU_SESSION_SMALL:-0}
 tests_s=${TESTS_S:-90}
-price_s=${PRICE_S:-130}
+hopper_s=${HOPPER_S:-90}
+price_s=${PRICE_S:-100}
 regimes_s=${REGIMES_S:-75}
 levers_s=${LEVERS_S:-65}
-drift_s=${DRIFT_S:-120}
+drift_s=${DRIFT_S:-70}
 # A stage cut off at its limit gets SIGABRT first: with the fault handler
 # on, its log ends in the Python stack where it was.
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -92,7 +100,7 @@ small_flag=()
 # At 1024 keys the FP64 golden of five audits side by side took the whole
 # stage on the host (H100 session, 2026-11-26): 256 keys, head dim 128.
 audit_shape=${AUDIT_SHAPE:-'((1,256,256,4,2,128),)'}
-kernels=(cudnn xla)
+kernels=(cudnn xla mosaic_gpu)
 drift_config=(
   --config=configs/training_drift.py:gpu
   --config.model.width=512 --config.model.depth=6 --config.model.heads=8
@@ -103,7 +111,7 @@ drift_config=(
 if [ "$small" = 1 ]; then
   small_flag=(--small)
   audit_shape='((1,192,192,4,2,32),)'
-  kernels=(xla)
+  kernels=(xla mosaic_gpu)
   drift_config=(--config=configs/training_drift.py:smoke
     --config.train.total_steps=4 --config.train.log_every=2
     --config.train.checkpoint_every=4 --config.attention.context_parallel=0)
@@ -111,8 +119,12 @@ fi
 
 stage tests "$tests_s" "$python" -m pytest -m gpu -n "${TEST_WORKERS:-14}" \
   -v -p no:cacheprovider tests/test_gpu_lowering.py \
-  tests/test_gpu_compiled_gradients.py \
-  -k "round_like or rounds_like or keeps_nan or split_kv_and_paged"
+  tests/test_gpu_compiled_gradients.py tests/test_triton_gpu_fixes.py \
+  tests/test_mosaic_gpu.py \
+  -k "round_like or rounds_like or keeps_nan or split_kv or fp32_presets or matches_interpret"
+
+stage hopper "$hopper_s" "$python" launch/gpu_stage.py --stage=hopper \
+  --out="$record/hopper.jsonl" "${small_flag[@]}"
 
 stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \
   --out="$record/price.jsonl" "${small_flag[@]}"
@@ -159,7 +171,7 @@ levers() {
     echo "ncu is not on this machine: no counters"
     return 0
   fi
-  ncu --clock-control none -k regex:'flash_forward|mha_forward' -c 20 --csv \
+  ncu --clock-control none -k regex:'flash_forward|mha_forward|mosaic_forward' -c 20 --csv \
     --log-file "$record/ncu.csv" \
     --metrics gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__sass_inst_executed_op_local_ld.sum \
     "$python" launch/gpu_stage.py --stage=ncu_pass --out="$record/ncu_order.json" "$@" || return

@@ -1,6 +1,7 @@
 r"""One stage of a GPU session (launch/gpu_session.sh runs them in order).
 
   python launch/gpu_stage.py --stage=price --out=OUT/price.jsonl
+  python launch/gpu_stage.py --stage=hopper --out=OUT/hopper.jsonl
   python launch/gpu_stage.py --stage=levers --out=OUT/levers.jsonl
   ncu --csv ... python launch/gpu_stage.py --stage=ncu_pass \
       --out=OUT/ncu_order.json
@@ -21,7 +22,7 @@ from absl import app, flags
 
 from stableattn.experiments.benchmark import gpu_stages
 
-STAGES = ("price", "levers", "ncu_pass", "ncu_rows")
+STAGES = ("price", "hopper", "levers", "ncu_pass", "ncu_rows")
 flags.DEFINE_enum("stage", None, STAGES, "Which stage.")
 flags.DEFINE_string("out", None, "Where the stage's rows go.")
 flags.DEFINE_bool("small", False, "Interpret-mode sizes (a CPU test).")
@@ -29,7 +30,9 @@ flags.DEFINE_string("ncu_csv", None, "ncu_rows: Nsight Compute's --csv output.")
 flags.DEFINE_string("order", None, "ncu_rows: the ncu_pass order file.")
 flags.DEFINE_list("lengths", None, "price: lengths instead of the default.")
 flags.DEFINE_list("bases", None, "price: base presets of the pairs to time.")
-flags.DEFINE_list("modes", None, "price: forward and/or forward_backward.")
+flags.DEFINE_list(
+  "modes", None, "price, hopper: forward and/or forward_backward."
+)
 flags.mark_flags_as_required(["stage", "out"])
 
 
@@ -51,6 +54,15 @@ def main(argv):
       rows = gpu_stages.price_rows(sizes, *point)
       gpu_stages.append_rows(out, rows)
       print(f"price {point}: {len(rows)} rows in {time.time() - started:.1f} s")
+  elif f.stage == "hopper":
+    modes = tuple(f.modes or gpu_stages.MODES)
+    for point in gpu_stages.hopper_points(sizes, modes):
+      started = time.time()
+      rows = gpu_stages.hopper_rows(sizes, *point)
+      gpu_stages.append_rows(out, rows)
+      print(
+        f"hopper {point}: {len(rows)} rows in {time.time() - started:.1f} s"
+      )
   elif f.stage == "levers":
     rows = gpu_stages.lever_rows(sizes, f.small)
     gpu_stages.append_rows(out, rows)

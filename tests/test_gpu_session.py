@@ -12,7 +12,7 @@ import pytest
 from stableattn.experiments.benchmark import gpu_stages
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("tests", "price", "regimes", "levers", "drift")
+STAGES = ("tests", "hopper", "price", "regimes", "levers", "drift")
 
 
 def _ncu_csv(kernels):
@@ -56,6 +56,14 @@ def test_nsight_rows_refuse_a_count_that_does_not_match():
     gpu_stages.parse_ncu_csv(text, ["default", "causal"])
   with pytest.raises(ValueError, match="no Nsight Compute CSV"):
     gpu_stages.parse_ncu_csv("==PROF== nothing profiled\n", ["default"])
+
+
+def test_hopper_points_measure_every_length_mode_and_masking():
+  points = list(gpu_stages.hopper_points(gpu_stages.GPU_SIZES))
+  assert len(points) == 12 and {p[2] for p in points[:4]} == {8192}
+  assert {p[:2] for p in points[:4]} == {
+    (m, c) for m in gpu_stages.MODES for c in (False, True)
+  }
 
 
 def test_price_points_measure_the_16_bit_pairs_by_length_then_fp32():
@@ -103,7 +111,15 @@ def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
     json.loads(x) for x in (record / "levers.jsonl").read_text().splitlines()
   ]
   assert {r["lever"] for r in levers} >= {"default", "causal", "jax_mha"}
-  for name in ("xla", "pallas_stable_fp32", "pallas_stable_bf16"):
+  hopper = [
+    json.loads(x) for x in (record / "hopper.jsonl").read_text().splitlines()
+  ]
+  timed = {(r["implementation"], r["mode"]) for r in hopper if "median_ms" in r}
+  assert {("mosaic_gpu", m) for m in gpu_stages.MODES} <= timed
+  # Off a GPU these cannot run: each is an error row, not a missing one.
+  failed = {r["implementation"] for r in hopper if "error" in r}
+  assert {"cudnn", "jax_mgpu"} <= failed
+  for name in ("xla", "mosaic_gpu", "pallas_stable_fp32", "pallas_stable_bf16"):
     rows = (record / "audit" / f"{name}.jsonl").read_text().splitlines()
     regimes = {json.loads(r).get("regime") for r in rows}
     assert {"small_logits", "poisoned_padding"} <= regimes, name

@@ -189,7 +189,8 @@ def _feature_sets(text) -> tuple[FeatureRecipe, ...]:
 
 def kernel_fn(s: Settings, policy: Precision):
   """The audited function; our implementations run under their own policy
-  at the input format ("auto": Flash's for pallas, eager's otherwise;
+  at the input format ("auto": Flash's for our flash kernels, pallas and
+  mosaic_gpu, eager's otherwise;
   below 16 bits, where no policy is natural, the audited policy itself)."""
   if s.kernel not in IMPLEMENTATIONS:
     return resolve(s.kernel)
@@ -200,7 +201,8 @@ def kernel_fn(s: Settings, policy: Precision):
     own = stable_policy(format_name(policy.dtype("inputs")))
   elif own == "auto":
     fmt = format_name(policy.dtype("inputs"))
-    own = natural_policy(fmt, "flash" if s.kernel == "pallas" else "baseline")
+    flash = s.kernel in ("pallas", "mosaic_gpu")
+    own = natural_policy(fmt, "flash" if flash else "baseline")
   return resolve(
     s.kernel, Options.from_string(s.kernel_options, Options(precision=own))
   )

@@ -1,0 +1,132 @@
+"""The Hopper path (`implementation="mosaic_gpu"`) against the Triton path
+on a CPU, both in interpret mode, case by case: where the policy fixes the
+arithmetic they differ only where the products' FP32 sums are added in
+another order (wgmma's in the GPU interpreter, XLA's dots in Triton's).
+
+Each row is one case's output and gradients: how many entries differ, the
+largest difference over the tensor's largest entry, each path's largest
+error against FP64 (the same scale), and the interpreter's seconds for
+the Hopper path's forward and backward. `launch/hopper_check.py` writes
+the rows; docs/performance.md quotes `table(rows)`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.ops.dispatch import attention
+
+TENSORS = ("out", "dq", "dk", "dv")
+# name -> (precision, q_len, kv_len, heads, kv_heads, head_dim, features):
+# ragged on purpose, no length a multiple of the tiles but one.
+CASES = {
+  "causal-gqa": ("bf16-fa2", 96, 80, 2, 1, 64, {"causal": True}),
+  "ragged-gqa": ("bf16-fa2", 70, 130, 4, 2, 64, {}),
+  "fp16-causal-d128": ("fp16-fa2", 100, 100, 2, 1, 128, {"causal": True}),
+  "exp2": ("bf16-fa2+exp2=on", 96, 96, 2, 2, 64, {}),
+  "rounded-sum": ("bf16-fa2+softmax_sum=rounded_probs", 96, 96, 2, 2, 64, {}),
+  "key-lengths-d48": (
+    "bf16-fa2", 96, 96, 2, 2, 48,
+    {"key_value_seq_lengths": np.array([50, 96])},
+  ),
+  "bottom-right-empty-rows": (
+    "bf16-fa2", 128, 64, 2, 2, 64,
+    {"causal": True, "causal_alignment": "bottom_right"},
+  ),
+  "segments": (
+    "bf16-fa2", 96, 96, 2, 2, 64,
+    {"segment_ids": np.array([[0] * 40 + [1] * 56] * 2)},
+  ),
+  "bf16-stable-causal": ("bf16-fa2-stable", 96, 80, 2, 1, 64, {"causal": True}),
+  "fp16-stable": ("fp16-fa2-stable", 96, 80, 2, 1, 64, {}),
+}  # fmt: skip
+
+
+def inputs(case):
+  """(q, k, v, d_out) in the case's input format, and its features."""
+  precision, q_len, kv_len, heads, kv_heads, head_dim, features = case
+  rng = np.random.default_rng(sum(map(ord, precision)) + q_len)
+  shapes = (
+    (2, q_len, heads, head_dim),
+    (2, kv_len, kv_heads, head_dim),
+    (2, kv_len, kv_heads, head_dim),
+    (2, q_len, heads, head_dim),
+  )
+  dtype = jnp.float16 if precision.startswith("fp16") else jnp.bfloat16
+  return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes], features
+
+
+def value_and_grads(implementation: str, case, **options) -> list[np.ndarray]:
+  """[out, dq, dk, dv] in FP64 of one implementation on the case."""
+  (q, k, v, d_out), features = inputs(case)
+
+  def fn(q, k, v):
+    return attention(
+      q, k, v, implementation=implementation, precision=case[0],
+      **features, **options,
+    )  # fmt: skip
+
+  out, vjp = jax.vjp(fn, q, k, v)
+  return [np.asarray(x, np.float64) for x in (out, *vjp(d_out))]
+
+
+def golden(case) -> list[np.ndarray]:
+  """[out, dq, dk, dv] of the FP64 reference on the case's inputs."""
+  (q, k, v, d_out), features = inputs(case)
+  wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, d_out)]
+
+  def fn(q, k, v):
+    return attention(
+      q, k, v, implementation="reference", precision="fp64", **features
+    )
+
+  out, vjp = jax.vjp(fn, *wide[:3])
+  return [np.asarray(x) for x in (out, *vjp(wide[3]))]
+
+
+def case_row(name: str) -> dict:
+  """One case measured (needs jax's 64-bit mode for the golden)."""
+  case = CASES[name]
+  started = time.perf_counter()
+  ours = value_and_grads("mosaic_gpu", case)
+  seconds = time.perf_counter() - started
+  triton = value_and_grads("pallas", case)
+  wide = golden(case)
+  row = {"case": name, "precision": case[0], "hopper_seconds": seconds}
+  for tensor, a, b, g in zip(TENSORS, ours, triton, wide):
+    scale = float(np.abs(g).max())
+    row[tensor] = {
+      "differ": int(np.sum(a != b)),
+      "entries": int(a.size),
+      "largest_difference": float(np.abs(a - b).max() / scale),
+      "error_hopper": float(np.abs(a - g).max() / scale),
+      "error_triton": float(np.abs(b - g).max() / scale),
+      "finite": bool(np.isfinite(a).all()),
+    }
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  """Per case: entries that differ (of all), the largest difference, and
+  the two paths' largest errors against FP64, each over the tensor's
+  largest FP64 entry."""
+  columns = (
+    "case", "policy", "tensor", "differ", "largest difference",
+    "error, Hopper", "error, Triton", "seconds",
+  )  # fmt: skip
+  lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+  for r in rows:
+    for i, tensor in enumerate(TENSORS):
+      t = r[tensor]
+      first = (r["case"], r["precision"]) if i == 0 else ("", "")
+      seconds = f"{r['hopper_seconds']:.1f}" if i == 0 else ""
+      lines.append(
+        f"| {first[0]} | {first[1]} | {tensor} | {t['differ']} of "
+        f"{t['entries']} | {t['largest_difference']:.1e} | "
+        f"{t['error_hopper']:.2e} | {t['error_triton']:.2e} | {seconds} |"
+      )
+  return "\n".join(lines)
