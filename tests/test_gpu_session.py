@@ -173,3 +173,34 @@ def test_session_goals_read_met_or_missed_from_rows():
   assert lines[2].endswith("no rows")  # no cuDNN forward+backward row
   assert "**missed**" in lines[3] and "1.150x" in lines[3]  # 23 / 20
   assert "**met**" in lines[4] and "0.50x" in lines[4]  # causal 5 / 10
+
+
+def test_the_hopper_goals_read_met_or_missed_from_rows():
+  from stableattn.experiments.benchmark import hopper_record
+
+  def row(name, mode, ms, speed=None):
+    found = {
+      "implementation": name, "mode": mode, "causal": False,
+      "seq_len": 8192, "median_ms": ms,
+    }  # fmt: skip
+    return found if speed is None else {**found, "speed_vs_cudnn": speed}
+
+  rows = [
+    row("cudnn", "forward", 1.6),
+    row("mosaic_gpu", "forward", 1.8, 1.6 / 1.8),
+    row("cudnn", "forward_backward", 5.0),
+    row("mosaic_gpu", "forward_backward", 8.0, 5.0 / 8.0),
+    {
+      "implementation": "jax_mgpu",
+      "mode": "forward",
+      "causal": False,
+      "seq_len": 8192,
+      "error": "Mixed input dtypes",
+    },  # fmt: skip
+  ]
+  lines = hopper_record.hopper_goal_lines(rows).splitlines()
+  assert lines[0].endswith("**met** (0.89x)")
+  assert lines[1].endswith("**missed** (0.62x)")
+  text = hopper_record.hopper_table(rows)
+  assert "fails" in text and "0.89x" in text
+  assert hopper_record.hopper_sections([]) == {}

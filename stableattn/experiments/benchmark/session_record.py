@@ -8,6 +8,7 @@ stages wrote:
                         stages (or stages.jsonl, as the script writes it)
                         and what was not reached
   gpu_tests*.txt        the tests stage's PASSED/FAILED lines
+  hopper*.jsonl         the Hopper path against cuDNN and the peers
   price*.jsonl          stable presets against their base presets
   levers.jsonl          one forward per lever, and jax's mha
   nsight*.jsonl         Nsight Compute counters of those forwards
@@ -24,6 +25,7 @@ import dataclasses
 import json
 import pathlib
 
+from stableattn.experiments.benchmark.hopper_record import hopper_sections
 from stableattn.harness.reporting import num, table
 
 GOAL_LENGTH = 8192
@@ -42,6 +44,7 @@ class SessionRecord:
   nsight: list
   audits: dict  # audit name -> rows
   drift: list
+  hopper: list = ()  # the Hopper path's timings (sessions since 2026-11-27)
 
 
 def _jsonl(path: pathlib.Path) -> list:
@@ -99,6 +102,7 @@ def load(folder) -> SessionRecord:
     if audit.exists()
     else {},
     drift=_globbed(folder, "drift/metrics.jsonl"),
+    hopper=_globbed(folder, "hopper*.jsonl"),
   )
 
 
@@ -421,6 +425,7 @@ def sections(r: SessionRecord) -> dict[str, str]:
     "fp32": fp32_lines(r),
     "regimes": regimes_table(r),
     "drift": drift_table(r),
+    **hopper_sections(r.hopper),
   }
 
 

@@ -1,0 +1,62 @@
+"""The Hopper path's rows of a GPU session (`gpu_stages.hopper_rows`) as
+the table and goal lines docs/performance.md quotes."""
+
+from __future__ import annotations
+
+from stableattn.harness.reporting import num, table
+
+GOAL_LENGTH = 8192
+# The issue's goals for implementation="mosaic_gpu" against cuDNN (our
+# speed: cuDNN's time over ours), BF16, head dim 128, 8K, not causal.
+SPEED_GOALS = {"forward": 0.8, "forward_backward": 0.7}
+NAMES = ("mosaic_gpu", "cudnn", "jax_mha", "jax_mgpu", "pallas")
+
+
+def _points(rows) -> dict:
+  points: dict = {}
+  for r in rows:
+    key = (r["mode"], r["causal"], r["seq_len"])
+    points.setdefault(key, {})[r["implementation"]] = r
+  return points
+
+
+def hopper_table(rows) -> str:
+  """ms per name and point ("fails" where it could not run), and ours
+  against cuDNN (its time over ours)."""
+  header = ["mode", "causal", "length", *NAMES, "mosaic_gpu vs cuDNN"]
+  body = []
+  for (mode, causal, length), named in sorted(_points(rows).items()):
+    cells = [
+      num(named[n]["median_ms"]) if "median_ms" in named.get(n, {}) else "fails"
+      for n in NAMES
+    ]
+    ours = named.get("mosaic_gpu", {})
+    speed = ours.get("speed_vs_cudnn")
+    body.append(
+      [mode, str(causal), str(length), *cells,
+       f"{speed:.2f}x" if speed is not None else "-"]
+    )  # fmt: skip
+  return table(header, body)
+
+
+def hopper_goal_lines(rows) -> str:
+  """Each speed goal met or missed with its measured ratio."""
+  points = _points(rows)
+  lines = []
+  for mode, least in SPEED_GOALS.items():
+    ours = points.get((mode, False, GOAL_LENGTH), {}).get("mosaic_gpu", {})
+    speed = ours.get("speed_vs_cudnn")
+    label = f"- mosaic_gpu {mode.replace('_', '+')} vs cuDNN >= {least}x"
+    if speed is None:
+      lines.append(f"{label}: not measured (no row at {GOAL_LENGTH})")
+    else:
+      verdict = "**met**" if speed >= least else "**missed**"
+      lines.append(f"{label}: {verdict} ({speed:.2f}x)")
+  return "\n".join(lines)
+
+
+def hopper_sections(rows) -> dict[str, str]:
+  """The Hopper path's table and goals, where the session timed it."""
+  if not rows:
+    return {}
+  return {"hopper": hopper_table(rows), "hopper_goals": hopper_goal_lines(rows)}
