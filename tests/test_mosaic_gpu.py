@@ -158,6 +158,22 @@ def test_what_the_path_cannot_honour_is_refused_in_one_line(changes, message):
     sa.attention(q, q, q, implementation="mosaic_gpu", **changes)
 
 
+def test_tiles_it_does_not_run_are_refused_not_ignored():
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  for options, message in (
+    ({"block_q": 32}, r"block_q=32: one warpgroup's 64 rows"),
+    ({"block_k": 32, "num_warps": 8}, r"block_k=32.*num_warps=8: a Triton"),
+  ):
+    with pytest.raises(
+      ValueError, match="cannot take these options: " + message
+    ):
+      sa.attention(q, q, q, implementation="mosaic_gpu", **options)
+  # 128-key blocks run (a 64-key sequence's block is padded).
+  sa.attention(
+    q, q, q, implementation="mosaic_gpu", precision="bf16-fa2", block_k=128
+  )
+
+
 def _lowered_text(**features):
   q = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)

@@ -50,6 +50,7 @@ from stableattn.numerics.precision import (
   stable_policy,
 )
 from stableattn.numerics.rules import RULES
+from stableattn.ops.dispatch import FLASH_IMPLEMENTATIONS
 from stableattn.ops.registry import (
   IMPLEMENTATIONS,
   LAYOUTS,
@@ -201,7 +202,7 @@ def kernel_fn(s: Settings, policy: Precision):
     own = stable_policy(format_name(policy.dtype("inputs")))
   elif own == "auto":
     fmt = format_name(policy.dtype("inputs"))
-    flash = s.kernel in ("pallas", "mosaic_gpu")
+    flash = s.kernel in FLASH_IMPLEMENTATIONS
     own = natural_policy(fmt, "flash" if flash else "baseline")
   return resolve(
     s.kernel, Options.from_string(s.kernel_options, Options(precision=own))

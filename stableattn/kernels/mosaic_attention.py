@@ -129,6 +129,38 @@ def refusals(cfg: KernelConfig) -> list[str]:
   return why
 
 
+# The tiles this path runs: 64 query rows (one warpgroup's wgmma), key
+# blocks of 64 or 128; the backward's tiles are its own.
+BLOCK_KS = (64, 128)
+
+
+def tile_refusals(options) -> list[str]:
+  """Why the caller's (unclamped) tile and compiler options do not fit
+  this path, one line per option."""
+  why = []
+  if options.block_q != ROWS:
+    why.append(f"block_q={options.block_q}: one warpgroup's {ROWS} rows")
+  if options.block_k not in BLOCK_KS:
+    why.append(f"block_k={options.block_k}: one of {list(BLOCK_KS)}")
+  why += [
+    f"{name}={getattr(options, name)}: a Triton path option ('pallas')"
+    for name in ("bwd_block_q", "bwd_block_k", "num_warps", "num_stages")
+    if getattr(options, name) is not None
+  ]
+  if options.fixed_tiles:
+    why.append("fixed_tiles=True: split-KV's option, not built on this path")
+  return why
+
+
+def check_tiles(options) -> None:
+  why = tile_refusals(options)
+  if why:
+    raise ValueError(
+      "implementation='mosaic_gpu' cannot take these options: "
+      f"{'; '.join(why)}."
+    )
+
+
 def check_supported(cfg: KernelConfig) -> None:
   why = refusals(cfg)
   if why:

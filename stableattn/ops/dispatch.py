@@ -37,6 +37,8 @@ from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla", "mosaic_gpu")
+# Our flash kernels: Pallas Triton, and Pallas Mosaic GPU for Hopper.
+FLASH_IMPLEMENTATIONS = ("pallas", "mosaic_gpu")
 
 
 def _check_choice(name: str, value, valid) -> None:
@@ -252,6 +254,8 @@ def attention(
   """
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
   options, features = split_keywords(options, features, keywords)
+  if implementation == "mosaic_gpu":
+    mosaic_attention.check_tiles(options)
   if implementation not in ("pallas", "mosaic_gpu"):
     # Tiles are validated for every implementation, so a sweep with a bad
     # tile fails the same way whichever runs first; only the kernel is

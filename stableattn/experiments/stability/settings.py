@@ -31,6 +31,7 @@ from stableattn.numerics.precision import (
   natural_policy,
   stable_policy,
 )
+from stableattn.ops.dispatch import FLASH_IMPLEMENTATIONS
 from stableattn.ops.registry import resolve
 from stableattn.training.compute_format import MIXED_PRECISION
 from stableattn.training.model import AttentionSpec, ModelSpec
@@ -270,7 +271,7 @@ def _run(
   else:
     kind, policy = VARIANTS[arm.variant]
   if policy == "natural":
-    role = "flash" if kind == "pallas" else "baseline"
+    role = "flash" if kind in FLASH_IMPLEMENTATIONS else "baseline"
     policy = natural_policy(arm.precision, role)
   elif policy == "stable":
     policy = stable_policy(arm.precision)

@@ -28,7 +28,10 @@ from stableattn.numerics.precision import (
   preset_names,
   stable_policy,
 )
-from stableattn.ops.dispatch import xla_unsupported_reason
+from stableattn.ops.dispatch import (
+  FLASH_IMPLEMENTATIONS,
+  xla_unsupported_reason,
+)
 from stableattn.ops.registry import IMPLEMENTATIONS, resolve
 from stableattn.training.compute_format import MIXED_PRECISION, ComputeFormat
 from stableattn.training.model import SHADOW, AttentionSpec, ModelSpec
@@ -332,7 +335,7 @@ def _run_spec(
     precision=baseline, block_q=a.block_q, block_k=a.block_k, scheme=a.scheme
   )
   options = tiles
-  if kind == "pallas":
+  if kind in FLASH_IMPLEMENTATIONS:
     flash = tiles.replace(precision=flash_policy + variant.flash_stages)
     extra = {None: "", "flash": a.flash_options, "fix": a.fix}
     options = Options.from_string(extra[variant.options], flash)
