@@ -130,3 +130,64 @@ def table(rows: list[dict]) -> str:
         f"{t['error_hopper']:.2e} | {t['error_triton']:.2e} | {seconds} |"
       )
   return "\n".join(lines)
+
+
+# The stable presets audited at every edge regime on both paths, each at
+# the eager policy of its format (the audit's Baseline), as docs/audit.md
+# audits them.
+STABLE_AUDITS = (("bf16-fa2-stable", "bf16-framework"),
+                 ("fp16-fa2-stable", "fp16-framework"))  # fmt: skip
+REGIME_SHAPE = (1, 128, 2, 64)
+
+
+def regime_rows(policy: str, audited: str, regime: str) -> list[dict]:
+  """One regime's audit of our flash kernel under `policy` on each path:
+  cases judged, cases n/a (a feature the path refuses), failures."""
+  from stableattn.auditing.kernel_audit import audit
+  from stableattn.ops.registry import resolve
+
+  rows = []
+  for implementation in ("mosaic_gpu", "pallas"):
+    report = audit(
+      resolve(implementation, precision=policy),
+      precision=audited,
+      regimes=regime,
+      shapes=(REGIME_SHAPE,),
+    )
+    judged = {
+      (r.get("detail"), r.get("features"))
+      for r in report.rows
+      if r.get("regime") == regime
+    }
+    rows.append({
+      "policy": policy, "regime": regime, "implementation": implementation,
+      "judged": len(judged), "not_applicable": len(report.regime_notes),
+      "failures": list(report.failures),
+      "errors": [str(e) for e in report.errors],
+    })  # fmt: skip
+  return rows
+
+
+def regime_table(rows: list[dict]) -> str:
+  """Per stable preset and regime: each path's judged cases, n/a cases
+  and verdict (misses named by tensor)."""
+
+  def cell(r):
+    if not r["judged"]:
+      return f"n/a ({r['not_applicable']})"
+    verdict = (
+      "passes"
+      if not r["failures"] and not r["errors"]
+      else (f"misses {len(r['failures'])}, errors {len(r['errors'])}")
+    )
+    na = f", {r['not_applicable']} n/a" if r["not_applicable"] else ""
+    return f"{verdict} ({r['judged']} cases{na})"
+
+  by_key = {(r["policy"], r["regime"], r["implementation"]): r for r in rows}
+  lines = ["| preset | regime | mosaic_gpu | pallas |", "|---|---|---|---|"]
+  for policy, regime in dict.fromkeys((r["policy"], r["regime"]) for r in rows):
+    ours, triton = (
+      by_key[(policy, regime, i)] for i in ("mosaic_gpu", "pallas")
+    )
+    lines.append(f"| {policy} | {regime} | {cell(ours)} | {cell(triton)} |")
+  return "\n".join(lines)

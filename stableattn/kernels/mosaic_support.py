@@ -31,14 +31,15 @@ def interpretable_layout_hints() -> None:
   the hint; the kernels need it compiled (a loop's carry must start in
   the layout wgmma gives it).
   """
-  if getattr(layout_cast_p, "impl", None) is not None and _has_cpu_rule():
+  if _has_cpu_rule():  # a jax that interprets the hint itself
     return
   layout_cast_p.def_impl(lambda x, **_: x)
   mlir.register_lowering(layout_cast_p, lambda ctx, x, **_: [x], platform="cpu")
 
 
 def _has_cpu_rule() -> bool:
-  return layout_cast_p in mlir._platform_specific_lowerings.get("cpu", {})
+  rules = getattr(mlir, "_platform_specific_lowerings", {})
+  return layout_cast_p in rules.get("cpu", {})
 
 
 interpretable_layout_hints()
