@@ -1,15 +1,12 @@
 """The flash forward as a Pallas Mosaic GPU kernel (Hopper, sm_90).
 
-One thread block per (batch, query head, 64-row query block), two
-warpgroups with their own roles (warp specialization, FlashAttention-3's
-producer and consumer): the copy warpgroup issues each key block's K^T
-and V by TMA into a ring of `plan.stages` shared-memory slots as soon as
-the compute warpgroup has released the slot (a barrier per slot each
-way); the compute warpgroup takes Q by TMA once, then per key block
-S = Q K^T and O += P V by wgmma with FP32 accumulators and the softmax
-between them. The steps are FlashAttention-2's in the order
-`pallas_forward` takes them, each rounded where the policy says
-(`mosaic_attention` lists what this path honours).
+One thread block per (batch, query head, 64-row query block), one
+warpgroup: Q arrives by TMA once; each key block's K^T and V arrive by
+TMA into a two-slot shared-memory ring, the next block's copy issued
+before this block's arithmetic, so the copy engine overlaps the softmax.
+S = Q K^T and O += P V are wgmma with FP32 accumulators. The steps are
+FlashAttention-2's in the order `pallas_forward` takes them, each rounded
+where the policy says (`mosaic_policy` lists what this path honours).
 
 Written with the constructs jax's GPU interpret mode runs on a CPU
 (`jax._src.pallas.mosaic_gpu.interpret`), so the same program is tested
@@ -76,7 +73,7 @@ class _Block(NamedTuple):
   plan: MosaicPlan
   refs: dict  # global memory: q, kt, v, ids (or ()), o, lse, residuals
   smem: dict  # shared memory: q, kt, v (two slots), p, o, lse, ids, ...
-  bars: tuple  # (q and ids, K^T slots, V slots, slots consumed)
+  bars: tuple  # (q and ids, K^T slots, V slots)
   batch: object
   head: object
   kv_head: object
@@ -85,9 +82,9 @@ class _Block(NamedTuple):
 
 def _fetch(block: _Block, step):
   """Issues the TMA copies of key block `step` into its ring slot."""
-  slot = lax.rem(step, jnp.int32(block.plan.stages))
+  slot = lax.rem(step, jnp.int32(2))
   keys = pl.ds(step * block.plan.block_k, block.plan.block_k)
-  _, kt_bars, v_bars, _ = block.bars
+  _, kt_bars, v_bars = block.bars
   refs, smem, b, h = block.refs, block.smem, block.batch, block.kv_head
   plgpu.copy_gmem_to_smem(
     refs["kt"].at[b, h, :, keys], smem["kt"].at[slot], kt_bars.at[slot]
@@ -116,7 +113,12 @@ def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
   plan, smem = block.plan, block.smem
   exp = jnp.exp2 if plan.exp2 else jnp.exp
   acc, m, l_sum = carry
-  slot = lax.rem(j, jnp.int32(plan.stages))
+  slot = lax.rem(j, jnp.int32(2))
+
+  @pl.when(j + 1 < end)
+  def _():
+    _fetch(block, j + 1)
+
   plgpu.barrier_wait(block.bars[1].at[slot])
   s = _scores(
     (ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan.score_scale
@@ -134,7 +136,6 @@ def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
   l_new = alpha * l_sum + summed.sum(axis=1)
   plgpu.barrier_wait(block.bars[2].at[slot])
   pv = _probs_times_values(p, smem["p"], smem["v"].at[slot], plan.value_dim)
-  plgpu.barrier_arrive(block.bars[3].at[slot])  # the slot is free again
   return as_rows(alpha, acc.shape) * acc + pv, m_new, l_new
 
 
@@ -184,40 +185,7 @@ def _initial_carry(value_dim: int):
   )
 
 
-def _copy_warpgroup(block: _Block, first, end):
-  """The producer: each key block's K^T and V into the ring, as soon as
-  the compute warpgroup has released the slot's previous block."""
-  stages = block.plan.stages
-
-  def issue(step, carry):
-    slot = lax.rem(step, jnp.int32(stages))
-
-    @pl.when(step >= first + stages)
-    def _():
-      plgpu.barrier_wait(block.bars[3].at[slot])
-
-    _fetch(block, step)
-    return carry
-
-  lax.fori_loop(first, end, issue, jnp.int32(0))
-
-  # The last blocks' releases: the ring outlives none of its reads.
-  def drain(step, carry):
-    plgpu.barrier_wait(block.bars[3].at[lax.rem(step, jnp.int32(stages))])
-    return carry
-
-  lax.fori_loop(jnp.maximum(first, end - stages), end, drain, jnp.int32(0))
-
-
 def _block_program(block: _Block):
-  """Warp specialization: warpgroup 1 copies (TMA), warpgroup 0 computes."""
-  first, _, end = causal_block_bounds(block.plan, block.q_start)
-  warpgroup = lax.axis_index("wg")
-  pl.when(warpgroup == 1)(lambda: _copy_warpgroup(block, first, end))
-  pl.when(warpgroup == 0)(lambda: _compute_warpgroup(block))
-
-
-def _compute_warpgroup(block: _Block):
   plan, smem = block.plan, block.smem
   q_bar = block.bars[0]
   rows = pl.ds(block.q_start, ROWS)
@@ -234,6 +202,11 @@ def _compute_warpgroup(block: _Block):
     plgpu.barrier_wait(q_bar.at[1])
     q_ids = row_vector(smem["ids"][0], plan.interpret)
   first, full, end = causal_block_bounds(plan, block.q_start)
+
+  @pl.when(end > first)
+  def _():
+    _fetch(block, first)
+
   plgpu.barrier_wait(q_bar.at[0])
   step = functools.partial(_step, block, end, q_ids)
   carry = _initial_carry(plan.value_dim)
@@ -299,22 +272,19 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
       plgpu.SMEM((ROWS,), jnp.int32),
       plgpu.SMEM((block_k,), jnp.int32),
     )
-  stages = plan.stages
   pl.run_scoped(
     scoped,
     smem_tile((ROWS, plan.head_dim), dtype),
-    smem_tile((stages, plan.head_dim, block_k), dtype),
-    smem_tile((stages, block_k, plan.value_dim), dtype),
+    smem_tile((2, plan.head_dim, block_k), dtype),
+    smem_tile((2, block_k, plan.value_dim), dtype),
     smem_tile((ROWS, block_k), dtype),
     smem_tile((ROWS, plan.value_dim), plan.output_dtype),
     plgpu.SMEM((ROWS,), jnp.float32),
     ids_scratch,
     *_residual_scratch(plan),
     plgpu.Barrier(num_barriers=2),
-    plgpu.Barrier(num_barriers=stages),
-    plgpu.Barrier(num_barriers=stages),
-    plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-    collective_axes="wg",
+    plgpu.Barrier(num_barriers=2),
+    plgpu.Barrier(num_barriers=2),
   )
 
 
@@ -335,8 +305,6 @@ def mosaic_forward(q, kt, v, ids, plan: MosaicPlan):
     out_type=tuple(types[name] for name in output_names(plan)),
     grid=(batch, heads, q_len // ROWS),
     grid_names=("batch", "heads", "q"),
-    num_threads=2,
-    thread_name="wg",
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_forward",
   )

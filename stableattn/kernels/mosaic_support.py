@@ -70,7 +70,6 @@ class MosaicPlan:
   token_ids: bool
   interpret: bool
   detect_races: bool = True
-  stages: int = 2  # the forward's K/V ring: key blocks in flight
 
   @property
   def score_scale(self) -> float:
