@@ -124,13 +124,27 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   return dk + dk_step * jnp.float32(plan.scale), dv
 
 
+def _operands(refs, names, outputs: int, block_axis: str, plan: MosaicPlan):
+  """The inputs by name (the token ids, if any, as "ids"), the outputs,
+  and this thread block's (batch, query head, key/value head, first row
+  of its block)."""
+  inputs = dict(zip(names, refs))
+  inputs["ids"] = refs[len(names) : len(refs) - outputs]
+  batch, head, block = (
+    lax.axis_index(n) for n in ("batch", "heads", block_axis)
+  )
+  kv_head = lax.div(head, jnp.int32(plan.group))
+  return (
+    inputs,
+    refs[len(refs) - outputs :],
+    (batch, head, kv_head, block * ROWS),
+  )
+
+
 def _dkdv_kernel(*refs, plan: MosaicPlan):
   names = ("q", "qt", "k", "v", "do", "dot", *stats_names(plan), "delta")
-  g = dict(zip(names, refs))
-  g["ids"], (dk_ref, dv_ref) = refs[len(names) : -2], refs[-2:]
-  batch, head, k_block = (lax.axis_index(n) for n in ("batch", "heads", "k"))
-  kv_head = lax.div(head, jnp.int32(plan.group))
-  k_start = k_block * ROWS
+  g, (dk_ref, dv_ref), place = _operands(refs, names, 2, "k", plan)
+  batch, head, kv_head, k_start = place
   keys = pl.ds(k_start, ROWS)
   dims = plan.head_dim, plan.value_dim
 
@@ -205,11 +219,8 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
 
 def _dq_kernel(*refs, plan: MosaicPlan):
   names = ("q", "k", "kt", "vt", "do", *stats_names(plan), "delta")
-  g = dict(zip(names, refs))
-  g["ids"], dq_ref = refs[len(names) : -1], refs[-1]
-  batch, head, q_block = (lax.axis_index(n) for n in ("batch", "heads", "q"))
-  kv_head = lax.div(head, jnp.int32(plan.group))
-  q_start = q_block * ROWS
+  g, (dq_ref,), place = _operands(refs, names, 1, "q", plan)
+  batch, head, kv_head, q_start = place
   rows = pl.ds(q_start, ROWS)
   dims = plan.head_dim, plan.value_dim
 
