@@ -264,3 +264,21 @@ def test_docs_quote_the_stored_interpret_mode_comparison():
       t = r[tensor]
       assert t["finite"] and t["largest_difference"] <= 2.0**-8
       assert abs(t["error_hopper"] / t["error_triton"] - 1) < 0.05
+
+
+def test_docs_quote_the_stable_presets_regimes_on_both_paths():
+  rows = [
+    json.loads(line)
+    for line in (stored_run("hopper-regimes-2026-11-27") / "rows.jsonl")
+    .read_text()
+    .splitlines()
+  ]
+  docs = pathlib.Path(__file__).parent.parent / "docs" / "audit.md"
+  assert hopper_check.regime_table(rows) in docs.read_text()
+  # Every regime of both presets on both paths, and no verdict over zero
+  # judged cases reads "passes".
+  from stableattn.auditing.regimes import REGIMES
+
+  keys = {(r["policy"], r["regime"], r["implementation"]) for r in rows}
+  assert len(keys) == len(rows) == 2 * 2 * len(REGIMES)
+  assert "passes (0 cases" not in hopper_check.regime_table(rows)

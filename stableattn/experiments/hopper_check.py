@@ -21,8 +21,9 @@ import numpy as np
 from stableattn.ops.dispatch import attention
 
 TENSORS = ("out", "dq", "dk", "dv")
-# name -> (precision, q_len, kv_len, heads, kv_heads, head_dim, features):
-# ragged on purpose, no length a multiple of the tiles but one.
+# name -> (precision, q_len, kv_len, heads, kv_heads, head_dim, features),
+# head_dim an int or MLA's (query/key, value) pair: ragged on purpose, no
+# length a multiple of the tiles but one.
 CASES = {
   "causal-gqa": ("bf16-fa2", 96, 80, 2, 1, 64, {"causal": True}),
   "ragged-gqa": ("bf16-fa2", 70, 130, 4, 2, 64, {}),
@@ -43,6 +44,7 @@ CASES = {
   ),
   "bf16-stable-causal": ("bf16-fa2-stable", 96, 80, 2, 1, 64, {"causal": True}),
   "fp16-stable": ("fp16-fa2-stable", 96, 80, 2, 1, 64, {}),
+  "mla-192-128": ("bf16-fa2", 96, 96, 2, 1, (192, 128), {"causal": True}),
 }  # fmt: skip
 
 
@@ -50,11 +52,12 @@ def inputs(case):
   """(q, k, v, d_out) in the case's input format, and its features."""
   precision, q_len, kv_len, heads, kv_heads, head_dim, features = case
   rng = np.random.default_rng(sum(map(ord, precision)) + q_len)
+  dim, value_dim = head_dim if isinstance(head_dim, tuple) else (head_dim,) * 2
   shapes = (
-    (2, q_len, heads, head_dim),
-    (2, kv_len, kv_heads, head_dim),
-    (2, kv_len, kv_heads, head_dim),
-    (2, q_len, heads, head_dim),
+    (2, q_len, heads, dim),
+    (2, kv_len, kv_heads, dim),
+    (2, kv_len, kv_heads, value_dim),
+    (2, q_len, heads, value_dim),
   )
   dtype = jnp.float16 if precision.startswith("fp16") else jnp.bfloat16
   return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes], features
