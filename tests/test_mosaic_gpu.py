@@ -247,13 +247,13 @@ def test_jax_mgpu_refuses_what_it_cannot_take_in_one_line():
     fn(q, q, q)
 
 
+def _stored_rows(name: str) -> list[dict]:
+  text = (stored_run(name) / "rows.jsonl").read_text()
+  return [json.loads(line) for line in text.splitlines()]
+
+
 def test_docs_quote_the_stored_interpret_mode_comparison():
-  rows = [
-    json.loads(line)
-    for line in (stored_run("hopper-interpret-2026-11-27") / "rows.jsonl")
-    .read_text()
-    .splitlines()
-  ]
+  rows = _stored_rows("hopper-interpret-2026-11-27")
   assert [r["case"] for r in rows] == list(CASES)
   docs = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
   assert hopper_check.table(rows) in docs.read_text()
@@ -267,12 +267,7 @@ def test_docs_quote_the_stored_interpret_mode_comparison():
 
 
 def test_docs_quote_the_stable_presets_regimes_on_both_paths():
-  rows = [
-    json.loads(line)
-    for line in (stored_run("hopper-regimes-2026-11-27") / "rows.jsonl")
-    .read_text()
-    .splitlines()
-  ]
+  rows = _stored_rows("hopper-regimes-2026-11-27")
   docs = pathlib.Path(__file__).parent.parent / "docs" / "audit.md"
   assert hopper_check.regime_table(rows) in docs.read_text()
   # Every regime of both presets on both paths, and no verdict over zero
