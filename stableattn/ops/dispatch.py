@@ -23,7 +23,7 @@ from stableattn.contract.tiling import (
   check_flag,
   resolve_interpret,
 )
-from stableattn.kernels import mosaic_attention, quantization
+from stableattn.kernels import quantization
 from stableattn.kernels.flash_attention import (
   flash_attention,
   flash_attention_with_lse,
@@ -201,6 +201,14 @@ def split_keywords(options, features, keywords: dict):
   return options, Features.of(features, **feature_kw)
 
 
+def _mosaic():
+  """The Mosaic GPU path, imported on use: jax's Mosaic GPU modules add
+  half a second to every process's import."""
+  from stableattn.kernels import mosaic_attention
+
+  return mosaic_attention
+
+
 def attention(
   q,
   k,
@@ -255,7 +263,7 @@ def attention(
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
   options, features = split_keywords(options, features, keywords)
   if implementation == "mosaic_gpu":
-    mosaic_attention.check_tiles(options)
+    _mosaic().check_tiles(options)
   if implementation not in ("pallas", "mosaic_gpu"):
     # Tiles are validated for every implementation, so a sweep with a bad
     # tile fails the same way whichever runs first; only the kernel is
@@ -285,7 +293,7 @@ def _check_implementation_options(
   if implementation == "xla":
     _check_xla(cfg)
   if implementation == "mosaic_gpu":
-    mosaic_attention.check_supported(cfg)
+    _mosaic().check_supported(cfg)
   changed = [
     text
     for text, used in (
@@ -379,8 +387,8 @@ def _compute(
     return flash_attention(q, k, v, ops, cfg)
   if implementation == "mosaic_gpu":
     if returns == "lse":
-      return mosaic_attention.mosaic_flash_attention_with_lse(q, k, v, ops, cfg)
-    return mosaic_attention.mosaic_flash_attention(q, k, v, ops, cfg)
+      return _mosaic().mosaic_flash_attention_with_lse(q, k, v, ops, cfg)
+    return _mosaic().mosaic_flash_attention(q, k, v, ops, cfg)
   if implementation == "reference":
     return reference_attention(
       q, k, v, ops, options=cfg.options, spec=cfg.mask, scales=scales
