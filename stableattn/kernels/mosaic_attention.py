@@ -6,9 +6,13 @@ What the path honours of a policy: 16-bit inputs and matmul operands
 softmax statistics, output accumulator, delta and gradient accumulators;
 P rounded to the operand format before P V (wgmma takes one format); O
 normalized once, at the end; the log-sum-exp in FP32; the softmax in base
-2 (`exp2`); l summing the rounded P (`softmax_sum=rounded_probs`).
-Everything else is refused in one line naming the stage or option
-(`refusals`). On a CPU the kernels run in jax's GPU interpret mode.
+2 (`exp2`); and the stable presets' options: l summing the rounded P
+(`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (the
+Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
+dQ. The output is stored in the inputs' format or FP32. Features:
+causal, GQA, key lengths and segments. Everything else is refused in one
+line naming the stage, feature or option (`refusals`, `tile_refusals`).
+On a CPU the kernels run in jax's GPU interpret mode.
 """
 
 from __future__ import annotations

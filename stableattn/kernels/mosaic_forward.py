@@ -6,7 +6,7 @@ TMA into a two-slot shared-memory ring, the next block's copy issued
 before this block's arithmetic, so the copy engine overlaps the softmax.
 S = Q K^T and O += P V are wgmma with FP32 accumulators. The steps are
 FlashAttention-2's in the order `pallas_forward` takes them, each rounded
-where the policy says (`mosaic_policy` lists what this path honours).
+where the policy says (`mosaic_attention` lists what this path honours).
 
 Written with the constructs jax's GPU interpret mode runs on a CPU
 (`jax._src.pallas.mosaic_gpu.interpret`), so the same program is tested
