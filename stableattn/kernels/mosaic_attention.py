@@ -25,15 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from stableattn.contract.masking import (
-  KEY_PAD_ID,
-  QUERY_PAD_ID,
   MaskOperands,
   keys_of_some_query,
   without_unattended_keys,
 )
 from stableattn.contract.tiling import round_up
 from stableattn.kernels.backward_delta import delta_operands, output_delta
-from stableattn.kernels.flash_attention import zero_cotangent
+from stableattn.kernels.flash_attention import (
+  pad_operands,
+  pad_to,
+  zero_cotangent,
+)
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_backward import mosaic_backward
 from stableattn.kernels.mosaic_forward import mosaic_forward, output_names
@@ -174,13 +176,10 @@ def check_supported(cfg: KernelConfig) -> None:
     )
 
 
-def plan_of(
-  cfg: KernelConfig, group: int, *, detect_races: bool = True
-) -> MosaicPlan:
+def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
   block_k = 128 if cfg.options.block_k >= 128 else 64
   policy = cfg.policy
   return MosaicPlan(
-    q_len=cfg.q_len,
     kv_len=cfg.kv_len,
     q_len_padded=round_up(cfg.q_len, ROWS),
     kv_len_padded=round_up(cfg.kv_len, block_k),
@@ -200,26 +199,32 @@ def plan_of(
     key_offset=cfg.mask.key_offset,
     token_ids=cfg.mask.token_ids,
     interpret=bool(cfg.interpret),
-    detect_races=detect_races,
   )
 
 
-def _pad(x, axis_lengths: dict, value=0):
-  widths = [(0, axis_lengths.get(a, n) - n) for a, n in enumerate(x.shape)]
-  return jnp.pad(x, widths, constant_values=value)
+def tiled_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
+  """`cfg` at this path's tiles: its padded lengths are the plan's, so
+  the Triton path's padding of the feature operands and its delta kernel
+  serve this path too."""
+  options = dataclasses.replace(
+    cfg.options,
+    block_q=ROWS,
+    block_k=plan.block_k,
+    bwd_block_q=ROWS,
+    bwd_block_k=plan.block_k,
+  )
+  return dataclasses.replace(cfg, options=options)
 
 
-def _padded(q, k, v, ops: MaskOperands, plan: MosaicPlan):
+def _padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
   tq, tk = plan.q_len_padded, plan.kv_len_padded
-  q_p = _pad(q, {1: tq, 3: plan.head_dim})
-  k_p = _pad(k, {1: tk, 3: plan.head_dim})
-  v_p = _pad(v, {1: tk, 3: plan.value_dim})
+  q_p = pad_to(q, tq, plan.head_dim)
+  k_p = pad_to(k, tk, plan.head_dim)
+  v_p = pad_to(v, tk, plan.value_dim)
   ids = ()
   if plan.token_ids:
-    ids = (
-      _pad(ops.q_ids, {1: tq}, QUERY_PAD_ID),
-      _pad(ops.kv_ids, {1: tk}, KEY_PAD_ID),
-    )
+    ops_p = pad_operands(ops, tiled_config(cfg, plan))
+    ids = (ops_p.q_ids, ops_p.kv_ids)
   return q_p, k_p, v_p, ids
 
 
@@ -228,7 +233,7 @@ def _forward(q, k, v, ops, cfg: KernelConfig):
   if plan.token_ids:
     # P is 0 at keys no query attends, but 0 x NaN is NaN.
     k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
-  q_p, k_p, v_p, ids = _padded(q, k, v, ops, plan)
+  q_p, k_p, v_p, ids = _padded(q, k, v, ops, cfg, plan)
   out_p, lse, *kept = mosaic_forward(
     q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, ids, plan
   )
@@ -254,22 +259,12 @@ def _fwd(q, k, v, ops, cfg):
   return out, (residuals, ops)
 
 
-def delta_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
-  """`cfg` with the Triton delta kernel's tiles dividing our padding."""
-  options = dataclasses.replace(
-    cfg.options, block_q=ROWS, bwd_block_q=ROWS, bwd_block_k=plan.block_k
-  )
-  return dataclasses.replace(cfg, options=options)
-
-
 def _bwd(cfg: KernelConfig, saved, d_out):
   (q_p, k_p, v_p, ids, out_p, lse, extra), ops = saved
   plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
-  d_out_p = _pad(
-    d_out.astype(out_p.dtype), {1: plan.q_len_padded, 3: plan.value_dim}
-  )
+  d_out_p = pad_to(d_out.astype(out_p.dtype), plan.q_len_padded, plan.value_dim)
   delta = output_delta(
-    delta_operands(out_p, extra), d_out_p, delta_config(cfg, plan)
+    delta_operands(out_p, extra), d_out_p, tiled_config(cfg, plan)
   )
   stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
   dq, dk, dv = mosaic_backward(

@@ -78,6 +78,16 @@ def _scoped(program, scratch: dict):
   pl.run_scoped(body, *scratch.values())
 
 
+def _token_ids(g, smem, plan: MosaicPlan, side: int, span, vector):
+  """One side's token ids (0: the queries', 1: the keys') over `span`
+  ((batch, rows)), by TMA, in registers as `vector` lays them out; None
+  without lengths or segments."""
+  if not plan.token_ids:
+    return None
+  _copy(g["ids"][side].at[span], smem["ids"][side], smem["bar"].at[0])
+  return vector(smem["ids"][side], plan.interpret)
+
+
 def _ids_scratch(plan: MosaicPlan, kv_rows: int):
   if not plan.token_ids:
     return ()
@@ -105,10 +115,7 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   ):
     _copy(g[name].at[index], smem[name], bar)
   s_t = _product((ROWS, ROWS), smem["k"], smem["qt"]) * jnp.float32(plan.scale)
-  q_ids = None
-  if plan.token_ids:
-    _copy(g["ids"][0].at[batch, rows], smem["ids"][0], bar)
-    q_ids = column_vector(smem["ids"][0], plan.interpret)
+  q_ids = _token_ids(g, smem, plan, 0, (batch, rows), column_vector)
   allowed = block_mask(
     plan, i * ROWS, k_start, q_ids, kv_ids, cols=ROWS, transposed=True
   )
@@ -152,10 +159,7 @@ def _dkdv_kernel(*refs, plan: MosaicPlan):
     bar = smem["bar"].at[0]
     _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
     _copy(g["v"].at[batch, keys, kv_head], smem["v"], bar)
-    kv_ids = None
-    if plan.token_ids:
-      _copy(g["ids"][1].at[batch, keys], smem["ids"][1], bar)
-      kv_ids = row_vector(smem["ids"][1], plan.interpret)
+    kv_ids = _token_ids(g, smem, plan, 1, (batch, keys), row_vector)
     at = (batch, head, k_start, kv_ids)
     step = functools.partial(_dkdv_step, g, smem, at, plan=plan)
     init = (_zeros((ROWS, dims[0])), _zeros((ROWS, dims[1])))
@@ -199,10 +203,7 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
   _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
   tile = (ROWS, plan.block_k)
   s = _product(tile, smem["q"], smem["kt"]) * jnp.float32(plan.scale)
-  kv_ids = None
-  if plan.token_ids:
-    _copy(g["ids"][1].at[batch, keys], smem["ids"][1], bar)
-    kv_ids = column_vector(smem["ids"][1], plan.interpret)
+  kv_ids = _token_ids(g, smem, plan, 1, (batch, keys), column_vector)
   allowed = block_mask(plan, q_start, j * plan.block_k, q_ids, kv_ids)
   s = jnp.where(allowed, s, -jnp.inf)
   p = recomputed_probs(s, stats, as_rows)
@@ -230,10 +231,7 @@ def _dq_kernel(*refs, plan: MosaicPlan):
     _copy(g["do"].at[batch, rows, head], smem["do"], bar)
     for name in (*stats_names(plan), "delta"):
       _copy(g[name].at[batch, head, rows], smem[name], bar)
-    q_ids = None
-    if plan.token_ids:
-      _copy(g["ids"][0].at[batch, rows], smem["ids"][0], bar)
-      q_ids = row_vector(smem["ids"][0], plan.interpret)
+    q_ids = _token_ids(g, smem, plan, 0, (batch, rows), row_vector)
     stats = [row_vector(smem[n], plan.interpret) for n in stats_names(plan)]
     delta = row_vector(smem["delta"], plan.interpret)
     at = (batch, kv_head, q_start, q_ids, stats, delta)

@@ -49,8 +49,7 @@ interpretable_layout_hints()
 class MosaicPlan:
   """Everything static about one Mosaic GPU call (padded sizes)."""
 
-  q_len: int  # true lengths
-  kv_len: int
+  kv_len: int  # the true length
   q_len_padded: int
   kv_len_padded: int
   head_dim: int  # padded to HEAD_DIM_MULTIPLE
@@ -69,7 +68,6 @@ class MosaicPlan:
   key_offset: int  # key j's position is j - key_offset
   token_ids: bool
   interpret: bool
-  detect_races: bool = True
 
   @property
   def score_scale(self) -> float:
@@ -80,9 +78,9 @@ class MosaicPlan:
   def interpret_params(self):
     if not self.interpret:
       return False
-    return InterpretGPUParams(
-      detect_races=self.detect_races, uninitialized_memory="nan"
-    )
+    # Every interpreted run is raced, and reads uninitialized shared
+    # memory as NaN.
+    return InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
 
 
 def smem_tile(shape, dtype):

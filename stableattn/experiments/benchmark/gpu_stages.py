@@ -238,15 +238,14 @@ def hopper_rows(s: Sizes, mode, causal, seq_len) -> list[dict]:
   (jax_mgpu's causal backward, cuDNN off a GPU) is an error row."""
   shape = (s.batch, seq_len, s.heads, s.head_dim)
   args = random_inputs(jax.random.key(seq_len), shape, HOPPER_PRECISION)
-  fns = {
-    name: timed_fn(attention_fn(name, HOPPER_PRECISION, causal), mode)
-    for name in HOPPER_NAMES
-  }
-  # attention_mgpu compiles FP16 only (docs/findings.md): it is timed on
-  # FP16 copies of the inputs, the cast inside its program.
-  fns["jax_mgpu"] = timed_fn(
-    _in_fp16(attention_fn("jax_mgpu", HOPPER_PRECISION, causal)), mode
-  )
+  fns = {}
+  for name in HOPPER_NAMES:
+    fn = attention_fn(name, HOPPER_PRECISION, causal)
+    if name == "jax_mgpu":
+      # attention_mgpu compiles FP16 only (docs/findings.md): it is timed
+      # on FP16 copies of the inputs, the cast inside its program.
+      fn = _in_fp16(fn)
+    fns[name] = timed_fn(fn, mode)
   compiled = compile_all(fns, args)
 
   def labels_of(name):
