@@ -264,7 +264,7 @@ def attention(
   options, features = split_keywords(options, features, keywords)
   if implementation == "mosaic_gpu":
     _mosaic().check_tiles(options)
-  if implementation not in ("pallas", "mosaic_gpu"):
+  if implementation not in FLASH_IMPLEMENTATIONS:
     # Tiles are validated for every implementation, so a sweep with a bad
     # tile fails the same way whichever runs first; only the kernel is
     # bound by GPU constraints.
@@ -317,7 +317,7 @@ def _check_implementation_options(
       "smooth_k=off with softcap."
     )
   check_flag("return_lse", return_lse)
-  if return_lse and implementation not in ("pallas", "mosaic_gpu"):
+  if return_lse and implementation not in FLASH_IMPLEMENTATIONS:
     raise ValueError(
       "return_lse=True is only available for 'pallas' and 'mosaic_gpu'."
     )

@@ -39,7 +39,7 @@ import jax
 from absl import flags
 
 from stableattn.contract.options import Options
-from stableattn.ops import jax_kernels
+from stableattn.ops import jax_kernels, jax_mgpu
 from stableattn.ops.dispatch import IMPLEMENTATIONS, attention, split_keywords
 
 # PyTorch's kernels (the optional `[torch]` extra; `torch_kernels`): SDPA
@@ -340,18 +340,6 @@ def _jax_kernel(name: str, forward_only: str | None = None, **entry) -> Entry:
   )
 
 
-def _jax_mgpu_kernel():
-  from stableattn.ops import jax_mgpu
-
-  return jax_mgpu.jax_mgpu
-
-
-def _jax_mgpu_unavailable() -> str | None:
-  from stableattn.ops import jax_mgpu
-
-  return jax_mgpu.unavailable()
-
-
 # The one table of names: ours first, then the peers users compare with.
 REGISTRY: dict[str, Entry] = {
   **{name: _ours(name) for name in IMPLEMENTATIONS},
@@ -377,7 +365,7 @@ REGISTRY: dict[str, Entry] = {
   "keras_dpa": _jax_kernel("keras_dpa"),
   # FlashAttention-3's design on Pallas Mosaic GPU (Hopper).
   "jax_mgpu": Entry(
-    lambda _: _jax_mgpu_kernel(), unavailable=_jax_mgpu_unavailable
+    lambda _: jax_mgpu.jax_mgpu, unavailable=jax_mgpu.unavailable
   ),
 }
 NAMES = tuple(REGISTRY)
