@@ -148,6 +148,11 @@ def resolution(interval: Interval | None, *, geometric: bool = False) -> str:
   return text
 
 
+def goal_verdict(ok: bool) -> str:
+  """A goal's verdict as the reports print it."""
+  return "**met**" if ok else "**missed**"
+
+
 def band_verdict(interval: Interval, low: float, high: float) -> str:
   """Whether a claimed band [low, high] holds for an interval.
 

@@ -3,8 +3,9 @@ the table and goal lines docs/performance.md quotes."""
 
 from __future__ import annotations
 
-from stableattn.harness.reporting import num, table
+from stableattn.harness.reporting import goal_verdict, num, table
 
+# The length every goal of a GPU session is read at.
 GOAL_LENGTH = 8192
 # The issue's goals for implementation="mosaic_gpu" against cuDNN (our
 # speed: cuDNN's time over ours), BF16, head dim 128, 8K, not causal.
@@ -50,8 +51,7 @@ def hopper_goal_lines(rows) -> str:
     if speed is None:
       lines.append(f"{label}: not measured (no row at {GOAL_LENGTH})")
     else:
-      verdict = "**met**" if speed >= least else "**missed**"
-      lines.append(f"{label}: {verdict} ({speed:.2f}x)")
+      lines.append(f"{label}: {goal_verdict(speed >= least)} ({speed:.2f}x)")
   return "\n".join(lines)
 
 

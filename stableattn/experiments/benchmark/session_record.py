@@ -25,10 +25,12 @@ import dataclasses
 import json
 import pathlib
 
-from stableattn.experiments.benchmark.hopper_record import hopper_sections
-from stableattn.harness.reporting import num, table
+from stableattn.experiments.benchmark.hopper_record import (
+  GOAL_LENGTH,
+  hopper_sections,
+)
+from stableattn.harness.reporting import goal_verdict, num, table
 
-GOAL_LENGTH = 8192
 # Speed goals of the session: (what, least or most, which way).
 STABLE_PRICE_GOAL = 1.1  # stable / base time, forward+backward, at most
 SKIP_GOAL = 0.55  # causal / full forward time, at most
@@ -215,10 +217,6 @@ def goal_lines(r: SessionRecord) -> str:
   )
 
 
-def _verdict(ok: bool) -> str:
-  return "**met**" if ok else "**missed**"
-
-
 def _speed_goal(label, ours, peer, least, best=None) -> str:
   """One speed goal: the peer's time over ours (same alternation), and
   `best` (ratio, where it was measured) where the levers did better."""
@@ -231,7 +229,7 @@ def _speed_goal(label, ours, peer, least, best=None) -> str:
     found.append(best)
   top = max(v for v, _ in found)
   measured = "; ".join(f"{v:.2f}x ({note})" for v, note in found)
-  return f"- {label} >= {least}x: {_verdict(top >= least)} ({measured})."
+  return f"- {label} >= {least}x: {goal_verdict(top >= least)} ({measured})."
 
 
 def _speed_goal_lines(r: SessionRecord, points) -> list[str]:
@@ -280,7 +278,7 @@ def _price_goal(points) -> str:
   )
   return (
     f"- stable presets vs their base, forward+backward <= "
-    f"{STABLE_PRICE_GOAL}x: {_verdict(worst <= STABLE_PRICE_GOAL)} "
+    f"{STABLE_PRICE_GOAL}x: {goal_verdict(worst <= STABLE_PRICE_GOAL)} "
     f"(worst {worst:.3f}x; {each})."
   )
 
@@ -298,7 +296,7 @@ def _skip_goal(r: SessionRecord, points) -> str:
     also = f"; {a['median_ms'] / b['median_ms']:.2f}x in the price run"
   return (
     f"- causal block skipping vs full, forward <= {SKIP_GOAL}x: "
-    f"{_verdict(x <= SKIP_GOAL)} ({x:.2f}x in the lever run{also})."
+    f"{goal_verdict(x <= SKIP_GOAL)} ({x:.2f}x in the lever run{also})."
   )
 
 
