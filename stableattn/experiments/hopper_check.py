@@ -64,14 +64,19 @@ def inputs(case):
 
 
 def value_and_grads(implementation: str, case, **options) -> list[np.ndarray]:
-  """[out, dq, dk, dv] in FP64 of one implementation on the case."""
+  """[out, dq, dk, dv] in FP64 of one implementation on the case, under
+  the case's policy (or `options`' precision)."""
   (q, k, v, d_out), features = inputs(case)
+  if options.get("precision") == "fp64":  # the golden: the inputs widened
+    q, k, v, d_out = (
+      jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, d_out)
+    )
+  options = {"precision": case[0], **options}
 
   def fn(q, k, v):
     return attention(
-      q, k, v, implementation=implementation, precision=case[0],
-      **features, **options,
-    )  # fmt: skip
+      q, k, v, implementation=implementation, **features, **options
+    )
 
   out, vjp = jax.vjp(fn, q, k, v)
   return [np.asarray(x, np.float64) for x in (out, *vjp(d_out))]
@@ -79,16 +84,7 @@ def value_and_grads(implementation: str, case, **options) -> list[np.ndarray]:
 
 def golden(case) -> list[np.ndarray]:
   """[out, dq, dk, dv] of the FP64 reference on the case's inputs."""
-  (q, k, v, d_out), features = inputs(case)
-  wide = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, d_out)]
-
-  def fn(q, k, v):
-    return attention(
-      q, k, v, implementation="reference", precision="fp64", **features
-    )
-
-  out, vjp = jax.vjp(fn, *wide[:3])
-  return [np.asarray(x) for x in (out, *vjp(wide[3]))]
+  return value_and_grads("reference", case, precision="fp64")
 
 
 def case_row(name: str) -> dict:
