@@ -100,6 +100,7 @@ small_flag=()
 # At 1024 keys the FP64 golden of five audits side by side took the whole
 # stage on the host (H100 session, 2026-11-26): 256 keys, head dim 128.
 audit_shape=${AUDIT_SHAPE:-'((1,256,256,4,2,128),)'}
+mosaic_audit_shape=$audit_shape
 kernels=(cudnn xla mosaic_gpu)
 drift_config=(
   --config=configs/training_drift.py:gpu
@@ -111,6 +112,10 @@ drift_config=(
 if [ "$small" = 1 ]; then
   small_flag=(--small)
   audit_shape='((1,192,192,4,2,32),)'
+  # GPU interpret mode took 114 s for the four regimes at that shape (one
+  # process, 2 cores), past the stage's limit beside four other audits;
+  # 23 s at this one, every regime still judged.
+  mosaic_audit_shape='((1,64,64,2,1,64),)'
   kernels=(xla mosaic_gpu)
   drift_config=(--config=configs/training_drift.py:smoke
     --config.train.total_steps=4 --config.train.log_every=2
@@ -130,8 +135,9 @@ stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \
   --out="$record/price.jsonl" "${small_flag[@]}"
 
 audit_one() {  # NAME KERNEL PRECISIONS [OPTIONS...]: one audit at the four regimes
-  local name=$1 kernel=$2 precisions=$3
+  local name=$1 kernel=$2 precisions=$3 shape=$audit_shape
   shift 3
+  [ "$kernel" = mosaic_gpu ] && shape=$mosaic_audit_shape
   # Two BLAS threads each: six audits' FP64 goldens with 16 threads apiece
   # thrashed the host's 16 cores (H100 session, 2026-11-26: four of six
   # audits were still in their first golden VJP after 130 s).
@@ -139,7 +145,7 @@ audit_one() {  # NAME KERNEL PRECISIONS [OPTIONS...]: one audit at the four regi
   "$python" launch/audit.py --workdir="runs/gpu_session/audit_$name" \
     --config=smoke --config.kernel="$kernel" \
     --config.precisions="$precisions" "$@" \
-    --config.features=none --config.shapes="$audit_shape" \
+    --config.features=none --config.shapes="$shape" \
     --config.regimes=small_logits,poisoned_padding,finite_mask,tied_maxima \
     > "$record/audit/$name.log" 2>&1
   echo "audit $name rc=$?"
@@ -157,7 +163,7 @@ regimes() {
   wait
 }
 export -f audit_one
-export python audit_shape record
+export python audit_shape mosaic_audit_shape record
 stage regimes "$regimes_s" bash -c "$(declare -f regimes); kernels=(${kernels[*]}); regimes"
 # An audit cut off at the limit still leaves the rows it appended.
 for run in runs/gpu_session/audit_*; do
