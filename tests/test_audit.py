@@ -307,6 +307,8 @@ def test_invariance_and_kernel_option_settings_are_checked_before_running():
     "packed",
     "backward_batch",
     "causal_leak",
+    "key_shift",
+    "value_shift",
   )
   fn = audit.kernel_fn(s, sa.Precision.from_name("bf16-framework"))
   assert fn.keywords["options"].split_size == 64

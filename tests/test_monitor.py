@@ -200,7 +200,9 @@ def test_statistics_from_our_kernels_pass_match_the_evaluations():
   captured = jax.jit(trainer._capture_impl)(state.params, batch)
   assert all("entropy" not in layer for layer in from_kernel)
   for layer, inputs in zip(from_kernel, captured):
-    evaluated = attention_statistics(inputs["q"], inputs["k"], jnp.bfloat16)
+    evaluated = attention_statistics(
+      inputs["q"], inputs["k"], jnp.bfloat16, v_BxTxHxD=inputs["v"]
+    )
     for name in KERNEL_STATISTICS:
       for key in (name, f"{name}_per_head"):
         np.testing.assert_allclose(

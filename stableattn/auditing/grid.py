@@ -37,6 +37,7 @@ from stableattn.auditing.kernel_audit import (
   measure_case,
   measured_or_error,
   regime_rows,
+  shift_rows,
 )
 from stableattn.auditing.report import write_report
 from stableattn.contract.options import Options
@@ -252,16 +253,26 @@ def run(config, workdir, *, restart: bool = False) -> dict:
         notes += skipped
         errors += raised
         progress.update()
-      if s.invariances:
-        first = cases(s.shapes, s.distributions, 1)[0]
+      bitwise, shifts = invariance.split(s.invariances)
+      first = cases(s.shapes, s.distributions, 1)[0]
+      if shifts:
+        new, skipped, raised = shift_rows(
+          fn, policy, first, shifts, s.repeats, _tensors(s), RULES
+        )
+        new = [{"kernel": s.kernel, **r} for r in new]
+        run_dir.append_metrics(new)
+        rows += new
+        notes += skipped
+        errors += raised
+      if bitwise:
         probes += [
           {"kernel": s.kernel, "policy": policy.name, **r}
           for r in invariance.measure(
-            fn, policy, first.shape, s.invariances,
+            fn, policy, first.shape, bitwise,
             distribution=first.distribution,
           )
         ]  # fmt: skip
-        progress.update()
+      progress.update(bool(s.invariances))
     progress.close()
     if probes:
       run_dir.write_csv("invariance.csv", probes)

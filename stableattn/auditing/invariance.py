@@ -33,6 +33,8 @@ from stableattn.auditing.edge_invariance import (
 )
 from stableattn.auditing.inputs import Shape, make_inputs, round_to
 from stableattn.auditing.measure import first_line
+from stableattn.auditing.offsets import DESCRIPTIONS as SHIFT_DESCRIPTIONS
+from stableattn.auditing.offsets import SHIFT_INVARIANCES
 from stableattn.contract import arguments
 from stableattn.contract.golden import golden_attention
 from stableattn.numerics.formats import to_dtype
@@ -48,9 +50,11 @@ INVARIANCES = (
   "padded_cache",
   "splits",
   *EDGE_INVARIANCES,
+  *SHIFT_INVARIANCES,
 )
 DESCRIPTIONS = {
   **EDGE_DESCRIPTIONS,
+  **SHIFT_DESCRIPTIONS,
   "batch": "a row alone vs at a random position among N others, and a "
   "decode step (one query per sequence) alone vs in a batch",
   "decode": "a query decoded alone over its prefix vs its row of the full "
@@ -64,6 +68,16 @@ DESCRIPTIONS = {
 def parse(value) -> tuple[str, ...]:
   """`value` ("batch,decode", a sequence, "all", "" or None) as names."""
   return arguments.chosen(value, "invariances", INVARIANCES)
+
+
+def split(names) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(bitwise probes, shift invariances) of `names`: the first compare
+  two ways of computing the same rows bit for bit (`measure`), the second
+  are judged rows, like an edge regime's (`offsets.shift_cases`)."""
+  return (
+    tuple(n for n in names if n not in SHIFT_INVARIANCES),
+    tuple(n for n in names if n in SHIFT_INVARIANCES),
+  )
 
 
 @dataclasses.dataclass(frozen=True)

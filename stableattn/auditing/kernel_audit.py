@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.auditing import captures, invariance
+from stableattn.auditing import captures, invariance, offsets
 from stableattn.auditing import regimes as regimes_lib
 from stableattn.auditing.feature_recipes import FeatureRecipe
 from stableattn.auditing.inputs import (
@@ -317,6 +317,23 @@ def regime_rows(fn, policy, shapes, edge_regimes, repeats, tensors, rules):
   return rows, notes, errors
 
 
+def shift_rows(fn, policy, first: Case, shifts, repeats, tensors, rules):
+  """(rows, notes, errors) of the shift invariances `shifts`
+  (`offsets.SHIFT_INVARIANCES`) at the grid's first case's input."""
+  rows, notes, errors = [], [], []
+  for name in shifts:
+    built = offsets.shift_cases(
+      name, first.shape, first.distribution, first.seed
+    )
+    found, skipped, raised = regimes_lib.measure_cases(
+      fn, policy, built, repeats, tensors, rules
+    )
+    rows += found
+    notes += skipped
+    errors += raised
+  return rows, notes, errors
+
+
 def audit(
   fn,
   *,
@@ -362,6 +379,9 @@ def audit(
       inference computes them, at the first shape's length, heads and
       head dim, bitwise or in ulps beside the error against FP64. The
       gate "invariance" fails a kernel that is not bitwise invariant.
+      "key_shift" and "value_shift" (`stableattn.auditing.offsets`) are
+      rows at the first grid case's input with a shared key (value)
+      offset added, judged by the gated rules like any case.
     regimes: names of `stableattn.auditing.regimes.REGIMES`
       ("large_logits,empty_rows", a sequence or "all"): edge cases built
       from every shape, judged by the same rules, plus: NaN/Inf anywhere
@@ -414,9 +434,16 @@ def audit(
     rows += found
     notes += skipped
     errors += raised
+  probes, shifts = invariance.split(probes)
+  first = all_cases[0]
+  found, skipped, raised = shift_rows(
+    fn, policy, first, shifts, repeats, tuple(tensors), rules
+  )
+  rows += found
+  notes += skipped
+  errors += raised
   invariance_rows = ()
   if probes:
-    first = all_cases[0]
     invariance_rows = tuple(
       invariance.measure(
         fn, policy, first.shape, probes, distribution=first.distribution

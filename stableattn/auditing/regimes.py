@@ -19,7 +19,7 @@ import inspect
 
 import numpy as np
 
-from stableattn.auditing import reported_regimes
+from stableattn.auditing import offsets, reported_regimes
 from stableattn.auditing.edge_case import EdgeCase, at, normal
 from stableattn.auditing.inputs import Shape, TiedMaximaSpec, make_inputs
 from stableattn.auditing.invariance import our_attention
@@ -50,6 +50,7 @@ REGIMES = (
   "empty_splits",
   "sink_extremes",
   "gqa_groups",
+  "key_offset",
 )
 DESCRIPTIONS = {
   "large_logits": "scores of standard deviation 100 and 3,000: exp "
@@ -86,6 +87,10 @@ DESCRIPTIONS = {
   "that cancel to 1e-3 of their size",
   "gqa_groups": "8, 16 and 64 query heads per KV head: dK and dV sum over "
   "the group",
+  "key_offset": "keys alpha u + sigma eps sharing a component (alpha/sigma "
+  "1-100), values with a shared offset, queries orthogonal to u or "
+  "aligned to row logits of 300: a trained model's geometry, where "
+  "delta from the rounded O enters dQ along u (Qiu & Yao, Eq. 1)",
 }
 SMALL_LOGITS_LEVEL = reported_regimes.SMALL_LOGITS_LEVEL
 
@@ -197,7 +202,9 @@ def mixed_dtypes(shape, rng, inputs_format):
 
 
 BUILDERS = {
-  name: globals().get(name) or getattr(reported_regimes, name)
+  name: globals().get(name)
+  or getattr(reported_regimes, name, None)
+  or getattr(offsets, name)
   for name in REGIMES
 }
 

@@ -87,6 +87,13 @@ class Options:
       has: a decoded query and a chunk of prefill compute as their rows
       of the full pass, bitwise, at the cost of padded work (the fixed
       tiles of batch-invariant kernels, Thinking Machines 2025).
+    center_kv: run the flash kernel on K and V less their per-head mean
+      over the attended keys and add V's mean back to every row that
+      attends a key (`stableattn.kernels.centring`): exact, and it takes
+      the shared key and value components out of the backward's
+      delta = rowsum(dO * O) error (Qiu & Yao, Eq. 1). Our flash kernels
+      (pallas, mosaic_gpu) only; not with a sink, a softcap or a
+      quantizing policy.
     num_warps, num_stages: Triton compiler parameters (GPU only).
     interpret: run the Pallas kernel in interpret mode; None means "iff
       the default backend is the CPU".
@@ -102,6 +109,7 @@ class Options:
   num_splits: int | None = None
   split_size: int | None = None
   fixed_tiles: bool = False
+  center_kv: bool = False
   num_warps: int | None = None
   num_stages: int | None = None
   interpret: bool | None = None
@@ -146,6 +154,7 @@ class Options:
         "of them."
       )
     put("fixed_tiles", check_flag("fixed_tiles", self.fixed_tiles))
+    put("center_kv", check_flag("center_kv", self.center_kv))
     if self.interpret is not None:
       put("interpret", check_flag("interpret", self.interpret))
 

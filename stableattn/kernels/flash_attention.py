@@ -167,6 +167,29 @@ def flash_attention_with_lse(
   return out, residuals[-1][:, :, : cfg.q_len]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def flash_attention_and_lse(q, k, v, ops: MaskOperands, cfg: KernelConfig):
+  """`flash_attention` that also returns the log-sum-exp [B, H, T] (+inf
+  for a row no key attends) as a value beside the output: the lse's own
+  cotangent is dropped, so a caller reads it under stop_gradient (which
+  rows attend a key, `centring`)."""
+  out, residuals = _forward(q, k, v, ops, cfg, residuals=False)
+  return out, residuals[-1][:, :, : cfg.q_len]
+
+
+def _and_lse_fwd(q, k, v, ops, cfg: KernelConfig):
+  out, residuals = _forward(q, k, v, ops, cfg)
+  return (out, residuals[5][:, :, : cfg.q_len]), (residuals, ops)
+
+
+def _and_lse_bwd(cfg: KernelConfig, saved, cotangents):
+  residuals, ops = saved
+  return _gradients(cfg, residuals, ops, cotangents[0])
+
+
+flash_attention_and_lse.defvjp(_and_lse_fwd, _and_lse_bwd)
+
+
 def flash_attention_with_statistics(
   q, k, v, ops: MaskOperands, cfg: KernelConfig, scales=None
 ):

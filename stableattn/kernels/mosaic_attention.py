@@ -254,6 +254,23 @@ def mosaic_flash_attention_with_lse(q, k, v, ops, cfg: KernelConfig):
   return out, residuals[-2][:, :, : cfg.q_len]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def mosaic_flash_attention_and_lse(q, k, v, ops, cfg: KernelConfig):
+  """`mosaic_flash_attention` that also returns the log-sum-exp [B, H, T]
+  beside the output; the lse's cotangent is dropped (read it under
+  stop_gradient)."""
+  return mosaic_flash_attention_with_lse(q, k, v, ops, cfg)
+
+
+def _and_lse_fwd(q, k, v, ops, cfg):
+  out, residuals = _forward(q, k, v, ops, cfg)
+  return (out, residuals[-2][:, :, : cfg.q_len]), (residuals, ops)
+
+
+def _and_lse_bwd(cfg: KernelConfig, saved, cotangents):
+  return _bwd(cfg, saved, cotangents[0])
+
+
 def _fwd(q, k, v, ops, cfg):
   out, residuals = _forward(q, k, v, ops, cfg)
   return out, (residuals, ops)
@@ -287,3 +304,4 @@ def _bwd(cfg: KernelConfig, saved, d_out):
 
 
 mosaic_flash_attention.defvjp(_fwd, _bwd)
+mosaic_flash_attention_and_lse.defvjp(_and_lse_fwd, _and_lse_bwd)

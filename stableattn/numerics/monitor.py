@@ -22,7 +22,9 @@ FP16_TINY = float(jnp.finfo(jnp.float16).tiny)
 # Its own program: a traced training step tells the monitor's FP32
 # products (an observation) apart from the model's.
 @functools.partial(jax.jit, static_argnames=("input_dtype", "causal"))
-def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
+def attention_statistics(
+  q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True, v_BxTxHxD=None
+):
   """What places attention among the audit's regimes, from q and k
   as given (logits in FP32, before any softcap, as a flash kernel's
   scores):
@@ -38,7 +40,12 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
     normal);
   - `q_outlier_ratio`, `k_outlier_ratio`: the largest |value| of the
     largest channel over that of the median channel (massive activations);
-  - `entropy`: the mean row entropy.
+  - `entropy`: the mean row entropy;
+  - `key_offset_ratio` and, given v, `value_offset_ratio`: |mean_j x_j| /
+    rms_j |x_j - mean| per (batch row, head) over every token, averaged
+    over the batch, largest head for the layer: a component shared by
+    every key (value), which FlashAttention-2's backward multiplies into
+    dQ (Qiu & Yao, Eq. 1; `stableattn.auditing.offsets`).
 
   Each also per head, as `<name>_per_head` ([H]: the same statistic over
   that head's rows and channels), since field failures sit in one head
@@ -85,6 +92,7 @@ def attention_statistics(q_BxTxHxD, k_BxTxHxD, input_dtype=None, causal=True):
       / jnp.sum(attended, axis=axes(p)),
       "q_outlier_ratio": _outlier_ratio(q, over_heads),
       "k_outlier_ratio": _outlier_ratio(k, over_heads),
+      **_offset_ratios(k, v_BxTxHxD, over_heads),
     }
 
   layer = reduce(over_heads=True)
@@ -103,11 +111,15 @@ KERNEL_STATISTICS = (
   "near_tied_share",
   "q_outlier_ratio",
   "k_outlier_ratio",
+  "key_offset_ratio",
+  "value_offset_ratio",
 )
 
 
 @functools.partial(jax.jit, static_argnames=("input_dtype",))
-def kernel_statistics(rows: dict, q_BxTxHxD, k_BxTxHxD, input_dtype=None):
+def kernel_statistics(
+  rows: dict, q_BxTxHxD, k_BxTxHxD, input_dtype=None, v_BxTxHxD=None
+):
   """The monitor's statistics from a flash kernel's own pass (MaxText
   reads splash's residuals the same way, TransformerEngine returns
   `max_logit`): `rows` holds per row [B, H, T] the log-sum-exp, the
@@ -143,6 +155,7 @@ def kernel_statistics(rows: dict, q_BxTxHxD, k_BxTxHxD, input_dtype=None):
       "near_tied_share": share(top - second <= ulp),
       "q_outlier_ratio": _outlier_ratio(q, over_heads),
       "k_outlier_ratio": _outlier_ratio(k, over_heads),
+      **_offset_ratios(k, v_BxTxHxD, over_heads),
     }
 
   layer = reduce(over_heads=True)
@@ -177,6 +190,24 @@ def _outlier_ratio(x_BxTxHxD, over_heads: bool = True):
   return jnp.max(per_channel, -1) / jnp.maximum(
     jnp.median(per_channel, -1), jnp.float32(1e-30)
   )
+
+
+def offset_ratio(x_BxTxHxD, over_heads: bool = True):
+  """|mean over tokens| / rms |x_t - mean| per (batch row, head), averaged
+  over the batch: per head ([H]), or the largest head's."""
+  x = jax.lax.stop_gradient(x_BxTxHxD).astype(jnp.float32)
+  mean = jnp.mean(x, axis=1, keepdims=True)
+  spread = jnp.sqrt(jnp.mean(jnp.sum((x - mean) ** 2, -1), axis=1))  # [B, H]
+  size = jnp.linalg.norm(mean[:, 0], axis=-1)  # [B, H]
+  ratio = jnp.mean(size / jnp.maximum(spread, jnp.float32(1e-30)), axis=0)
+  return jnp.max(ratio) if over_heads else ratio
+
+
+def _offset_ratios(k, v, over_heads: bool) -> dict:
+  out = {"key_offset_ratio": offset_ratio(k, over_heads)}
+  if v is not None:
+    out["value_offset_ratio"] = offset_ratio(v, over_heads)
+  return out
 
 
 def _near_tied(s, dtype):

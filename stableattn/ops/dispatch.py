@@ -23,9 +23,10 @@ from stableattn.contract.tiling import (
   check_flag,
   resolve_interpret,
 )
-from stableattn.kernels import quantization
+from stableattn.kernels import centring, quantization
 from stableattn.kernels.flash_attention import (
   flash_attention,
+  flash_attention_and_lse,
   flash_attention_with_lse,
   flash_attention_with_statistics,
   padded_head_dim,
@@ -275,6 +276,8 @@ def attention(
   cfg = kernel_config(options, q.shape, k.shape, spec, v.shape[3])
   _check_implementation_options(implementation, cfg, return_lse)
   check_flag("return_statistics", return_statistics)
+  if cfg.options.center_kv:
+    _check_center_kv(implementation, cfg, return_lse or return_statistics)
   if return_statistics and (implementation != "pallas" or return_lse):
     raise ValueError(
       "return_statistics=True is only available for 'pallas', and holds "
@@ -320,6 +323,24 @@ def _check_implementation_options(
   if return_lse and implementation not in FLASH_IMPLEMENTATIONS:
     raise ValueError(
       "return_lse=True is only available for 'pallas' and 'mosaic_gpu'."
+    )
+
+
+def _check_center_kv(implementation, cfg: KernelConfig, returns) -> None:
+  if implementation not in FLASH_IMPLEMENTATIONS:
+    raise ValueError(
+      f"center_kv=True is an option of our flash kernels "
+      f"{list(FLASH_IMPLEMENTATIONS)}, not of implementation="
+      f"{implementation!r}, whose backward differentiates its own P."
+    )
+  reason = centring.refusal(cfg)
+  if reason:
+    raise ValueError(reason + ".")
+  if returns:
+    raise ValueError(
+      "center_kv=True with return_lse or return_statistics: the kernel's "
+      "log-sum-exp and largest scores are those of the centred keys "
+      "(each row moved by q.mean(K)); ask for them without center_kv."
     )
 
 
@@ -377,6 +398,13 @@ def _compute(
     q, k, v, scales = quantization.prepare(
       q, k, v, cfg.policy, cfg.block_q, cfg.block_k
     )
+  if cfg.options.center_kv:
+    kernel = (
+      flash_attention_and_lse
+      if implementation == "pallas"
+      else _mosaic().mosaic_flash_attention_and_lse
+    )
+    return centring.centred_attention(kernel, q, k, v, ops, cfg)
   if implementation == "pallas":
     if returns == "lse":
       return flash_attention_with_lse(q, k, v, ops, cfg, scales)

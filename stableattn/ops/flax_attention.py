@@ -51,7 +51,7 @@ def _sow(module, query, key, value, causal: bool, monitor: bool, capture: bool):
     module.sow(
       nnx.Intermediate,
       "attention_statistics",
-      attention_statistics(query, key, causal=causal),
+      attention_statistics(query, key, causal=causal, v_BxTxHxD=value),
     )
   if capture:
     module.sow(nnx.Intermediate, "attention_inputs", (query, key, value))

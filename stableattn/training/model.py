@@ -165,9 +165,9 @@ class SelfAttention(nnx.Module):
     if collect_stats:
       inputs = spec.options.precision.dtype("inputs")
       if from_kernel:
-        stats.update(kernel_statistics(rows, q, k, inputs))
+        stats.update(kernel_statistics(rows, q, k, inputs, v))
       else:
-        stats.update(attention_statistics(q, k, inputs))
+        stats.update(attention_statistics(q, k, inputs, v_BxTxHxD=v))
     if probe_tap is not None:
       stats.update(q=q, k=k, v=v)  # as the kernel received them
       stats["out"] = out

@@ -1,0 +1,205 @@
+"""Offsets shared by every key or value: the key_shift and value_shift
+invariances, the key_offset regime, Options(center_kv=True) and the
+monitor's offset ratios."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import stableattn as sa
+from stableattn.auditing import offsets
+from stableattn.auditing.inputs import Shape, make_inputs
+from stableattn.numerics.monitor import attention_statistics, offset_ratio
+from stableattn.ops.registry import resolve
+
+SHAPE = (1, 64, 2, 32)
+
+
+def _offset_inputs(seed=0, key_offset=30.0, value_offset=5.0, dtype=None):
+  """q, k, v [1, 80, 2, 32] / [1, 72, 2, 32] with a shared key and value
+  component of `key_offset` (`value_offset`) x sigma sqrt(d)."""
+  rng = np.random.default_rng(seed)
+  d = 32
+  u = rng.standard_normal(d)
+  u /= np.linalg.norm(u)
+  q = rng.standard_normal((1, 80, 2, d))
+  k = key_offset * np.sqrt(d) * u + rng.standard_normal((1, 72, 2, d))
+  v = value_offset * np.sqrt(d) * u + rng.standard_normal((1, 72, 2, d))
+  if dtype is None:
+    return q, k, v
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _errors(precision, center_kv, features=None, dtype=jnp.bfloat16):
+  """Mean |error| against FP64 of out, dq, dk, dv of our kernel."""
+  features = features or {}
+  q, k, v = _offset_inputs(dtype=dtype)
+  wide = [np.asarray(x, np.float64) for x in (q, k, v)]
+  golden = sa.golden_attention(*wide, **features)
+  d_out = np.random.default_rng(1).standard_normal(golden.shape)
+  golden_grads = sa.golden_attention_vjp(*wide, d_out, **features)
+
+  def fn(q, k, v):
+    return sa.attention(
+      q, k, v, precision=precision, center_kv=center_kv, **features
+    )
+
+  out, vjp = jax.vjp(fn, q, k, v)
+  grads = vjp(jnp.asarray(d_out, out.dtype))
+  return [
+    float(np.mean(np.abs(np.asarray(x, np.float64) - g)))
+    for x, g in zip((out, *grads), (golden, *golden_grads))
+  ]
+
+
+@pytest.mark.parametrize(
+  "features",
+  [{}, {"causal": True, "key_value_seq_lengths": np.array([50], np.int32)}],
+  ids=["plain", "causal-lengths"],
+)
+def test_center_kv_removes_the_delta_error_from_dq(features):
+  """Eq. 1's term is along the mean key: gone with the keys centred,
+  while the output and dK, dV stay as accurate as before."""
+  base = _errors("bf16-fa2", False, features)
+  centred = _errors("bf16-fa2", True, features)
+  assert centred[1] < base[1] / 30, (base, centred)
+  for before, after in zip(base[:1] + base[2:], centred[:1] + centred[2:]):
+    assert after < 1.5 * before, (base, centred)
+
+
+def test_center_kv_is_the_same_function_in_fp32():
+  """Exact in exact arithmetic: at FP32 every tensor is as close to FP64
+  as the plain kernel's (and dQ closer)."""
+  base = _errors("fp32", False, dtype=jnp.float32)
+  centred = _errors("fp32", True, dtype=jnp.float32)
+  assert all(c <= 1.2 * b for b, c in zip(base, centred)), (base, centred)
+  assert max(centred) < 1e-5
+
+
+def test_center_kv_leaves_zero_mean_inputs_bitwise_alone_and_empty_rows_zero():
+  rng = np.random.default_rng(2)
+  q, k, v = (
+    jnp.asarray(rng.standard_normal((2, 48, 2, 32)), jnp.bfloat16)
+    for _ in range(3)
+  )
+  lengths = np.array([48, 0], np.int32)
+  plain = sa.attention(q, k, v, key_value_seq_lengths=lengths)
+  centred = sa.attention(q, k, v, key_value_seq_lengths=lengths, center_kv=True)
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(centred))
+  q, k, v = _offset_inputs(dtype=jnp.bfloat16)
+  k2 = jnp.concatenate([k, k])
+  v2 = jnp.concatenate([v, v])
+  q2 = jnp.concatenate([q, q])
+  out = sa.attention(
+    q2, k2, v2, key_value_seq_lengths=np.array([72, 0], np.int32),
+    center_kv=True,
+  )  # fmt: skip
+  assert not np.any(np.asarray(out[1], np.float32))
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+@pytest.mark.parametrize(
+  "keywords, words",
+  [
+    ({"sink": np.zeros(2, np.float32)}, "sink"),
+    ({"softcap": 30.0}, "softcap"),
+    ({"implementation": "reference"}, "flash kernels"),
+    ({"precision": "fp8-fa3"}, "quantizing|16- or 32-bit"),
+    ({"return_lse": True}, "log-sum-exp"),
+  ],
+)
+def test_center_kv_refuses_what_it_cannot_keep_exact(keywords, words):
+  q, k, v = _offset_inputs(dtype=jnp.bfloat16)
+  keywords = {"precision": "bf16-fa2", **keywords}
+  with pytest.raises(ValueError, match=words):
+    sa.attention(q, k, v, center_kv=True, **keywords)
+
+
+def test_shift_cases_move_only_what_they_name():
+  shape = Shape(1, 64, 64, 4, 2, 32)
+  q, k, v = make_inputs("normal", 0, shape)
+  for name in offsets.SHIFT_INVARIANCES:
+    built = offsets.shift_cases(name, shape, "normal")
+    assert [c.regime for c in built] == [name] * len(offsets.SHIFTS)
+    for case, shift in zip(built, offsets.SHIFTS):
+      np.testing.assert_array_equal(case.q, q)
+      moved, kept, same, untouched = (
+        (case.k, k, case.v, v)
+        if name == "key_shift"
+        else (case.v, v, case.k, k)
+      )
+      np.testing.assert_array_equal(same, untouched)
+      c = moved - kept  # one vector per head, the same for every token
+      assert np.allclose(c, c[:, :1])
+      rms = np.sqrt(np.mean(np.sum(kept**2, -1), axis=(0, 1)))
+      np.testing.assert_allclose(np.linalg.norm(c[0, 0], axis=-1), shift * rms)
+  # The key shift's direction is the one the queries see least of.
+  direction = offsets.least_query_direction(q, 2)
+  energy = np.sum((q.reshape(1, 64, 2, 2, 32) * direction[:, :, :, None]) ** 2)
+  other = np.random.default_rng(0).standard_normal((1, 1, 2, 1, 32))
+  other /= np.linalg.norm(other, axis=-1, keepdims=True)
+  assert energy < np.sum((q.reshape(1, 64, 2, 2, 32) * other) ** 2)
+
+
+@pytest.mark.parametrize("kernel", ["bf16-fa2", "xla"])
+def test_key_shift_fails_fa2_delta_and_passes_eager_attention(kernel):
+  if kernel == "xla":
+    fn = resolve("xla", sa.Options(precision="bf16-framework"))
+  else:
+    fn = resolve("pallas", sa.Options(precision=kernel))
+  report = sa.audit(
+    fn,
+    precision="bf16-framework",
+    shapes=[SHAPE],
+    repeats=1,
+    invariances="key_shift,value_shift",
+  )
+  shifted = [r for r in report.rows if r["regime"] in offsets.SHIFT_INVARIANCES]
+  assert len(shifted) == 4 * 2 * len(offsets.SHIFTS)
+  if kernel == "xla":
+    assert report.passed, report.failures
+  else:
+    assert not report.passed
+    assert any("key_shift" in f and "dq" in f for f in report.failures)
+    assert any("value_shift" in f and "dq" in f for f in report.failures)
+
+
+@pytest.mark.parametrize(
+  "precision, center_kv, passes",
+  [("bf16-fa2", False, False), ("bf16-fa2-stable", False, True),
+   ("bf16-fa2", True, True)],
+)  # fmt: skip
+def test_key_offset_regime_fails_the_base_kernel_only(
+  precision, center_kv, passes
+):
+  fn = resolve("pallas", sa.Options(precision=precision, center_kv=center_kv))
+  report = sa.audit(
+    fn, precision="bf16-framework", shapes=[SHAPE], repeats=1,
+    regimes="key_offset",
+  )  # fmt: skip
+  rows = [r for r in report.rows if r["regime"] == "key_offset"]
+  assert len(rows) == 4 * len(offsets.KEY_OFFSET_CASES)
+  assert report.passed == passes, report.failures
+  if not passes:
+    worst = max(
+      r["flexattention_value"] / r["flexattention_limit"]
+      for r in rows
+      if r["tensor"] == "dq"
+    )
+    assert worst > 10  # tens of times the Baseline's error, as on captures
+
+
+def test_offset_ratios_in_the_monitor():
+  q, k, v = _offset_inputs(key_offset=30.0, value_offset=5.0)
+  k_ratio = np.asarray(offset_ratio(jnp.asarray(k), over_heads=False))
+  # |mean| = 30 sqrt(d) (plus noise), spread sqrt(d).
+  np.testing.assert_allclose(k_ratio, 30.0, rtol=0.05)
+  stats = attention_statistics(
+    jnp.asarray(q[:, :72]), jnp.asarray(k), v_BxTxHxD=jnp.asarray(v)
+  )
+  assert float(stats["value_offset_ratio"]) == pytest.approx(5.0, rel=0.1)
+  assert len(stats["key_offset_ratio_per_head"]) == 2
+  zero_mean = attention_statistics(jnp.asarray(q), jnp.asarray(q))
+  assert float(zero_mean["key_offset_ratio"]) < 0.5
+  assert "value_offset_ratio" not in zero_mean
