@@ -14,17 +14,18 @@
 #               mha and cuDNN in BF16), forward and forward+backward, time
 #               and program memory, head dim 128 at 8K, 4K, 16K (the FP32
 #               pair at 2K, at its own tiles);
-#   4. regimes: the audit of cuDNN, xla, the stable presets and mosaic_gpu
+#   5. regimes: the audit of cuDNN, xla, the stable presets and mosaic_gpu
 #               at small_logits, poisoned_padding, finite_mask, tied_maxima;
-#   5. levers:  one forward per lever (registers, shared memory, base 2,
+#   6. levers:  one forward per lever (registers, shared memory, base 2,
 #               causal skipping) timed, then Nsight Compute's counters, the
 #               Hopper path's forward among them;
-#   6. drift:   Flash vs Baseline next to BF16 vs FP32 at 20M parameters.
+#   7. drift:   Flash vs Baseline next to BF16 vs FP32 at 20M parameters.
 # Usage:
 #   launch/gpu_session.sh RECORD_DIR [PACK.tgz]
 # RECORD_DIR receives the rows (launch/gpu_report.py reads it on a CPU);
 # PACK, if given, is rewritten after every stage with RECORD_DIR packed.
-# Stage limits in seconds: TESTS_S HOPPER_S PRICE_S REGIMES_S LEVERS_S DRIFT_S
+# Stage limits in seconds: TESTS_S HOPPER_S OFFSETS_S PRICE_S REGIMES_S
+# LEVERS_S DRIFT_S
 # (0 skips a stage). GPU_SESSION_SMALL=1 runs every stage on the CPU path
 # (interpret mode, a test's sizes): tests/test_gpu_session.py does.
 set -u
@@ -33,6 +34,7 @@ pack=${2:-}
 small=${GPU_SESSION_SMALL:-0}
 tests_s=${TESTS_S:-90}
 hopper_s=${HOPPER_S:-90}
+offsets_s=${OFFSETS_S:-90}
 price_s=${PRICE_S:-100}
 regimes_s=${REGIMES_S:-75}
 levers_s=${LEVERS_S:-65}
@@ -44,7 +46,7 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python=${PYTHON:-python3}
-mkdir -p "$record/audit"
+mkdir -p "$record/audit" "$record/offsets"
 : > "$record/stages.jsonl"
 
 "$python" - "$record" "${GPU_SESSION_COMMIT:-}" > "$record/session.log" 2>&1 <<'EOF'
@@ -102,6 +104,17 @@ small_flag=()
 audit_shape=${AUDIT_SHAPE:-'((1,256,256,4,2,128),)'}
 mosaic_audit_shape=$audit_shape
 kernels=(cudnn xla mosaic_gpu)
+# name kernel [options...] of each key-offset audit.
+offset_audits=(
+  "cudnn cudnn" "jax_mha jax_mha" "torch_sdpa_flash torch_sdpa_flash"
+  "torch_sdpa_efficient torch_sdpa_efficient"
+  "torch_sdpa_cudnn torch_sdpa_cudnn" "pallas pallas"
+  "pallas_stable pallas --config.kernel_precision=stable"
+  "pallas_center_kv pallas --config.kernel_options=center_kv=True"
+  "mosaic_gpu mosaic_gpu"
+  "mosaic_gpu_stable mosaic_gpu --config.kernel_precision=stable"
+  "mosaic_gpu_center_kv mosaic_gpu --config.kernel_options=center_kv=True"
+)
 drift_config=(
   --config=configs/training_drift.py:gpu
   --config.model.width=512 --config.model.depth=6 --config.model.heads=8
@@ -117,6 +130,8 @@ if [ "$small" = 1 ]; then
   # 23 s at this one, every regime still judged.
   mosaic_audit_shape='((1,64,64,2,1,64),)'
   kernels=(xla mosaic_gpu)
+  offset_audits=("xla xla" "pallas pallas"
+    "pallas_center_kv pallas --config.kernel_options=center_kv=True")
   drift_config=(--config=configs/training_drift.py:smoke
     --config.train.total_steps=4 --config.train.log_every=2
     --config.train.checkpoint_every=4 --config.attention.context_parallel=0)
@@ -125,11 +140,39 @@ fi
 stage tests "$tests_s" "$python" -m pytest -m gpu -n "${TEST_WORKERS:-14}" \
   -v -p no:cacheprovider tests/test_gpu_lowering.py \
   tests/test_gpu_compiled_gradients.py tests/test_triton_gpu_fixes.py \
-  tests/test_mosaic_gpu.py \
+  tests/test_mosaic_gpu.py tests/test_offsets.py \
   -k "round_like or rounds_like or keeps_nan or split_kv or fp32_presets or matches_interpret"
 
 stage hopper "$hopper_s" "$python" launch/gpu_stage.py --stage=hopper \
   --out="$record/hopper.jsonl" "${small_flag[@]}"
+
+offsets_one() {  # NAME KERNEL [OPTIONS...]: the key-offset audit of one kernel
+  local name=$1 kernel=$2 shape=$audit_shape
+  shift 2
+  [ "$kernel" = mosaic_gpu ] && shape=$mosaic_audit_shape
+  OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
+  "$python" launch/audit.py --workdir="runs/gpu_session/offsets_$name" \
+    --config=smoke --config.kernel="$kernel" \
+    --config.precisions=bf16-framework "$@" --config.features=none \
+    --config.shapes="$shape" --config.regimes=key_offset \
+    --config.invariances=key_shift > "$record/offsets/$name.log" 2>&1
+  echo "offsets $name rc=$?"
+}
+offsets() {
+  rm -rf runs/gpu_session/offsets_*
+  for audit in "${offset_audits[@]}"; do
+    # shellcheck disable=SC2086
+    offsets_one $audit &
+  done
+  wait
+}
+export -f offsets_one
+export python audit_shape mosaic_audit_shape record
+stage offsets "$offsets_s" bash -c "$(declare -f offsets); $(declare -p offset_audits); offsets"
+for run in runs/gpu_session/offsets_*; do
+  [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$record/offsets/${run##*/offsets_}.jsonl"
+done
+save
 
 stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \
   --out="$record/price.jsonl" "${small_flag[@]}"

@@ -12,7 +12,9 @@ import pytest
 from stableattn.experiments.benchmark import gpu_stages
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("tests", "hopper", "price", "regimes", "levers", "drift")
+STAGES = (
+  "tests", "hopper", "offsets", "price", "regimes", "levers", "drift",
+)  # fmt: skip
 
 
 def _ncu_csv(kernels):
@@ -123,6 +125,16 @@ def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
     rows = (record / "audit" / f"{name}.jsonl").read_text().splitlines()
     regimes = {json.loads(r).get("regime") for r in rows}
     assert {"small_logits", "poisoned_padding"} <= regimes, name
+  for name in ("xla", "pallas", "pallas_center_kv"):
+    rows = [
+      json.loads(r)
+      for r in (record / "offsets" / f"{name}.jsonl").read_text().splitlines()
+    ]
+    assert {"key_offset", "key_shift"} <= {r["regime"] for r in rows}, name
+  center_kv = [r for r in price if r["implementation"] == "center_kv"]
+  assert {r["pair"] for r in center_kv} == {"bf16-fa2", "fp16-fa2"}
+  mosaic = {r["implementation"] for r in price if "median_ms" in r}
+  assert {"mosaic_gpu", "mosaic_gpu stable", "mosaic_gpu center_kv"} <= mosaic
   assert (record / "drift" / "metrics.jsonl").stat().st_size > 0
   assert (tmp_path / "p.tgz").stat().st_size > 0
 

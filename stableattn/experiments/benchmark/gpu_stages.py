@@ -51,6 +51,8 @@ MODES = ("forward", "forward_backward")
 # Peers timed beside the BF16 pair only: they take 16-bit inputs, and one
 # alternation per length is enough to place ours against them.
 PRICE_PEERS = ("jax_mha", "cudnn")
+# Our Triton path under the base preset with Options(center_kv=True).
+CENTER_KV = "center_kv"
 
 # Nsight Compute counters read per lever (launch/gpu_session.sh asks ncu
 # for these names).
@@ -190,13 +192,29 @@ def price_rows(s: Sizes, mode, causal, seq_len, base, stable) -> list[dict]:
     )
     for precision in (base, stable)
   }
+  if not _fp32_operands(base):
+    # The exact fix for shared key and value offsets, on the base preset.
+    fns[CENTER_KV] = timed_fn(
+      attention_fn("pallas", base, causal, center_kv=True, **tiles), mode
+    )
   if base == STABLE_PAIRS[0][0]:
     for peer in PRICE_PEERS:
       fns[peer] = timed_fn(attention_fn(peer, base, causal), mode)
+    # The fixes on the Hopper path (Mosaic GPU keeps its own 64-row tiles).
+    for name, precision, extra in (
+      ("mosaic_gpu", base, {}),
+      ("mosaic_gpu stable", stable, {}),
+      (f"mosaic_gpu {CENTER_KV}", base, {"center_kv": True}),
+    ):
+      fns[name] = timed_fn(
+        attention_fn("mosaic_gpu", precision, causal, **extra), mode
+      )
   compiled = compile_all(fns, args)
 
   def labels_of(name):
     precision = name if name in (base, stable) else base
+    if name.startswith("mosaic_gpu stable"):
+      precision = stable
     return {
       **_labels("price", mode, causal, precision, s, seq_len),
       "pair": base,
