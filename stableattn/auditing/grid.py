@@ -20,6 +20,7 @@ import pathlib
 from tqdm.auto import tqdm
 
 from stableattn.auditing import (
+  captured_report,
   captures,
   ci_reports,
   invariance,
@@ -51,7 +52,7 @@ from stableattn.numerics.precision import (
   stable_policy,
 )
 from stableattn.numerics.rules import RULES
-from stableattn.ops.dispatch import FLASH_IMPLEMENTATIONS
+from stableattn.ops.dispatch import FLASH_IMPLEMENTATIONS, check_options_for
 from stableattn.ops.registry import (
   IMPLEMENTATIONS,
   LAYOUTS,
@@ -125,7 +126,14 @@ def settings_from_config(c) -> Settings:
         f"config.kernel_options={kernel_options!r} applies to our "
         f"implementations {list(IMPLEMENTATIONS)}, not {kernel!r}."
       )
-    Options.from_string(kernel_options)  # names and values checked here
+    # Names and values, and what the chosen path refuses whatever the
+    # shapes, before any case runs.
+    try:
+      check_options_for(kernel, Options.from_string(kernel_options))
+    except ValueError as e:
+      raise ValueError(
+        f"config.kernel_options={kernel_options!r}: {e}"
+      ) from None
   return Settings(
     kernel=kernel,
     kernel_precision=kernel_precision,
@@ -221,7 +229,9 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     progress = tqdm(total=_steps(s), desc=f"audit {s.kernel}", unit="case",
                     disable=None)  # fmt: skip
     rows, notes, errors, probes = [], [], [], []
-    captured = captures.edge_cases(s.inputs) if s.inputs else []
+    layers = captures.load(s.inputs) if s.inputs else []
+    captured = [layer.edge_case() for layer in layers]
+    placed = [captured_report.layer_statistics(layer) for layer in layers]
     for name in s.precisions:
       policy = Precision.from_name(name)
       fn = in_layout(kernel_fn(s, policy), s.layout)
@@ -276,7 +286,9 @@ def run(config, workdir, *, restart: bool = False) -> dict:
     progress.close()
     if probes:
       run_dir.write_csv("invariance.csv", probes)
-    result = write_report(run_dir, s, rows, probes, notes, errors)
+    result = write_report(
+      run_dir, s, rows, probes, notes, errors, captured=placed
+    )
     return ci_verdict(run_dir, s, result, rows, notes, errors, probes)
 
 

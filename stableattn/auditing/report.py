@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from stableattn.auditing import invariance
+from stableattn.auditing import captured_report, invariance
 from stableattn.auditing.kernel_audit import (
   INVARIANCE_GATE,
   error_lines,
@@ -105,12 +105,19 @@ def gradient_notes(s, rows) -> list[str]:
 
 
 def write_report(
-  run_dir: RunDir, s, rows, probes=(), notes=(), errors=()
+  run_dir: RunDir, s, rows, probes=(), notes=(), errors=(), captured=()
 ) -> dict:
+  """report.md, headline.json, summary.csv (and errors.csv); `captured`:
+  each captured layer's place (`captured_report.layer_statistics`), for
+  the section on the model's own tensors."""
   if not rows and not errors:
     raise ValueError("the audit measured nothing: no verdict from 0 rows.")
   result = headline(s, rows, probes, errors)
   result["regimes_not_applicable"] = list(notes)
+  if captured:
+    result["captured"] = [
+      {k: v for k, v in c.items() if k != "per_head"} for c in captured
+    ]
   run_dir.write_text(
     "headline.json", json.dumps(result, indent=2, default=str) + "\n"
   )
@@ -145,6 +152,7 @@ def write_report(
       f"![errors]({figure})",
     ]
   parts += [
+    *captured_report.section(rows, list(captured), s.gate),
     *edge_checks_section(rows),
     *regime_notes_section(notes),
     *invariance_section(probes),

@@ -151,8 +151,114 @@ def _define_flags(argv, config: str, workdir: str, workdir_holds: str):
     f" caches it between jobs); also ${CACHE_VARIABLE}. Empty: none.",
   )
   # --help lists the main module's flags: these are the command's.
-  for name in ("config", "workdir", "restart", "json", "compilation_cache"):
+  for name in COMMON_FLAGS:
     flags.FLAGS.register_flag_by_module(argv[0], flags.FLAGS[name])
+
+
+COMMON_FLAGS = ("config", "workdir", "restart", "json", "compilation_cache")
+
+
+def _variants(config: str) -> list[str]:
+  import importlib
+
+  module = importlib.import_module(f"stableattn.configs.{config[:-3]}")
+  return list(getattr(module, "VARIANTS", ()))
+
+
+def _config_value(argv) -> str | None:
+  return next(
+    (a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None
+  )
+
+
+def missing_config_file(argv, config: str) -> str | None:
+  """One line when --config names a file that does not exist."""
+  value = _config_value(argv)
+  if value is None:
+    return None
+  path = value.split(":", 1)[0]
+  if pathlib.Path(path).is_file():
+    return None
+  return (
+    f"--config: no config file {path!r}; valid: a variant of "
+    f"configs/{config} ({', '.join(_variants(config))}) or an existing "
+    "file.py[:variant]."
+  )
+
+
+def _error_line(error: BaseException) -> str:
+  """The line of an error that says what was wrong: the innermost
+  "SomethingError: ..." line absl wraps, or the message's first line."""
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  for line in reversed(lines):
+    name, sep, rest = line.partition(": ")
+    if sep and name.endswith(("Error", "Exception")) and name.isidentifier():
+      return rest
+  text = lines[0] if lines else type(error).__name__
+  return text.removeprefix("FATAL Flags parsing error: ")
+
+
+def unknown_field(argv, config: str, error: BaseException) -> str:
+  """One line naming the --config.<field> override the config lacks and
+  the fields it has there."""
+  import ml_collections
+
+  name = str(error).strip("\"'")
+  given = [a for a in argv if a.startswith("--config.")]
+  culprit = next(
+    (a for a in given if name in a.split("=", 1)[0].split(".")),
+    given[0] if given else "--config.<field>",
+  )
+  dotted = culprit.split("=", 1)[0].removeprefix("--config.").split(".")
+  valid, found = [], []
+  try:
+    node = _load_config(argv, config)
+    for part in dotted[:-1]:
+      if not (isinstance(node, ml_collections.ConfigDict) and part in node):
+        break
+      node, found = node[part], [*found, part]
+    if isinstance(node, ml_collections.ConfigDict):
+      valid = sorted(node.keys())
+  except Exception:  # noqa: BLE001 - the fields are a hint, not the error
+    valid = []
+  where = ".".join(["config", *found])
+  hint = f"; valid fields of {where}: {valid}" if valid else ""
+  return f"{culprit.split('=', 1)[0]}: no such config field{hint}."
+
+
+def _load_config(argv, config: str):
+  """The config --config names, without the command line's overrides."""
+  import importlib.util
+
+  value = _config_value(argv) or str(CONFIGS / config)
+  path, _, variant = value.partition(":")
+  spec = importlib.util.spec_from_file_location("_config_of_command", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant or None)
+
+
+def parse_flags(argv, config: str, shortcuts=()) -> list[str]:
+  """absl's flags of a command, parsed; a bad value (a config file that
+  does not exist, an unknown variant, flag or field, an ill-typed value)
+  prints one line saying what was wrong and what is valid and exits 2."""
+  from absl import flags
+
+  message = missing_config_file(argv[1:], config)
+  if message is None:
+    try:
+      return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+      valid = [*COMMON_FLAGS, "config.<field>", *shortcuts]
+      message = (
+        f"{_error_line(e)}; valid: {', '.join('--' + v for v in valid)}."
+      )
+    except (AttributeError, KeyError) as e:
+      message = unknown_field(argv, config, e)
+    except (flags.Error, ValueError, TypeError, OSError) as e:
+      message = _error_line(e)
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def launch(
@@ -185,7 +291,12 @@ def launch(
 
   argv = list(sys.argv if argv is None else argv)
   argv = [argv[0], *config_argument(argv[1:], config, shortcuts)]
-  _define_flags(argv, config, workdir, workdir_holds)
+  try:
+    # config_flags defines a flag per --config.<field> here, from argv.
+    _define_flags(argv, config, workdir, workdir_holds)
+  except (AttributeError, KeyError) as e:
+    print(f"error: {unknown_field(argv, config, e)}", file=sys.stderr)
+    sys.exit(2)
   if usage:
     sys.modules["__main__"].__doc__ = usage
 
@@ -206,4 +317,8 @@ def launch(
       summarize=summarize,
     )
 
-  app.run(main, argv=argv)
+  app.run(
+    main,
+    argv=argv,
+    flags_parser=lambda args: parse_flags(args, config, shortcuts),
+  )

@@ -144,7 +144,12 @@ def run_experiment(name: str, argv: list[str]) -> None:
   for variable, value in spec.environment:
     os.environ.setdefault(variable, value)
   hook = spec.before_run and getattr(device_setup, spec.before_run)
-  module = importlib.import_module(spec.module)
+
+  def run(config, workdir, *, restart: bool = False):
+    # Imported once the flags are good: a bad value answers at once.
+    module = importlib.import_module(spec.module)
+    return module.run(config, workdir, restart=restart)
+
   extra = {}
   if spec.audit:
     from stableattn.auditing.report import summary_text
@@ -154,7 +159,7 @@ def run_experiment(name: str, argv: list[str]) -> None:
       "summarize": summary_text,
     }
   launch(
-    module.run,
+    run,
     config=spec.config,
     workdir=spec.workdir,
     workdir_holds=spec.workdir_holds,

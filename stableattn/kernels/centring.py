@@ -13,16 +13,16 @@ with the value offset gone so is O and its rounding error.
 
 The means are taken over the keys some query may attend (lengths and
 segments leave padding out, which may hold NaN), per channel, and only
-where a channel's mean is larger than its spread (`shared_component`):
-the centred operands are rounded to the policy's input format again,
-which costs nothing where the offset dominates and would add a second
-input rounding where it does not. The output is O_c rounded, plus m_v,
-rounded: a second rounding of the small O_c. K's gradient is that of the
-centring too (autodiff through the mean): the kernel's dK less its mean
-over the attended keys, exactly what the chain rule gives (exact dK sums
-to zero over the keys, so this removes only error). V's mean is a
-constant to autodiff: exact dV sums to the rows' dO, so the mean's two
-terms cancel, and dV is the kernel's own.
+where a channel's mean is a sizeable part of its spread
+(`shared_component`): the centred operands are rounded to the policy's
+input format again, which costs little where the offset is large and
+would add a second input rounding where there is none. The output is
+O_c rounded, plus m_v, rounded: a second rounding of the small O_c. K's
+gradient is that of the centring too (autodiff through the mean): the
+kernel's dK less its mean over the attended keys, exactly what the chain
+rule gives (exact dK sums to zero over the keys, so this removes only
+error). V's mean is a constant to autodiff: exact dV sums to the rows'
+dO, so the mean's two terms cancel, and dV is the kernel's own.
 """
 
 from __future__ import annotations
@@ -68,15 +68,26 @@ def _attended(ops: MaskOperands, cfg: KernelConfig, k):
   return keep[:, :, None, None]
 
 
+# A channel is centred where its mean exceeds this multiple of its spread.
+# On 12 captured BF16 layers (results/cpu/key-offset-2026-11-28) 1.0 left
+# dQ 1.2-2.9x FlexAttention's limit on four layers of key offset 1.3-7.9,
+# 0.25 on three (1.2-3.2x), centring every channel (0) on three too, and
+# 0 also took normal inputs' output past the limit (1.05-1.07x, a second
+# rounding of V); 0.25 leaves them as they were (0.53-0.55x).
+DOMINANT = 0.25
+
+
 def shared_component(x, attended):
   """[B, 1, H, D] FP32: per channel, x's mean over the attended tokens
-  where it is larger than the channel's spread about it, else 0 (0 where
-  a sequence has none); tokens outside never enter, NaN included.
+  where it exceeds `DOMINANT` x the channel's spread about it, else 0 (0
+  where a sequence has none); tokens outside never enter, NaN included.
 
   Any vector shared by every token keeps the centring exact; this one
-  re-rounds only channels whose offset dominates, where x - mean is
-  smaller than x and so is its new rounding error. A channel of
-  zero-mean inputs is left as it was, bit for bit."""
+  re-rounds only channels whose mean is a sizeable part of their spread
+  (`DOMINANT`), where x - mean is about as large as x or smaller, and
+  so is its new rounding error. A channel whose sample mean stays below
+  that (zero-mean inputs over a few hundred tokens) is left as it was,
+  bit for bit."""
   weights = attended.astype(jnp.float32)
   wide = jnp.where(attended, x.astype(jnp.float32), 0.0)
   count = jnp.maximum(jnp.sum(weights, axis=1, keepdims=True), 1.0)
@@ -84,7 +95,7 @@ def shared_component(x, attended):
   spread = jnp.sqrt(
     jnp.sum(weights * (wide - mean) ** 2, axis=1, keepdims=True) / count
   )
-  dominant = jax.lax.stop_gradient(jnp.abs(mean) > spread)
+  dominant = jax.lax.stop_gradient(jnp.abs(mean) > DOMINANT * spread)
   return jnp.where(dominant, mean, 0.0)
 
 

@@ -202,6 +202,20 @@ def split_keywords(options, features, keywords: dict):
   return options, Features.of(features, **feature_kw)
 
 
+def check_options_for(implementation: str, options: Options) -> None:
+  """Raises a ValueError for options `implementation` refuses whatever
+  the shapes: what a command checks before its first case."""
+  _check_choice("implementation", implementation, IMPLEMENTATIONS)
+  if implementation == "mosaic_gpu":
+    _mosaic().check_tiles(options)
+  if options.center_kv and implementation not in FLASH_IMPLEMENTATIONS:
+    raise ValueError(
+      f"center_kv=True is an option of our flash kernels "
+      f"{list(FLASH_IMPLEMENTATIONS)}, not of implementation="
+      f"{implementation!r}."
+    )
+
+
 def _mosaic():
   """The Mosaic GPU path, imported on use: jax's Mosaic GPU modules add
   half a second to every process's import."""
@@ -261,10 +275,8 @@ def attention(
     ValueError: for malformed inputs or unknown names; the message says what
       was received and what is valid.
   """
-  _check_choice("implementation", implementation, IMPLEMENTATIONS)
   options, features = split_keywords(options, features, keywords)
-  if implementation == "mosaic_gpu":
-    _mosaic().check_tiles(options)
+  check_options_for(implementation, options)
   if implementation not in FLASH_IMPLEMENTATIONS:
     # Tiles are validated for every implementation, so a sweep with a bad
     # tile fails the same way whichever runs first; only the kernel is
@@ -277,7 +289,7 @@ def attention(
   _check_implementation_options(implementation, cfg, return_lse)
   check_flag("return_statistics", return_statistics)
   if cfg.options.center_kv:
-    _check_center_kv(implementation, cfg, return_lse or return_statistics)
+    _check_center_kv(cfg, return_lse or return_statistics)
   if return_statistics and (implementation != "pallas" or return_lse):
     raise ValueError(
       "return_statistics=True is only available for 'pallas', and holds "
@@ -326,13 +338,9 @@ def _check_implementation_options(
     )
 
 
-def _check_center_kv(implementation, cfg: KernelConfig, returns) -> None:
-  if implementation not in FLASH_IMPLEMENTATIONS:
-    raise ValueError(
-      f"center_kv=True is an option of our flash kernels "
-      f"{list(FLASH_IMPLEMENTATIONS)}, not of implementation="
-      f"{implementation!r}, whose backward differentiates its own P."
-    )
+def _check_center_kv(cfg: KernelConfig, returns) -> None:
+  """What center_kv refuses once the features are known (the
+  implementation was checked by `check_options_for`)."""
   reason = centring.refusal(cfg)
   if reason:
     raise ValueError(reason + ".")
