@@ -225,6 +225,21 @@ def test_a_training_run_captures_and_the_audit_launcher_passes_xla(tmp_path):
   assert {r["detail"] for r in rows if r["regime"] == "captured"} == {
     f"step {s}, layer {i}" for s in (0, 12) for i in (0, 1)
   }
+  # The report lists every captured step and layer with its statistics
+  # and its verdict per rule, and every head.
+  report = (tmp_path / "audit" / "report.md").read_text()
+  section = report.split("## The model's own tensors, layer by layer")[1]
+  for s in (0, 12):
+    for i in (0, 1):
+      lines = [
+        x for x in section.splitlines() if f"| step {s}, layer {i} |" in x
+      ]
+      assert len(lines) == 2 + 2, lines  # two policies, two heads
+      assert all("pass" in x for x in lines[:2]), lines
+  headline = json.loads((tmp_path / "audit" / "headline.json").read_text())
+  assert {"key_offset_ratio", "value_offset_ratio", "max_logit"} <= set(
+    headline["captured"][0]
+  )
 
 
 @pytest.mark.slow

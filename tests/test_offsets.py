@@ -240,3 +240,124 @@ def test_center_kv_compiled_matches_interpret_accuracy(implementation):
   assert compiled[1] < base[1] / 30, (compiled, base)
   for c, i in zip(compiled, interpreted):
     assert c <= 1.5 * i, (compiled, interpreted)
+
+
+def test_the_docs_quote_the_stored_offset_study_as_its_rows_give_it():
+  import json
+
+  from helpers import results_page, stored_run
+
+  from stableattn.auditing import offset_mechanism
+
+  folder = stored_run("key-offset-2026-11-28")
+  rows = [
+    json.loads(line)
+    for line in (folder / "mechanism" / "rows.jsonl").read_text().splitlines()
+  ]
+  page = results_page(folded=False)
+  assert offset_mechanism.table(rows) in page
+  audits = offset_mechanism.load_audits(folder / "audits")
+  assert offset_mechanism.kernels_table(audits) in page
+  # The claims the findings rest on, read from the rows.
+  captured = [r for r in rows if r["counterfactual"] == "captured"]
+  large = [r for r in captured if r["key_offset"] >= 7.5]
+  assert {r["capture"] for r in large} and all(
+    r["dq_flex_ratio"] > 50 for r in large if r["kernel"] == "bf16-fa2"
+  )
+  assert all(
+    r["dq_flex_ratio"] < 1 for r in captured if "stable" in r["kernel"]
+  )
+  verdicts = {name: h["verdict"] for name, (h, _) in audits.items()}
+  assert verdicts["jax_mha"] == verdicts["pallas"] == "FAILED"
+  assert verdicts["pallas_center_kv"] == verdicts["xla"] == "PASSED"
+
+
+def test_the_captured_section_places_each_layer_and_gives_its_verdicts():
+  from helpers import stored_run
+
+  from stableattn.auditing import captured_report, captures
+
+  layers = captures.load(
+    stored_run("key-offset-2026-11-28") / "smoke-lr0.3-captures",
+    steps=[10],
+  )
+  placed = [captured_report.layer_statistics(layer) for layer in layers]
+  assert [p["label"] for p in placed] == [
+    "step 10, layer 0",
+    "step 10, layer 1",
+  ]
+  # Layer 1's keys share a component (the mechanism table's 142).
+  assert placed[1]["key_offset_ratio"] > 100 > 3 > placed[0]["key_offset_ratio"]
+  rows = [
+    {
+      "regime": "captured", "detail": p["label"],
+      "policy": "bf16-framework", "tensor": tensor,
+      "flexattention_value": value, "flexattention_limit": 1.0,
+      "flexattention_passed": value <= 1.0, "flexattention_applies": True,
+    }
+    for p, value in zip(placed, (0.5, 200.0))
+    for tensor in ("out", "dq")
+  ]  # fmt: skip
+  lines = captured_report.section(rows, placed, ("flexattention",))
+  text = "\n".join(lines)
+  assert "| step 10, layer 0 | bf16-framework |" in text
+  assert "pass 0.5x (out)" in text and "FAIL 2e+02x (out)" in text
+  heads = [x for x in lines[-1].splitlines() if x.startswith("| step 10")]
+  assert len(heads) == 4  # two layers of two heads
+
+
+def test_the_docs_quote_the_stored_training_runs_as_their_rows_give_them():
+  import json
+
+  from helpers import results_page, stored_run
+
+  from stableattn.auditing import offset_mechanism
+
+  folder = stored_run("key-offset-2026-11-28")
+  runs = {
+    f"lr {lr}": [
+      json.loads(line)
+      for line in (folder / f"training-lr{lr}" / "metrics-selected.jsonl")
+      .read_text()
+      .splitlines()
+    ]
+    for lr in ("0.03", "0.3")
+  }
+  assert offset_mechanism.training_table(runs) in results_page(folded=False)
+
+
+def test_the_running_sum_cosine_sees_a_bias_that_keeps_its_direction():
+  from stableattn.training.drift import attention_grad_error_rows
+
+  rng = np.random.default_rng(0)
+  bias = rng.standard_normal((8, 8))
+  exact = {"w": np.ones((8, 8))}
+  running, noisy = None, None
+  for step in range(6):
+    error = {"w": bias + 0.3 * rng.standard_normal((8, 8))}
+    (row,) = attention_grad_error_rows("r", step, error, exact, None, running)
+    running = {"w": error["w"] + (running["w"] if running else 0.0)}
+  assert row["cos_running_sum"] > 0.9
+  for step in range(6):
+    error = {"w": rng.standard_normal((8, 8))}
+    (row,) = attention_grad_error_rows("r", step, error, exact, None, noisy)
+    noisy = {"w": error["w"] + (noisy["w"] if noisy else 0.0)}
+  assert abs(row["cos_running_sum"]) < 0.5
+
+
+def test_the_docs_quote_the_stored_price_of_the_fixes():
+  import json
+
+  from helpers import REPO, stored_run
+
+  from stableattn.auditing import offset_mechanism
+
+  rows = [
+    json.loads(line)
+    for line in (stored_run("key-offset-2026-11-28") / "price_interpret.jsonl")
+    .read_text()
+    .splitlines()
+  ]
+  table = offset_mechanism.price_table(rows)
+  assert table.count("\n") == 5  # four points, each timed
+  assert table in (REPO / "docs" / "precision.md").read_text()

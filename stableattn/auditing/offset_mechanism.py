@@ -270,3 +270,136 @@ def kernels_table(audits: dict) -> str:
       ]
     )
   return reporting_table(header, body)
+
+
+def load_audits(root) -> dict:
+  """{run directory name: (headline, rows)} of the audits under `root`
+  (`launch/offset_audits.sh`), by name."""
+  import json
+  import pathlib
+
+  out = {}
+  for folder in sorted(p for p in pathlib.Path(root).iterdir() if p.is_dir()):
+    headline = folder / "headline.json"
+    if headline.exists():
+      rows = [
+        json.loads(line)
+        for line in (folder / "metrics.jsonl").read_text().splitlines()
+      ]
+      out[folder.name] = (json.loads(headline.read_text()), rows)
+  return out
+
+
+TRAINING_RUNS = {
+  "flash": "bf16-fa2",
+  "flash_fixed": "center_kv",
+  "flash_stable": "bf16-fa2-stable",
+}
+
+
+def _median(values) -> float:
+  values = [v for v in values if v is not None]
+  return float(np.median(values)) if values else float("nan")
+
+
+def _spikes(losses_by_step) -> int:
+  """Logged steps whose eval loss rose by more than 10% over the last."""
+  steps = sorted(losses_by_step)
+  return sum(
+    losses_by_step[b] > 1.1 * losses_by_step[a]
+    for a, b in zip(steps, steps[1:])
+  )
+
+
+def training_table(runs: dict) -> str:
+  """Markdown: per training run ({label: metrics rows}) and flash arm,
+  the W_Q gradient error against FP32 attention's (relative norm, first
+  and second half of the logged steps), its cosine with the previous
+  logged error and with the sum of every earlier one (median, largest),
+  the layers' largest key offset, loss spikes and the final eval loss
+  (mean over replicates)."""
+  header = [
+    "run", "arm", "W_Q error (1st half)", "(2nd half)", "cos previous",
+    "cos running sum", "largest", "key offset (max)", "loss spikes",
+    "final eval loss",
+  ]  # fmt: skip
+  body = []
+  for label, rows in runs.items():
+    end = max(r["step"] for r in rows if r.get("kind") == "run")
+    for run, arm in TRAINING_RUNS.items():
+      offsets = [
+        r["key_offset_ratio"]
+        for r in rows
+        if r.get("kind") == "attention" and r["run"] == run
+      ]
+      errors = [
+        r
+        for r in rows
+        if r.get("kind") == "grad_error"
+        and r["run"] == run
+        and r["weight"].endswith("query")
+      ]
+      steps = sorted({r["step"] for r in errors})
+      half = set(steps[: len(steps) // 2])
+      evals = [r for r in rows if r.get("kind") == "run" and r["run"] == run]
+      spikes = 0
+      for replicate in {r["replicate"] for r in evals}:
+        mine = {
+          r["step"]: r["eval_loss"]
+          for r in evals
+          if r["replicate"] == replicate
+        }
+        spikes += _spikes(mine)
+      summed = [r["cos_running_sum"] for r in errors]
+      first = [r["rel_error"] for r in errors if r["step"] in half]
+      second = [r["rel_error"] for r in errors if r["step"] not in half]
+      body.append(
+        [
+          label,
+          arm,
+          f"{_median(first):.2g}",
+          f"{_median(second):.2g}",
+          f"{_median(r['cos_previous'] for r in errors):.2f}",
+          f"{_median(summed):.2f}",
+          f"{max(v for v in summed if v is not None):.2f}",
+          f"{max(offsets):.3g}",
+          spikes,
+          f"{np.mean([r['eval_loss'] for r in evals if r['step'] == end]):.3f}",
+        ]
+      )
+  return reporting_table(header, body)
+
+
+def price_table(rows) -> str:
+  """Markdown: the fixes' time against the base preset's, per mode and
+  masking, from the price stage's rows (`launch/gpu_stage.py`)."""
+  points: dict = {}
+  for r in rows:
+    if "median_ms" not in r:
+      continue
+    name = r["implementation"]
+    if name == "pallas":
+      name = "stable" if r["precision"].endswith("-stable") else "base"
+    key = (r["mode"], r["causal"], r["seq_len"], r["pair"])
+    points.setdefault(key, {})[name] = r["median_ms"]
+  body = []
+  for (mode, causal, length, pair), times in sorted(points.items()):
+    base = times.get("base")
+    body.append(
+      [
+        mode.replace("_", "+"),
+        "yes" if causal else "no",
+        length,
+        pair,
+        f"{base:.1f}" if base else "-",
+        *(
+          f"{times[n]:.1f} ({times[n] / base:.2f}x)"
+          if base and n in times
+          else "-"
+          for n in ("stable", "center_kv")
+        ),
+      ]
+    )
+  header = ["mode", "causal", "length", "base preset", "base ms", "stable ms",
+            "center_kv ms"]  # fmt: skip
+  return reporting_table(header, body)

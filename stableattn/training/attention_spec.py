@@ -66,12 +66,14 @@ class AttentionSpec:
   @property
   def kernel_monitors(self) -> bool:
     """Whether our kernel computes the flash output and can give the
-    monitor's statistics from its own pass: one device, no split-KV."""
+    monitor's statistics from its own pass: one device, no split-KV, and
+    uncentred keys (center_kv's scores are each row's less q.mean(K))."""
     return (
       self.kind in ("pallas", SHADOW)
       and self.context_parallel == 1
       and self.options.num_splits is None
       and self.options.split_size is None
+      and not self.options.center_kv
     )
 
   def flash_with_statistics(self, q, k, v):

@@ -80,7 +80,12 @@ def top_singular_share(matrix: np.ndarray) -> float:
 
 
 def attention_grad_error_rows(
-  run: str, step: int, errors: dict, exact: dict, previous: dict | None
+  run: str,
+  step: int,
+  errors: dict,
+  exact: dict,
+  previous: dict | None,
+  running: dict | None = None,
 ) -> list[dict]:
   """One row per attention weight: the flash run's gradient error.
 
@@ -88,7 +93,9 @@ def attention_grad_error_rows(
   errors that point the same way step after step and are low-rank, so they
   accumulate instead of averaging out. Per weight: the error's size
   relative to the exact gradient, its cosine with the previous logged
-  error (None at the first), and its top singular value's energy share.
+  error (None at the first) and with `running`, the sum of every earlier
+  logged error (a bias that keeps one direction grows this towards 1),
+  and its top singular value's energy share.
   """
   rows = []
   for weight, error in errors.items():
@@ -104,6 +111,11 @@ def attention_grad_error_rows(
         "cos_previous": (
           cosine(error, previous[weight])
           if previous is not None and weight in previous
+          else None
+        ),
+        "cos_running_sum": (
+          cosine(error, running[weight])
+          if running is not None and weight in running
           else None
         ),
         "top_singular_share": top_singular_share(error),

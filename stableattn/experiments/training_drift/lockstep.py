@@ -94,6 +94,7 @@ class Lockstep:
     }
     self.last_train: dict = {}  # (run, replicate) -> last step's metrics
     self.previous_errors: dict = {}  # (run, replicate) -> grad errors
+    self.error_sums: dict = {}  # (run, replicate) -> summed grad errors
     self.batch_shards = None
     self.rows: list[dict] = []
     # The base run on another machine (pair other_machine), if asked for.
@@ -280,9 +281,14 @@ class Lockstep:
         name,
         tag,
         self.previous_errors.get((name, replicate)),
+        self.error_sums.get((name, replicate)),
       )
       rows += new
       self.previous_errors[name, replicate] = errors
+      earlier = self.error_sums.get((name, replicate), {})
+      self.error_sums[name, replicate] = {
+        w: e + earlier.get(w, 0.0) for w, e in errors.items()
+      }
     params = {
       n: jax.device_get(self.states[n, replicate].params) for n in self.trainers
     }

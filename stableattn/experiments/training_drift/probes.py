@@ -84,16 +84,19 @@ class AttentionGradError:
     return self._pairs(state.params, batch)
 
 
-def grad_error_rows(probe, state, batch, name, tag, previous):
+def grad_error_rows(probe, state, batch, name, tag, previous, running=None):
   """(rows, errors): the flash kernel's attention-gradient error against
-  FP32 attention on `batch`, and its cosine with the `previous` errors."""
+  FP32 attention on `batch`, and its cosine with the `previous` errors
+  and with `running`, their sum over every earlier log."""
   grads = jax.device_get(probe(state, batch))
   exact = {w: np.asarray(g, np.float64) for w, (_, g) in grads.items()}
   errors = {
     w: np.asarray(flash, np.float64) - exact[w]
     for w, (flash, _) in grads.items()
   }
-  rows = attention_grad_error_rows(name, tag["step"], errors, exact, previous)
+  rows = attention_grad_error_rows(
+    name, tag["step"], errors, exact, previous, running
+  )
   return [{**row, "replicate": tag["replicate"]} for row in rows], errors
 
 

@@ -295,6 +295,9 @@ def grad_error_section(rows, headline) -> list[str]:
   for run in sorted({r["run"] for r in errors}):
     mine = [r for r in errors if r["run"] == run]
     cos = [r["cos_previous"] for r in mine if r["cos_previous"] is not None]
+    summed = [
+      r["cos_running_sum"] for r in mine if r.get("cos_running_sum") is not None
+    ]
     share = [r["top_singular_share"] for r in mine]
     excess = [
       r["top_singular_share"] / random_share[tuple(r["shape"])] for r in mine
@@ -304,6 +307,7 @@ def grad_error_section(rows, headline) -> list[str]:
         run,
         spread([r["rel_error"] for r in mine]),
         spread(cos),
+        spread(summed),
         spread(share),
         spread(excess),
       ]
@@ -346,6 +350,7 @@ def grad_error_section(rows, headline) -> list[str]:
         "run",
         "error norm / gradient norm",
         "cosine with previous error",
+        "cosine with the sum of earlier errors",
         "top singular share",
         "share / Gaussian's",
       ],
