@@ -38,7 +38,6 @@ from stableattn.auditing.kernel_audit import (
   measure_case,
   measured_or_error,
   regime_rows,
-  shift_rows,
 )
 from stableattn.auditing.report import write_report
 from stableattn.contract.options import Options
@@ -266,7 +265,7 @@ def run(config, workdir, *, restart: bool = False) -> dict:
       bitwise, shifts = invariance.split(s.invariances)
       first = cases(s.shapes, s.distributions, 1)[0]
       if shifts:
-        new, skipped, raised = shift_rows(
+        new, skipped, raised = regimes.shift_rows(
           fn, policy, first, shifts, s.repeats, _tensors(s), RULES
         )
         new = [{"kernel": s.kernel, **r} for r in new]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.auditing import captures, invariance, offsets
+from stableattn.auditing import captures, invariance
 from stableattn.auditing import regimes as regimes_lib
 from stableattn.auditing.feature_recipes import FeatureRecipe
 from stableattn.auditing.inputs import (
@@ -317,23 +317,6 @@ def regime_rows(fn, policy, shapes, edge_regimes, repeats, tensors, rules):
   return rows, notes, errors
 
 
-def shift_rows(fn, policy, first: Case, shifts, repeats, tensors, rules):
-  """(rows, notes, errors) of the shift invariances `shifts`
-  (`offsets.SHIFT_INVARIANCES`) at the grid's first case's input."""
-  rows, notes, errors = [], [], []
-  for name in shifts:
-    built = offsets.shift_cases(
-      name, first.shape, first.distribution, first.seed
-    )
-    found, skipped, raised = regimes_lib.measure_cases(
-      fn, policy, built, repeats, tensors, rules
-    )
-    rows += found
-    notes += skipped
-    errors += raised
-  return rows, notes, errors
-
-
 def audit(
   fn,
   *,
@@ -436,7 +419,7 @@ def audit(
     errors += raised
   probes, shifts = invariance.split(probes)
   first = all_cases[0]
-  found, skipped, raised = shift_rows(
+  found, skipped, raised = regimes_lib.shift_rows(
     fn, policy, first, shifts, repeats, tuple(tensors), rules
   )
   rows += found
