@@ -98,7 +98,7 @@ def test_captures_on_the_map_are_audited_and_tabled(tmp_path):
      f"--audits={tmp_path / 'audit'}", f"--out={out}"],
     check=True, cwd=REPO, timeout=600, capture_output=True, text=True,
   ).stdout  # fmt: skip
-  found = json.loads(out.read_text())["xla bf16"]
+  found = json.loads(out.read_text())["drawn map"]["xla bf16"]
   layers = sum(found[k] for k in ("hit", "false_alarm", "missed", "quiet"))
   assert layers == len(found["layers"]) > 0
   assert "| xla bf16 |" in printed

@@ -61,6 +61,7 @@ def test_a_head_that_enters_and_leaves_is_named_with_its_steps():
       "left": None,
       "max_logit": 150.0,
       "near_tied_share": 0.0,
+      "key_offset_ratio": None,  # the records have no key offsets
     },
     {
       "layer": 0,
@@ -70,6 +71,7 @@ def test_a_head_that_enters_and_leaves_is_named_with_its_steps():
       "left": 20,
       "max_logit": 20.0,
       "near_tied_share": 0.5,
+      "key_offset_ratio": None,
     },
   ]
   assert found["kernels"] == ["kernel a"] and found["heads"] == [2, 2]

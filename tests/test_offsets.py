@@ -278,7 +278,8 @@ def test_the_captured_section_places_each_layer_and_gives_its_verdicts():
   from stableattn.auditing import captured_report, captures
 
   layers = captures.load(
-    stored_run("key-offset-2026-11-28") / "smoke-lr0.3-captures",
+    stored_run("key-offset-2026-11-28")
+    / "calibration/captures/smoke-lr0.3-40steps",
     steps=[10],
   )
   placed = [captured_report.layer_statistics(layer) for layer in layers]
@@ -361,3 +362,87 @@ def test_the_docs_quote_the_stored_price_of_the_fixes():
   table = offset_mechanism.price_table(rows)
   assert table.count("\n") == 5  # four points, each timed
   assert table in (REPO / "docs" / "precision.md").read_text()
+
+
+def test_the_captured_calibration_is_fitted_and_names_the_runs_own_kernel():
+  from stableattn.auditing import map_check, monitor_verdict
+
+  # Layers where bf16-fa2 missed exactly where the keys shared a large
+  # component or the rows tied; jax_mha everywhere.
+  points = {
+    "bfloat16": {
+      f"l{i}": {"key_offset_ratio": o, "near_tied_share": t, "max_logit": 9.0}
+      for i, (o, t) in enumerate(
+        [(0.5, 0.0), (1.0, 0.01), (8.0, 0.0), (60.0, 0.02), (1.2, 0.6)]
+      )
+    }
+  }
+  misses = {
+    "pallas bf16-fa2": {"l0": False, "l1": False, "l2": True, "l3": True,
+                        "l4": True},
+    "jax_mha bf16": {f"l{i}": True for i in range(5)},
+    "xla bf16": {f"l{i}": False for i in range(5)},
+  }  # fmt: skip
+  fitted = map_check.fit_captured(points, misses)
+  assert all(e["errors"] == 0 for e in fitted.values()), fitted
+  assert 1.0 < fitted["pallas bf16-fa2"]["key_offset_ratio"] <= 8.0
+  assert fitted["jax_mha bf16"]["key_offset_ratio"] == 0.0
+  assert fitted["xla bf16"]["key_offset_ratio"] == float("inf")
+  confusion = map_check.captured_confusion(points, misses, fitted)
+  assert confusion["pallas bf16-fa2"]["recall"] == 1.0
+  # Stored and read back (infinity as null), the verdict names the run's
+  # own kernel where a head's keys share a component.
+  from stableattn.auditing import thresholds
+
+  data = {**thresholds.load(), "captured": {"kernels": {
+    name: {k: (None if v == float("inf") else v) for k, v in e.items()}
+    for name, e in fitted.items()
+  }}}  # fmt: skip
+  records = [
+    {
+      "step": step,
+      "layer": 1,
+      "max_logit_per_head": np.array([20.0, 15.0]),
+      "near_tied_share_per_head": np.array([0.0, 0.0]),
+      "key_offset_ratio_per_head": np.array([offset, 0.3]),
+    }
+    for step, offset in ((10, 0.4), (20, 90.0), (30, 50.0))
+  ]
+  found = monitor_verdict.verdict(records, data, kernel="pallas bf16-fa2")
+  assert found["own_kernel_misses"] is True
+  assert found["lines"][0].startswith("The run's own kernel, `pallas bf16-fa2`")
+  assert "first at step 20" in found["lines"][0]
+  assert "key offset 90" in found["lines"][0]
+  quiet = monitor_verdict.verdict(records[:1], data, kernel="pallas bf16-fa2")
+  assert quiet["own_kernel_misses"] is False
+  assert "predicted to pass" in quiet["lines"][0]
+
+
+def test_the_captured_calibration_is_fitted_from_stored_captures_as_stored():
+  """The monitor's captured calibration is what `fit_captured` gives on
+  the stored calibration layers and audits, and the docs' held-out table
+  is what it gives on the held-out ones."""
+  from helpers import results_page, stored_run
+
+  from stableattn.auditing import map_check, thresholds
+
+  root = stored_run("key-offset-2026-11-28")
+
+  def points_and_misses(part):
+    points = map_check.layer_points(root / part / "captures")
+    misses = {}
+    for audit in sorted((root / part).glob("audit_*")):
+      if audit.is_dir():
+        misses.update(map_check.audit_misses(audit))
+    return points, misses
+
+  fitted = map_check.fit_captured(*points_and_misses("calibration"))
+  stored = map_check.captured_entries(thresholds.load())
+  assert {
+    n: {a: e[a] for a in map_check.CAPTURED_AXES} for n, e in fitted.items()
+  } == {
+    n: {a: e[a] for a in map_check.CAPTURED_AXES} for n, e in stored.items()
+  }
+  held = map_check.captured_confusion(*points_and_misses("held-out"), stored)
+  assert len(held["pallas bf16-fa2"]["layers"]) == 25
+  assert map_check.confusion_table(held) in results_page(folded=False)

@@ -5,12 +5,10 @@ and the kernel's verdict per rule on it."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from stableattn.auditing import captures, thresholds
 from stableattn.harness.reporting import table
-from stableattn.numerics.monitor import offset_ratio
 from stableattn.numerics.rules import RULES
 
 
@@ -22,11 +20,10 @@ def layer_statistics(layer: captures.CapturedLayer, data=None) -> dict:
   predicts to miss there (`thresholds.kernels_missing_at`)."""
   t = layer.tensors
   stats = captures.statistics(layer)
-  per_head = {}
-  for name, x in (("key_offset_ratio", t["k"]), ("value_offset_ratio", t["v"])):
-    ratios = np.asarray(offset_ratio(jnp.asarray(x, jnp.float32), False))
-    stats[name] = float(np.max(ratios))
-    per_head[name] = [float(r) for r in ratios]
+  per_head = {
+    f"{name}_offset_ratio": captures.offset_ratios(t[x]).tolist()
+    for name, x in (("key", "k"), ("value", "v"))
+  }
   s = captures.logits(t["q"], t["k"], layer.features.get("causal"))
   per_head["max_logit"] = [float(x) for x in np.max(s, axis=(0, 2, 3))]
   data = thresholds.load() if data is None else data

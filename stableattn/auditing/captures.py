@@ -263,9 +263,10 @@ def logits(q, k, causal: bool) -> np.ndarray:
 
 def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
   """Where a captured layer sits among the audit's regimes: its largest
-  logit and the share of rows whose two largest logits tie within one
-  ulp of `input_format` ("bfloat16", "float16"; None: the tensors' own
-  dtype), causal rows with two keys or more."""
+  logit, the share of rows whose two largest logits tie within one ulp of
+  `input_format` ("bfloat16", "float16"; None: the tensors' own dtype),
+  causal rows with two keys or more, and its key and value offset ratios
+  (the largest head's, `offset_ratios`)."""
   import ml_dtypes
 
   s = logits(
@@ -284,4 +285,19 @@ def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
         gap <= ulp[..., 1:] if layer.features.get("causal") else gap <= ulp
       )
     ),
+    **{
+      f"{name}_offset_ratio": float(np.max(offset_ratios(layer.tensors[x])))
+      for name, x in (("key", "k"), ("value", "v"))
+    },
   }
+
+
+def offset_ratios(x) -> np.ndarray:
+  """[H]: the monitor's `offset_ratio` per head of x [B, S, H, D] (a
+  component every token shares, over their spread about it)."""
+  import jax.numpy as jnp
+
+  from stableattn.numerics.monitor import offset_ratio
+
+  ratios = offset_ratio(jnp.asarray(x, jnp.float32), over_heads=False)
+  return np.asarray(ratios, np.float64)

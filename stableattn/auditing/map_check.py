@@ -126,8 +126,9 @@ def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
 
 def confusion_table(found: dict) -> str:
   """Markdown: per kernel (in the calibration's order), predicted against
-  measured misses."""
+  measured misses (and the recall, where the confusion has it)."""
   rows = []
+  recall = any("recall" in c for c in found.values())
   for name in sorted(found, key=list(thresholds.KERNELS).index):
     c = found[name]
     rate = c["false_alarm_rate"]
@@ -140,6 +141,9 @@ def confusion_table(found: dict) -> str:
         c["quiet"],
         "-" if rate is None else f"{rate:.2f}",
       ]
+      + (
+        ["-" if c["recall"] is None else f"{c['recall']:.2f}"] if recall else []
+      )
     )
   header = [
     "kernel",
@@ -148,7 +152,7 @@ def confusion_table(found: dict) -> str:
     "not predicted, missed",
     "not predicted, passed",
     "false-alarm rate",
-  ]
+  ] + (["recall"] if recall else [])
   return table(header, rows)
 
 
@@ -189,3 +193,123 @@ def held_out_tie_threshold(layers: dict) -> dict:
     }
     total = {k: total[k] + held[k] for k in total}
   return {"sizes": out, "total": total}
+
+
+# A kernel is predicted to miss on a layer whose key offset or near-tie
+# share reaches its thresholds.
+CAPTURED_AXES = ("key_offset_ratio", "near_tied_share")
+
+
+def predicted_on_captures(entry: dict, point: dict) -> bool:
+  """Whether a captured calibration `entry` predicts a miss at `point`
+  (`layer_points`' statistics, or a monitor record's)."""
+  return any(point[axis] >= entry[axis] for axis in CAPTURED_AXES)
+
+
+def fit_captured(points: dict, misses: dict) -> dict:
+  """Per kernel: the thresholds that make the fewest errors on captured
+  layers (misses and false alarms counted alike). The key offset comes
+  first, the axis Qiu & Yao's Eq. 1 names: its threshold alone, the
+  highest of those with the fewest errors (fewer alarms); the near-tie
+  share joins only where a pair makes strictly fewer errors. A kernel
+  that missed nowhere gets infinite thresholds (never predicted); one
+  that missed everywhere, 0. Returns {kernel: {"key_offset_ratio",
+  "near_tied_share", "layers", "errors"}}."""
+  out = {}
+  for name, measured in sorted(misses.items()):
+    layers = [
+      {**points[input_format(name)][label], "measured": failed}
+      for label, failed in measured.items()
+    ]
+    grids = [
+      sorted({0.0, float("inf"), *(x[axis] for x in layers)})
+      for axis in CAPTURED_AXES
+    ]
+
+    def errors(pair, layers=layers):
+      entry = dict(zip(CAPTURED_AXES, pair))
+      return sum(
+        predicted_on_captures(entry, x) != x["measured"] for x in layers
+      )
+
+    alone = [(t, float("inf")) for t in grids[0]]
+    best = min(alone, key=lambda pair: (errors(pair), -pair[0]))
+    if all(x["measured"] for x in layers):
+      best = (0.0, float("inf"))  # no layer says where it would pass
+    pairs = [(a, b) for a in grids[0] for b in grids[1]]
+    better = [p for p in pairs if errors(p) < errors(best)]
+    if better:
+      best = min(better, key=lambda p: (errors(p), -p[0], -p[1]))
+    out[name] = {
+      **dict(zip(CAPTURED_AXES, best)),
+      "layers": len(layers),
+      "errors": errors(best),
+    }
+  return out
+
+
+def captured_confusion(points: dict, misses: dict, calibration: dict) -> dict:
+  """`confusion`'s table for the captured calibration: each kernel's
+  thresholds (`fit_captured`) judged on these layers."""
+  out = {}
+  for name, measured in misses.items():
+    entry = calibration.get(name)
+    if entry is None:
+      continue
+    counts = dict.fromkeys(OUTCOMES, 0)
+    layers = {}
+    for label, failed in sorted(measured.items()):
+      point = points[input_format(name)][label]
+      predicted = predicted_on_captures(entry, point)
+      counts[_outcome(predicted, failed)] += 1
+      layers[label] = {"predicted": predicted, "measured": failed, **point}
+    passed = counts["false_alarm"] + counts["quiet"]
+    missed = counts["hit"] + counts["missed"]
+    out[name] = {
+      **counts,
+      "false_alarm_rate": counts["false_alarm"] / passed if passed else None,
+      "recall": counts["hit"] / missed if missed else None,
+      "layers": layers,
+    }
+  return out
+
+
+def write_captured(
+  calibration: dict, sources, audits, path=thresholds.DATA
+) -> None:
+  """Stores the captured calibration beside the drawn one in the
+  monitor's data (`thresholds.load`), with the command that fitted it."""
+  data = thresholds.load(path)
+  data["captured"] = {
+    "command": "python launch/monitor_map_check.py --fit "
+    f"--captures={','.join(map(str, sources))} "
+    f"--audits={','.join(map(str, audits))}",
+    "captures": [str(s) for s in sources],
+    "kernels": {
+      name: {k: (None if v == float("inf") else v) for k, v in e.items()}
+      for name, e in calibration.items()
+    },
+  }
+  pathlib.Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def captured_entries(data) -> dict:
+  """{kernel: {"key_offset_ratio", "near_tied_share", ...}} of the
+  captured calibration (`fit_captured`, stored by
+  `launch/monitor_map_check.py --fit`), a threshold never reached
+  stored as null and read back as infinity; {} where none was written."""
+  kernels = data.get("captured", {}).get("kernels", {})
+  return {
+    name: {k: float("inf") if v is None else v for k, v in entry.items()}
+    for name, entry in kernels.items()
+  }
+
+
+def kernels_missing_on_captures(point: dict, data) -> list[str]:
+  """The kernels the captured calibration predicts to miss at `point`
+  ({"key_offset_ratio", "near_tied_share"}): their thresholds reached."""
+  return [
+    name
+    for name, entry in captured_entries(data).items()
+    if predicted_on_captures(entry, point)
+  ]

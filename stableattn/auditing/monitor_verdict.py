@@ -17,7 +17,9 @@ import dataclasses
 
 import numpy as np
 
-from stableattn.auditing import thresholds
+from stableattn.auditing import map_check, thresholds
+
+OFFSETS = "key_offset_ratio_per_head"
 
 # Remedies for a head in a kernel's miss region, in the order to try them,
 # each with what it changes (Wortsman et al. 2023 for QK-norm; Gemma 2 for
@@ -44,6 +46,7 @@ class Entry:
   left: int | None  # the first logged step out of it again; None: stayed
   max_logit: float  # the head's statistics where it entered
   near_tied_share: float
+  key_offset_ratio: float | None = None  # None: the records had none
 
 
 def head_records(rows, run: str | None = None) -> list[dict]:
@@ -57,6 +60,11 @@ def head_records(rows, run: str | None = None) -> list[dict]:
       "max_logit_per_head": np.asarray(r["max_logit_per_head"], np.float64),
       "near_tied_share_per_head": np.asarray(
         r["near_tied_share_per_head"], np.float64
+      ),
+      **(
+        {"key_offset_ratio_per_head": np.asarray(r[OFFSETS], np.float64)}
+        if OFFSETS in r
+        else {}
       ),
     }
     for r in rows
@@ -73,8 +81,9 @@ def worst_over_replicates(records) -> list[dict]:
   for r in records:
     key = (r["step"], r["layer"])
     if key in worst:
-      for name in ("max_logit_per_head", "near_tied_share_per_head"):
-        r = {**r, name: np.maximum(r[name], worst[key][name])}
+      for name in ("max_logit_per_head", "near_tied_share_per_head", OFFSETS):
+        if name in r and name in worst[key]:
+          r = {**r, name: np.maximum(r[name], worst[key][name])}
     worst[key] = r
   return [worst[k] for k in sorted(worst)]
 
@@ -94,16 +103,25 @@ def records_of_layers(step: int, logits_LxH, ties_LxH) -> list[dict]:
 
 
 def timeline(records, data) -> dict:
-  """{(layer, head): [(step, kernels missing there), ...]} by step."""
+  """{(layer, head): [(step, kernels missing there, largest logit,
+  near-tie share, key offset), ...]} by step: the kernels the drawn map
+  places there and, where the records hold key offsets, those the
+  captured calibration predicts (`map_check.kernels_missing_on_captures`)."""
   out: dict = {}
   for rec in records:
-    pairs = zip(rec["max_logit_per_head"], rec["near_tied_share_per_head"])
-    for head, (logit, share) in enumerate(pairs):
-      kernels = tuple(
-        thresholds.kernels_missing_at(float(logit), data, float(share))
-      )
+    heads = len(rec["max_logit_per_head"])
+    offsets = rec.get(OFFSETS, np.full(heads, np.nan))
+    group = heads // len(offsets)  # a KV head's offset for its queries
+    for head in range(heads):
+      logit = float(rec["max_logit_per_head"][head])
+      share = float(rec["near_tied_share_per_head"][head])
+      offset = float(offsets[head // group])
+      kernels = set(thresholds.kernels_missing_at(logit, data, share))
+      if not np.isnan(offset):
+        point = {"key_offset_ratio": offset, "near_tied_share": share}
+        kernels |= set(map_check.kernels_missing_on_captures(point, data))
       out.setdefault((rec["layer"], head), []).append(
-        (rec["step"], kernels, float(logit), float(share))
+        (rec["step"], tuple(sorted(kernels)), logit, share, offset)
       )
   return {k: sorted(v) for k, v in sorted(out.items())}
 
@@ -114,18 +132,21 @@ def entries(records, data) -> list[Entry]:
   found = []
   for (layer, head), steps in timeline(records, data).items():
     current = None
-    for step, kernels, logit, share in steps:
+    for step, kernels, logit, share, offset in steps:
       if current is not None and kernels != current.kernels:
         found.append(dataclasses.replace(current, left=step))
         current = None
       if current is None and kernels:
-        current = Entry(layer, head, kernels, step, None, logit, share)
+        offset = None if np.isnan(offset) else offset
+        current = Entry(layer, head, kernels, step, None, logit, share, offset)
     if current is not None:
       found.append(current)
   return found
 
 
-def verdict(records, data=None, measured: dict | None = None) -> dict:
+def verdict(
+  records, data=None, measured: dict | None = None, kernel: str | None = None
+) -> dict:
   """The run's verdict from its per-head records (`head_records`, or the
   Flax drop-in's sown statistics as {"step", "layer",
   "max_logit_per_head", "near_tied_share_per_head"}):
@@ -138,7 +159,9 @@ def verdict(records, data=None, measured: dict | None = None) -> dict:
   `measured`: {remedy: where it was measured} for remedies a study
   measured (the drift study's stable pair, the stability sweep's arms);
   the others are marked "not measured". `data`: the calibration
-  (`thresholds.load()` by default)."""
+  (`thresholds.load()` by default). `kernel`: the run's own attention in
+  the calibration's names (`thresholds.calibration_name`): the verdict
+  says first whether it is among the kernels predicted to miss."""
   data = thresholds.load() if data is None else data
   if not data.get("regions"):
     raise ValueError(
@@ -162,8 +185,38 @@ def verdict(records, data=None, measured: dict | None = None) -> dict:
     "kernels": kernels,
     "heads": [len({(e.layer, e.head) for e in found}), len(heads)],
     "recommendations": recommendations if found else [],
-    "lines": _lines(found, len(heads), kernels, recommendations),
+    "own_kernel": kernel,
+    "own_kernel_misses": kernel in kernels if kernel else None,
+    "lines": _own_kernel_lines(found, kernel)
+    + _lines(found, len(heads), kernels, recommendations),
   }
+
+
+def _own_kernel_lines(found, kernel: str | None) -> list[str]:
+  """The verdict on the run's own kernel, first: where its heads went
+  that it is predicted to miss (key offsets and near ties from the
+  captured calibration, the largest logit from the drawn map)."""
+  if kernel is None:
+    return []
+  mine = [e for e in found if kernel in e.kernels]
+  if not mine:
+    return [f"The run's own kernel, `{kernel}`, is predicted to pass "
+            "wherever its heads went."]  # fmt: skip
+  worst = max(mine, key=lambda e: e.key_offset_ratio or 0.0)
+  heads = len({(e.layer, e.head) for e in mine})
+  offset = (
+    ""
+    if worst.key_offset_ratio is None
+    else f", key offset {worst.key_offset_ratio:.3g}"
+  )
+  return [
+    f"The run's own kernel, `{kernel}`, is predicted to miss a rule on "
+    f"{heads} head(s), first at step {min(e.entered for e in mine)} "
+    f"(e.g. layer {worst.layer} head {worst.head}: largest logit "
+    f"{worst.max_logit:.3g}, near-tie share {worst.near_tied_share:.2f}"
+    f"{offset}); a shared key component enters dQ through delta from "
+    "the stored O (docs/precision.md)."
+  ]
 
 
 def _lines(found, heads: int, kernels, recommendations) -> list[str]:
@@ -175,7 +228,8 @@ def _lines(found, heads: int, kernels, recommendations) -> list[str]:
   entered = len({(e.layer, e.head) for e in found})
   lines = [
     f"{entered} of {heads} heads entered a region where calibrated "
-    f"kernels miss a rule on drawn inputs ({', '.join(kernels)}):"
+    f"kernels miss a rule ({', '.join(kernels)}; the drawn 2-D map, or "
+    "the key offsets of captured layers):"
   ]
   for e in found[:12]:
     stay = (

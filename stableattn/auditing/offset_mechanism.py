@@ -26,7 +26,6 @@ from stableattn.auditing.inputs import round_to
 from stableattn.contract.golden import golden_attention, golden_attention_vjp
 from stableattn.contract.options import Options
 from stableattn.harness.reporting import table as reporting_table
-from stableattn.numerics.monitor import offset_ratio
 from stableattn.numerics.rules import flexattention_rule
 from stableattn.ops.registry import resolve
 
@@ -53,12 +52,6 @@ FORMAT = "bf16"
 def _centred(x):
   """x less its mean over tokens, per (batch row, head)."""
   return x - np.mean(x, axis=1, keepdims=True)
-
-
-def offset_ratios(x) -> np.ndarray:
-  """[H]: the monitor's `offset_ratio` per head of x [B, S, H, D]."""
-  ratios = offset_ratio(jnp.asarray(x, jnp.float32), over_heads=False)
-  return np.asarray(ratios, np.float64)
 
 
 def _run(name_options, q, k, v, d_out, causal):
@@ -103,10 +96,10 @@ def layer_rows(layer: captures.CapturedLayer, kernels=None) -> list[dict]:
     "capture": layer.label,
     "step": layer.step,
     "layer": layer.layer,
-    "key_offset": float(np.max(offset_ratios(t["k"]))),
-    "value_offset": float(np.max(offset_ratios(t["v"]))),
-    "key_offset_per_head": offset_ratios(t["k"]).tolist(),
-    "value_offset_per_head": offset_ratios(t["v"]).tolist(),
+    "key_offset": float(np.max(captures.offset_ratios(t["k"]))),
+    "value_offset": float(np.max(captures.offset_ratios(t["v"]))),
+    "key_offset_per_head": captures.offset_ratios(t["k"]).tolist(),
+    "value_offset_per_head": captures.offset_ratios(t["v"]).tolist(),
   }
   rows = []
   for counterfactual, (keys, values) in COUNTERFACTUALS.items():

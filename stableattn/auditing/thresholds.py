@@ -320,6 +320,18 @@ def kernels_missing_at(
   ]
 
 
+def calibration_name(implementation: str, policy: str) -> str | None:
+  """The calibration's name of a run's attention (`KERNELS`): our kernel
+  under its policy, or a peer at its input format; None where the
+  calibration has no such kernel (e.g. the Baseline, "reference")."""
+  if implementation == "pallas":
+    name = f"pallas {policy}"
+  else:
+    fmt = "fp32" if policy.startswith("fp32") else policy.split("-")[0]
+    name = f"{implementation} {fmt}"
+  return name if name in KERNELS else None
+
+
 def table(data) -> str:
   """Markdown: per kernel, the largest logit it passed up to and the one
   from which it missed, with what missed."""

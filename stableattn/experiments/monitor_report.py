@@ -39,13 +39,16 @@ def attention_section(attention) -> list[str]:
   ]
 
 
-def verdict_section(records_by_run: dict, out_dir, measured: dict, data=None):
+def verdict_section(
+  records_by_run: dict, out_dir, measured: dict, data=None, kernels=None
+):
   """(lines, the runs whose heads entered a region): per run (a cell of a
   sweep, a trained model), the monitor's verdict on its heads' records
   (`monitor_verdict`), worst over replicates, on the calibrated 2-D map;
   those that entered a region (or, none did, the first) drawn as heads x
   steps (`monitor_heads.png`, six at most). None without a map or
-  records."""
+  records. `kernels`: {run: its own attention's calibration name}, which
+  each run's verdict names first."""
   data = thresholds.load() if data is None else data
   if not records_by_run or not data.get("regions"):
     return [], []
@@ -54,7 +57,9 @@ def verdict_section(records_by_run: dict, out_dir, measured: dict, data=None):
     for run, records in records_by_run.items()
   }
   found = {
-    run: monitor_verdict.verdict(records, data, measured)
+    run: monitor_verdict.verdict(
+      records, data, measured, (kernels or {}).get(run)
+    )
     for run, records in worst.items()
   }
   entered = [run for run, v in found.items() if v["entries"]]

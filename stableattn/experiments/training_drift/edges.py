@@ -120,7 +120,15 @@ def monitor_section(run_dir, settings, rows, headline) -> list:
     measured["stable preset"] = (
       "measured in this run: pair stable_vs_baseline, above"
     )
-  lines, entered = verdict_section(records, run_dir.path, measured)
+  kernels = {
+    run: thresholds.calibration_name(
+      spec.attention.kind, spec.attention.options.precision.name
+    )
+    for run, spec in settings.runs.items()
+  }
+  lines, entered = verdict_section(
+    records, run_dir.path, measured, kernels=kernels
+  )
   headline["monitor_runs_entered"] = entered
   return lines
 
