@@ -70,10 +70,10 @@ def _attended(ops: MaskOperands, cfg: KernelConfig, k):
 
 # A channel is centred where its mean exceeds this multiple of its spread.
 # On 12 captured BF16 layers (results/cpu/key-offset-2026-11-28) 1.0 left
-# dQ 1.2-2.9x FlexAttention's limit on four layers of key offset 1.3-7.9,
-# 0.25 on three (1.2-3.2x), centring every channel (0) on three too, and
-# 0 also took normal inputs' output past the limit (1.05-1.07x, a second
-# rounding of V); 0.25 leaves them as they were (0.53-0.55x).
+# dQ 1.2-2.9x FlexAttention's limit on four layers (key offsets 1.3-11),
+# 0.25 1.2-3.2x on three, and centring every channel (0) 1.1-4.4x on
+# three; 0 also took normal inputs' output past the limit (1.05-1.07x, a
+# second rounding of V), which 0.25 leaves as it was (0.53-0.55x).
 DOMINANT = 0.25
 
 
