@@ -288,6 +288,7 @@ def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
     **{
       f"{name}_offset_ratio": float(np.max(offset_ratios(layer.tensors[x])))
       for name, x in (("key", "k"), ("value", "v"))
+      if x in layer.tensors  # a drawn case's statistics may hold q, k alone
     },
   }
 
