@@ -146,73 +146,62 @@ stage tests "$tests_s" "$python" -m pytest -m gpu -n "${TEST_WORKERS:-14}" \
 stage hopper "$hopper_s" "$python" launch/gpu_stage.py --stage=hopper \
   --out="$record/hopper.jsonl" "${small_flag[@]}"
 
-offsets_one() {  # NAME KERNEL [OPTIONS...]: the key-offset audit of one kernel
-  local name=$1 kernel=$2 shape=$audit_shape
-  shift 2
-  [ "$kernel" = mosaic_gpu ] && shape=$mosaic_audit_shape
-  OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
-  "$python" launch/audit.py --workdir="runs/gpu_session/offsets_$name" \
-    --config=smoke --config.kernel="$kernel" \
-    --config.precisions=bf16-framework "$@" --config.features=none \
-    --config.shapes="$shape" --config.regimes=key_offset \
-    --config.invariances=key_shift > "$record/offsets/$name.log" 2>&1
-  echo "offsets $name rc=$?"
-}
-offsets() {
-  rm -rf runs/gpu_session/offsets_*
-  for audit in "${offset_audits[@]}"; do
-    # shellcheck disable=SC2086
-    offsets_one $audit &
-  done
-  wait
-}
-export -f offsets_one
-export python audit_shape mosaic_audit_shape record
-stage offsets "$offsets_s" bash -c "$(declare -f offsets); $(declare -p offset_audits); offsets"
-for run in runs/gpu_session/offsets_*; do
-  [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$record/offsets/${run##*/offsets_}.jsonl"
-done
-save
-
-stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \
-  --out="$record/price.jsonl" "${small_flag[@]}"
-
-audit_one() {  # NAME KERNEL PRECISIONS [OPTIONS...]: one audit at the four regimes
-  local name=$1 kernel=$2 precisions=$3 shape=$audit_shape
+audit_one() {  # STAGE NAME KERNEL [OPTIONS...]: one kernel's audit, in the
+  # background of a stage's audits; rows in runs/gpu_session/STAGE_NAME.
+  local stage=$1 name=$2 kernel=$3 shape=$audit_shape
   shift 3
   [ "$kernel" = mosaic_gpu ] && shape=$mosaic_audit_shape
   # Two BLAS threads each: six audits' FP64 goldens with 16 threads apiece
   # thrashed the host's 16 cores (H100 session, 2026-11-26: four of six
   # audits were still in their first golden VJP after 130 s).
   OPENBLAS_NUM_THREADS=2 OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 \
-  "$python" launch/audit.py --workdir="runs/gpu_session/audit_$name" \
-    --config=smoke --config.kernel="$kernel" \
-    --config.precisions="$precisions" "$@" \
+  "$python" launch/audit.py --workdir="runs/gpu_session/${stage}_$name" \
+    --config=smoke --config.kernel="$kernel" "$@" \
     --config.features=none --config.shapes="$shape" \
-    --config.regimes=small_logits,poisoned_padding,finite_mask,tied_maxima \
-    > "$record/audit/$name.log" 2>&1
-  echo "audit $name rc=$?"
+    > "$record/$stage/$name.log" 2>&1
+  echo "$stage $name rc=$?"
 }
-regimes() {
-  rm -rf runs/gpu_session/audit_*
-  for kernel in "${kernels[@]}"; do
-    audit_one "$kernel" "$kernel" bf16-framework &
+keep_rows() {  # STAGE: the rows its audits appended, a cut-off one's too
+  for run in runs/gpu_session/"$1"_*; do
+    [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$record/$1/${run##*/$1_}.jsonl"
   done
-  # The stable presets, one process per format.
-  for precisions in fp32 bf16-framework fp16-framework; do
-    audit_one "pallas_stable_${precisions%-framework}" pallas "$precisions" \
-      --config.kernel_precision=stable &
-  done
-  wait
+  save
 }
 export -f audit_one
 export python audit_shape mosaic_audit_shape record
+
+offsets() {
+  rm -rf runs/gpu_session/offsets_*
+  for audit in "${offset_audits[@]}"; do
+    # shellcheck disable=SC2086
+    audit_one offsets $audit --config.precisions=bf16-framework \
+      --config.regimes=key_offset --config.invariances=key_shift &
+  done
+  wait
+}
+stage offsets "$offsets_s" bash -c "$(declare -f offsets); $(declare -p offset_audits); offsets"
+keep_rows offsets
+
+stage price "$price_s" "$python" launch/gpu_stage.py --stage=price \
+  --out="$record/price.jsonl" "${small_flag[@]}"
+
+regimes() {
+  local four=small_logits,poisoned_padding,finite_mask,tied_maxima
+  rm -rf runs/gpu_session/audit_*
+  for kernel in "${kernels[@]}"; do
+    audit_one audit "$kernel" "$kernel" --config.precisions=bf16-framework \
+      --config.regimes="$four" &
+  done
+  # The stable presets, one process per format.
+  for precisions in fp32 bf16-framework fp16-framework; do
+    audit_one audit "pallas_stable_${precisions%-framework}" pallas \
+      --config.precisions="$precisions" --config.kernel_precision=stable \
+      --config.regimes="$four" &
+  done
+  wait
+}
 stage regimes "$regimes_s" bash -c "$(declare -f regimes); kernels=(${kernels[*]}); regimes"
-# An audit cut off at the limit still leaves the rows it appended.
-for run in runs/gpu_session/audit_*; do
-  [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$record/audit/${run##*/audit_}.jsonl"
-done
-save
+keep_rows audit
 
 levers() {
   "$python" launch/gpu_stage.py --stage=levers --out="$record/levers.jsonl" "$@" || return

@@ -93,26 +93,20 @@ def _outcome(predicted: bool, measured: bool) -> str:
   return "missed" if measured else "quiet"
 
 
-def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
-  """Per kernel: the layers predicted and measured to miss, and the four
-  counts with the false-alarm rate (None where no layer passed).
-  `points`: `layer_points`' {format: {label: point}}, each kernel read in
-  its own input format."""
+def _judged(points: dict, misses: dict, predictors: dict) -> dict[str, dict]:
+  """Per kernel with a predictor ({name: point -> predicted}): the layers
+  predicted and measured to miss, the four counts and the false-alarm
+  rate (None where no layer passed)."""
   out = {}
   for name, measured in misses.items():
-    region = data["regions"].get(name)
-    if region is None:
+    predict = predictors.get(name)
+    if predict is None:
       continue
     counts = dict.fromkeys(OUTCOMES, 0)
     layers = {}
     for label, failed in sorted(measured.items()):
       point = points[input_format(name)][label]
-      predicted = (
-        thresholds.region_of(
-          point["max_logit"], point["near_tied_share"], region
-        )
-        is not None
-      )
+      predicted = predict(point)
       counts[_outcome(predicted, failed)] += 1
       layers[label] = {"predicted": predicted, "measured": failed, **point}
     passed = counts["false_alarm"] + counts["quiet"]
@@ -122,6 +116,28 @@ def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
       "layers": layers,
     }
   return out
+
+
+def confusion(points: dict, misses: dict, data) -> dict[str, dict]:
+  """The drawn 2-D map judged on captured layers (`_judged`): a kernel is
+  predicted to miss where one of its regions' corners holds the layer.
+  `points`: `layer_points`' {format: {label: point}}, each kernel read in
+  its own input format."""
+
+  def region_holds(region):
+    def predict(point):
+      found = thresholds.region_of(
+        point["max_logit"], point["near_tied_share"], region
+      )
+      return found is not None
+
+    return predict
+
+  return _judged(
+    points,
+    misses,
+    {name: region_holds(r) for name, r in data["regions"].items()},
+  )
 
 
 def confusion_table(found: dict) -> str:
@@ -250,28 +266,20 @@ def fit_captured(points: dict, misses: dict) -> dict:
 
 def captured_confusion(points: dict, misses: dict, calibration: dict) -> dict:
   """`confusion`'s table for the captured calibration: each kernel's
-  thresholds (`fit_captured`) judged on these layers."""
-  out = {}
-  for name, measured in misses.items():
-    entry = calibration.get(name)
-    if entry is None:
-      continue
-    counts = dict.fromkeys(OUTCOMES, 0)
-    layers = {}
-    for label, failed in sorted(measured.items()):
-      point = points[input_format(name)][label]
-      predicted = predicted_on_captures(entry, point)
-      counts[_outcome(predicted, failed)] += 1
-      layers[label] = {"predicted": predicted, "measured": failed, **point}
-    passed = counts["false_alarm"] + counts["quiet"]
+  thresholds (`fit_captured`) judged on these layers, with the recall
+  (None where no layer missed)."""
+  found = _judged(
+    points,
+    misses,
+    {
+      name: lambda point, entry=entry: predicted_on_captures(entry, point)
+      for name, entry in calibration.items()
+    },
+  )
+  for counts in found.values():
     missed = counts["hit"] + counts["missed"]
-    out[name] = {
-      **counts,
-      "false_alarm_rate": counts["false_alarm"] / passed if passed else None,
-      "recall": counts["hit"] / missed if missed else None,
-      "layers": layers,
-    }
-  return out
+    counts["recall"] = counts["hit"] / missed if missed else None
+  return found
 
 
 def write_captured(
