@@ -35,8 +35,10 @@ READING_KEYS = ("flash_policy", "baseline_policy", "scheme", "distribution")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  # BF16 and FP16 are also measured at these lengths (with common.seq_len).
+  # These formats are also measured at these lengths (with common.seq_len):
+  # Fig. 4's ratio grows with the number of key blocks.
   seq_lens: tuple[int, ...] = spec(minimum=1)
+  length_formats: tuple[str, ...] = spec(choices=("bf16", "fp16"))
 
 
 def fig4(rows) -> dict:
@@ -140,11 +142,9 @@ class AgainstGolden(Study):
           for flash_policy in (fmt, f"{fmt}-fa2")
           for base in (flash_policy, f"{fmt}-framework")
         ]
-      # Fig. 4's ratio grows with the number of key blocks: the half
-      # formats are mapped over length too.
       lengths = (
         sorted({s.seq_len, *c.seq_lens})
-        if fmt in ("bf16", "fp16")
+        if fmt in c.length_formats
         else [s.seq_len]
       )
       for flash_policy, baseline_policy in pairs:
@@ -169,8 +169,9 @@ class AgainstGolden(Study):
     return against_golden(engine, kernel, baseline(p["baseline_policy"]), case)
 
   def ran(self, s, c):
+    mapped = "/".join(f.upper() for f in c.length_formats)
     return (
-      f"length {s.seq_len} (BF16/FP16 also at {list(c.seq_lens)}), tiles "
+      f"length {s.seq_len} ({mapped} also at {list(c.seq_lens)}), tiles "
       f"{s.block_q}x{s.block_k}, {s.shape_text()}, inputs "
       f"{', '.join(s.distributions)}, schemes {', '.join(s.schemes)}, "
       f"{s.seeds_text()}. Golden: NumPy FP64 on the same inputs."
