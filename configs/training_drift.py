@@ -158,7 +158,7 @@ SMOKE = {
   "train.total_steps": 12,
   "train.warmup_steps": 2,
   "train.log_every": 4,
-  "train.checkpoint_every": 6,
+  "train.checkpoint_every": 12,
   "data.corpus_tokens": 1 << 15,
   # One device for data, two for the context-parallel run: the same
   # pairs on any machine.

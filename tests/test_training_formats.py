@@ -274,3 +274,25 @@ def test_the_ablation_runs_only_when_asked_for():
   default = settings_from_config(training_drift.get_config())
   assert not [p for p in default.pairs if "in_fp32" in p or "only" in p]
   assert not [r for r in default.physical_runs if r.startswith("bf16_")]
+
+
+def test_runs_that_differ_only_in_how_they_start_share_their_programs():
+  from stableattn.configs import training_drift as drift_config
+  from stableattn.experiments.training_drift import settings_from_config
+
+  s = settings_from_config(drift_config.get_config("smoke"))
+  runs = s.physical_runs
+  trainers = {
+    name: Trainer(s.model, runs[name], s.optimizer, s.batch_size)
+    for name in ("base", "seed", "rerun", "fp32")
+  }
+  assert runs["seed"].init_seed != runs["base"].init_seed
+  assert runs["rerun"].replica != runs["base"].replica
+  for name in ("seed", "rerun"):
+    assert trainers[name]._step is not trainers["base"]._step
+    trainers[name].share_programs(trainers["base"])
+    assert trainers[name]._step is trainers["base"]._step
+    assert trainers[name]._eval is trainers["base"]._eval
+  # Another compute format is another program.
+  with pytest.raises(ValueError, match="more than its initialization"):
+    trainers["fp32"].share_programs(trainers["base"])

@@ -43,34 +43,52 @@ def _die_with_parent() -> None:
     os._exit(1)
 
 
+class Child:
+  """A running child: `module`'s `main` with XLA_FLAGS=`flags`, started
+  at once; `wait` raises with the end of its output when it failed."""
+
+  def __init__(
+    self,
+    module: str,
+    config_dict: dict,
+    workdir: pathlib.Path,
+    flags: str,
+    label: str,
+  ):
+    config_path = pathlib.Path(workdir) / CONFIG_NAME
+    config_path.write_text(json.dumps(config_dict, sort_keys=True))
+    env = {**os.environ, "XLA_FLAGS": flags}
+    # The child must import this package the way the parent does.
+    env["PYTHONPATH"] = os.pathsep.join(
+      p
+      for p in [str(pathlib.Path(__file__).parents[2]), env.get("PYTHONPATH")]
+      if p
+    )
+    self.flags, self.label = flags, label
+    self.process = subprocess.Popen(
+      [sys.executable, "-m", module, str(config_path), str(workdir), label],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+
+  def wait(self) -> None:
+    output, _ = self.process.communicate()
+    if self.process.returncode:
+      tail = "\n".join(output.strip().splitlines()[-15:])
+      raise RuntimeError(
+        f"The other-machine run ({self.label}, XLA_FLAGS={self.flags!r}) "
+        f"failed with exit code {self.process.returncode}:\n{tail}"
+      )
+
+
 def run_child(
   module: str, config_dict: dict, workdir: pathlib.Path, flags: str, label: str
 ) -> None:
   """Runs `module`'s `main` in a child with XLA_FLAGS=`flags`; raises with
   the end of its output when it fails."""
-  config_path = pathlib.Path(workdir) / CONFIG_NAME
-  config_path.write_text(json.dumps(config_dict, sort_keys=True))
-  env = {**os.environ, "XLA_FLAGS": flags}
-  # The child must import this package the way the parent does.
-  env["PYTHONPATH"] = os.pathsep.join(
-    p
-    for p in [str(pathlib.Path(__file__).parents[2]), env.get("PYTHONPATH")]
-    if p
-  )
-  done = subprocess.run(
-    [sys.executable, "-m", module, str(config_path), str(workdir), label],
-    env=env,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    check=False,
-  )
-  if done.returncode:
-    tail = "\n".join(done.stdout.strip().splitlines()[-15:])
-    raise RuntimeError(
-      f"The other-machine run ({label}, XLA_FLAGS={flags!r}) failed with "
-      f"exit code {done.returncode}:\n{tail}"
-    )
+  Child(module, config_dict, workdir, flags, label).wait()
 
 
 def child_arguments(argv) -> tuple[ml_collections.ConfigDict, str, str]:

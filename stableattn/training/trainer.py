@@ -154,6 +154,8 @@ class Trainer:
     self.run = run
     self.replicated, self.batch_sharding = self._shardings(run)
     self.model_spec = model_spec
+    self.optimizer = optimizer
+    self.batch_size = batch_size
     self.graphdef = self.graph_with(run.attention)
     self.tx = make_optimizer(optimizer)
     self.compute_dtype = COMPUTE_DTYPES[run.precision]
@@ -169,6 +171,31 @@ class Trainer:
       if eval_attention is None
       else self.graph_with(eval_attention)
     )
+
+  def _programs(self) -> tuple:
+    """What this trainer's compiled programs depend on: everything but the
+    initialization (init seed, replica)."""
+    run = dataclasses.replace(self.run, init_seed=0, replica=0)
+    return (
+      run,
+      self.model_spec,
+      self.optimizer,
+      self.batch_size,
+      self.eval_graphdef,
+    )
+
+  def share_programs(self, other: Trainer) -> None:
+    """Runs with `other`'s compiled step, evaluation and probes: for a run
+    that differs from it only in how it starts (another seed, an identical
+    rerun), the same executables, compiled once."""
+    if self._programs() != other._programs():
+      raise ValueError(
+        f"run {self.run} differs from {other.run} in more than its "
+        "initialization; its programs are its own."
+      )
+    self.graphdef, self.eval_graphdef = other.graphdef, other.eval_graphdef
+    self._step, self._eval = other._step, other._eval
+    self._deltas, self._capture = other._deltas, other._capture
 
   def _shardings(self, run: RunSpec):
     """(parameters', batch's): over the data-parallel mesh; for a

@@ -74,6 +74,13 @@ class Lockstep:
       )
       for name, spec in settings.physical_runs.items()
     }
+    # Runs that differ only in how they start (another seed, the identical
+    # rerun) run one set of executables.
+    programs: dict = {}
+    for trainer in self.trainers.values():
+      first = programs.setdefault(trainer._programs(), trainer)
+      if first is not trainer:
+        trainer.share_programs(first)
     self.grad_error = {
       name: probes.AttentionGradError(self.trainers[name])
       for name in (settings.flash_runs if settings.grad_error else ())
@@ -139,8 +146,20 @@ class Lockstep:
 
   def train(self) -> dict:
     start = self.restore()
-    if self.machine is not None:
-      self.machine.ensure(self.steps_to_log(start))
+    if self.machine is None:
+      return self._train(start)
+    # The other machine's run trains in a child while this process
+    # compiles; a failure here stops it.
+    self.machine.start(self.steps_to_log(start))
+    try:
+      result = self._train(start)
+    except BaseException:
+      self.machine.abandon()
+      raise
+    self.machine.wait()
+    return result
+
+  def _train(self, start: int) -> dict:
     manager = checkpoints.checkpoint_manager(self.run_dir)
     started = time.time()
     if start == 0 and not self.rows:

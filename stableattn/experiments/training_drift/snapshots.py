@@ -36,6 +36,8 @@ class Snapshots:
     self.run_dir = run_dir
     self.s = settings
     self.path = run_dir.path / TWIN_DIR
+    self.child: machine_twin.Child | None = None
+    self.steps: list[int] = []
 
   def _missing(self, steps) -> list[tuple[int, int]]:
     return [
@@ -45,29 +47,43 @@ class Snapshots:
       if not snapshot_path(self.path, step, r).exists()
     ]
 
-  def ensure(self, steps) -> None:
-    """Trains the other machine's run until a snapshot of every replicate
-    exists at every step in `steps`."""
-    if not self._missing(steps):
+  def start(self, steps) -> None:
+    """Starts the other machine's run, unless a snapshot of every replicate
+    exists at every step in `steps`; it trains while the parent compiles,
+    and the first `load` waits for it."""
+    self.steps = list(steps)
+    if not self._missing(self.steps):
       return
+    self.path.mkdir(parents=True, exist_ok=True)
+    self.child = self._child()
+
+  def _child(self) -> machine_twin.Child:
     config = json.loads((self.run_dir.path / "config.json").read_text())
-    for attempt in range(2):
-      if attempt:  # its checkpoints are past the lost snapshots: anew
-        shutil.rmtree(self.path)
-      self.path.mkdir(parents=True, exist_ok=True)
-      machine_twin.run_child(
-        CHILD, config, self.path, self.s.machine_flags, self.s.machine
-      )
-      if not self._missing(steps):
-        return
-    raise RuntimeError(
-      f"the other-machine run left no snapshot of (step, replicate) "
-      f"{self._missing(steps)[:3]} in {self.path}/snapshots."
+    return machine_twin.Child(
+      CHILD, config, self.path, self.s.machine_flags, self.s.machine
     )
+
+  def wait(self) -> None:
+    """Waits for the child, started again once if it left snapshots out."""
+    if self.child is None:
+      return
+    self.child.wait()
+    self.child = None
+    if self._missing(self.steps):
+      # Its checkpoints are past the lost snapshots: once more, anew.
+      shutil.rmtree(self.path)
+      self.path.mkdir(parents=True)
+      self._child().wait()
+    if self._missing(self.steps):
+      raise RuntimeError(
+        f"the other-machine run left no snapshot of (step, replicate) "
+        f"{self._missing(self.steps)[:3]} in {self.path}/snapshots."
+      )
 
   def load(self, step: int, replicate: int, like):
     """((logits, loss, None), params) of one replicate at one logging
     step; `like` gives the parameters' tree structure."""
+    self.wait()
     with np.load(snapshot_path(self.path, step, replicate)) as f:
       leaves = [f[f"p{i}"] for i in range(len(f.files) - 2)]
       evaluated = (f["logits"], float(f["loss"]), None)
@@ -80,5 +96,13 @@ class Snapshots:
       )
     return evaluated, jax.tree_util.tree_unflatten(treedef, leaves)
 
+  def abandon(self) -> None:
+    """Stops the child (the parent failed; a rerun resumes it)."""
+    if self.child is not None:
+      self.child.process.kill()
+      self.child.process.communicate()
+      self.child = None
+
   def remove(self) -> None:
+    self.wait()
     shutil.rmtree(self.path / "snapshots", ignore_errors=True)
