@@ -24,6 +24,7 @@ from stableattn.auditing import (
   captures,
   ci_reports,
   invariance,
+  offsets,
   regimes,
   reproducers,
   shrinking_search,
@@ -252,27 +253,19 @@ def run(config, workdir, *, restart: bool = False) -> dict:
         notes += skipped
         errors += [_with_command(s, e, spec) for e in raised]
         progress.update(len(s.regimes))
-      if captured:
-        new, skipped, raised = regimes.measure_cases(
-          fn, policy, captured, s.repeats, _tensors(s), RULES
-        )
-        new = [{"kernel": s.kernel, **r} for r in new]
-        run_dir.append_metrics(new)
-        rows += new
-        notes += skipped
-        errors += raised
-        progress.update()
       bitwise, shifts = invariance.split(s.invariances)
       first = cases(s.shapes, s.distributions, 1)[0]
-      if shifts:
-        new, skipped, raised = regimes.shift_rows(
-          fn, policy, first, shifts, s.repeats, _tensors(s), RULES
+      judged = [*captured, *offsets.shift_cases_at(first, shifts)]
+      if judged:
+        new, skipped, raised = regimes.measure_cases(
+          fn, policy, judged, s.repeats, _tensors(s), RULES
         )
         new = [{"kernel": s.kernel, **r} for r in new]
         run_dir.append_metrics(new)
         rows += new
         notes += skipped
         errors += raised
+      progress.update(bool(captured))
       if bitwise:
         probes += [
           {"kernel": s.kernel, "policy": policy.name, **r}

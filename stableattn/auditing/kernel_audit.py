@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from stableattn.auditing import captures, invariance
+from stableattn.auditing import captures, invariance, offsets
 from stableattn.auditing import regimes as regimes_lib
 from stableattn.auditing.feature_recipes import FeatureRecipe
 from stableattn.auditing.inputs import (
@@ -410,17 +410,14 @@ def audit(
   )
   rows += found
   errors += raised
-  if inputs is not None:
-    found, skipped, raised = regimes_lib.measure_cases(
-      fn, policy, captures.edge_cases(inputs), repeats, tuple(tensors), rules
-    )
-    rows += found
-    notes += skipped
-    errors += raised
   probes, shifts = invariance.split(probes)
   first = all_cases[0]
-  found, skipped, raised = regimes_lib.shift_rows(
-    fn, policy, first, shifts, repeats, tuple(tensors), rules
+  judged = [
+    *(captures.edge_cases(inputs) if inputs is not None else ()),
+    *offsets.shift_cases_at(first, shifts),
+  ]
+  found, skipped, raised = regimes_lib.measure_cases(
+    fn, policy, judged, repeats, tuple(tensors), rules
   )
   rows += found
   notes += skipped

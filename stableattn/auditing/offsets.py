@@ -106,6 +106,17 @@ def shift_cases(
   return cases
 
 
+def shift_cases_at(first, names) -> list[EdgeCase]:
+  """The cases of the shift invariances `names` at the input of `first`,
+  the grid's first case (`kernel_audit.Case`): judged rows, measured with
+  the regimes' and captures' cases (`regimes.measure_cases`)."""
+  return [
+    case
+    for name in names
+    for case in shift_cases(name, first.shape, first.distribution, first.seed)
+  ]
+
+
 def key_offset(shape: Shape, rng, inputs_format) -> list[EdgeCase]:
   """The `key_offset` regime's cases at an audit shape (its batch, lengths,
   heads and head dims)."""

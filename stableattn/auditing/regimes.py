@@ -310,21 +310,3 @@ def measure_cases(
     except Exception as e:  # noqa: BLE001 - the kernel broke: a row, go on
       errors.append(error_row(label, policy, e))
   return rows, notes, errors
-
-
-def shift_rows(fn, policy, first, shifts, repeats, tensors, rules):
-  """(rows, notes, errors) of the shift invariances `shifts`
-  (`offsets.SHIFT_INVARIANCES`) at the input of `first`, the grid's
-  first case (`kernel_audit.Case`)."""
-  rows, notes, errors = [], [], []
-  for name in shifts:
-    built = offsets.shift_cases(
-      name, first.shape, first.distribution, first.seed
-    )
-    found, skipped, raised = measure_cases(
-      fn, policy, built, repeats, tensors, rules
-    )
-    rows += found
-    notes += skipped
-    errors += raised
-  return rows, notes, errors
