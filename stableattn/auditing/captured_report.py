@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from stableattn.auditing import captures, thresholds
+from stableattn.auditing.measure import rule_ratio
 from stableattn.harness.reporting import table
 from stableattn.numerics.rules import RULES
 
@@ -19,12 +20,12 @@ def layer_statistics(layer: captures.CapturedLayer, data=None) -> dict:
   largest logit per head, and the calibrated kernels the monitor's map
   predicts to miss there (`thresholds.kernels_missing_at`)."""
   t = layer.tensors
-  stats = captures.statistics(layer)
+  s = captures.logits(t["q"], t["k"], layer.features.get("causal"))
+  stats = captures.statistics(layer, scores=s)
   per_head = {
     f"{name}_offset_ratio": captures.offset_ratios(t[x]).tolist()
     for name, x in (("key", "k"), ("value", "v"))
   }
-  s = captures.logits(t["q"], t["k"], layer.features.get("causal"))
   per_head["max_logit"] = [float(x) for x in np.max(s, axis=(0, 2, 3))]
   data = thresholds.load() if data is None else data
   stats["predicted_misses"] = thresholds.kernels_missing_at(
@@ -44,18 +45,13 @@ def _verdict_cells(rows, label: str, rules) -> list[str]:
     if not any(r.get(f"{rule}_applies", True) for r in mine):
       cells.append("n/a")  # e.g. FlexAttention's 1.1x at FP32
       continue
-    worst = max(mine, key=lambda r: _ratio(r, rule))
+    worst = max(mine, key=lambda r: rule_ratio(r, rule))
     ok = all(r[f"{rule}_passed"] for r in mine)
     cells.append(
-      f"{'pass' if ok else 'FAIL'} {_ratio(worst, rule):.2g}x "
+      f"{'pass' if ok else 'FAIL'} {rule_ratio(worst, rule):.2g}x "
       f"({worst['tensor']})"
     )
   return cells
-
-
-def _ratio(row, rule: str) -> float:
-  limit = row[f"{rule}_limit"]
-  return row[f"{rule}_value"] / limit if limit else float("inf")
 
 
 def section(rows, layers: list[dict], gate) -> list[str]:

@@ -261,17 +261,22 @@ def logits(q, k, causal: bool) -> np.ndarray:
   return s
 
 
-def statistics(layer: CapturedLayer, input_format: str | None = None) -> dict:
+def statistics(
+  layer: CapturedLayer, input_format: str | None = None, scores=None
+) -> dict:
   """Where a captured layer sits among the audit's regimes: its largest
   logit, the share of rows whose two largest logits tie within one ulp of
   `input_format` ("bfloat16", "float16"; None: the tensors' own dtype),
   causal rows with two keys or more, and its key and value offset ratios
-  (the largest head's, `offset_ratios`)."""
+  (the largest head's, `offset_ratios`). `scores`: the layer's `logits`,
+  where the caller has them already."""
   import ml_dtypes
 
-  s = logits(
-    layer.tensors["q"], layer.tensors["k"], layer.features.get("causal")
-  )
+  s = scores
+  if s is None:
+    s = logits(
+      layer.tensors["q"], layer.tensors["k"], layer.features.get("causal")
+    )
   top = np.sort(s, axis=-1)[..., -2:]
   mantissa = ml_dtypes.finfo(np.dtype(input_format or layer.dtype)).nmant
   magnitude = np.maximum(np.abs(top[..., 1]), 2.0**-100)

@@ -18,22 +18,14 @@ a baseline.
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import xml.etree.ElementTree as ET
+
+from stableattn.auditing.measure import rule_ratio
 
 KEY_FIELDS = ("kernel", "policy", "regime", "features", "rule", "tensor")
 BASELINE_FORMAT = 1
 WORSE_MARGIN = 1.25  # a recorded ratio may grow this much before it fails
-
-
-def _ratio(row, rule) -> float:
-  value, limit = row[f"{rule}_value"], row[f"{rule}_limit"]
-  if isinstance(value, float) and math.isnan(value):
-    return math.inf
-  if limit > 0:
-    return value / limit
-  return math.inf if value > 0 else 0.0
 
 
 def _checks(row, gate):
@@ -41,7 +33,7 @@ def _checks(row, gate):
   applies, then the NaN scan and determinism."""
   for rule in gate:
     if row.get(f"{rule}_applies"):
-      yield rule, not row[f"{rule}_passed"], _ratio(row, rule)
+      yield rule, not row[f"{rule}_passed"], rule_ratio(row, rule)
   yield "finite", row["nonfinite"] > 0, None
   yield "deterministic", not row["deterministic"], None
 

@@ -345,6 +345,17 @@ def _first_run(fn, args, d_out, features, gradients, extra):
   return values, (), {"gradients": why}
 
 
+def rule_ratio(row: dict, rule: str) -> float:
+  """A row's value / limit under `rule`: inf for NaN, and for a limit of
+  0 (the baseline exact) inf unless the value is 0 too."""
+  value, limit = row[f"{rule}_value"], row[f"{rule}_limit"]
+  if isinstance(value, float) and math.isnan(value):
+    return math.inf
+  if limit > 0:
+    return value / limit
+  return math.inf if value > 0 else 0.0
+
+
 def _row(label, policy, tensor, golden, runs, baseline, rules) -> dict:
   x = runs[0]
   gradient = tensor != "out"

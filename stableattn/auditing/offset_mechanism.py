@@ -23,6 +23,7 @@ import numpy as np
 
 from stableattn.auditing import captures
 from stableattn.auditing.inputs import round_to
+from stableattn.auditing.measure import rule_ratio
 from stableattn.contract.golden import golden_attention, golden_attention_vjp
 from stableattn.contract.options import Options
 from stableattn.harness.reporting import table as reporting_table
@@ -240,9 +241,8 @@ def audit_cells(rows, regime: str, policy: str) -> str:
   ]
   if not mine:
     return "-"
-  worst = max(mine, key=lambda r: r[f"{rule}_value"] / r[f"{rule}_limit"])
-  ratio = worst[f"{rule}_value"] / worst[f"{rule}_limit"]
-  return f"{ratio:.2g}x ({worst['tensor']})"
+  worst = max(mine, key=lambda r: rule_ratio(r, rule))
+  return f"{rule_ratio(worst, rule):.2g}x ({worst['tensor']})"
 
 
 def kernels_table(audits: dict) -> str:
