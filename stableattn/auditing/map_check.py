@@ -252,14 +252,15 @@ def fit_captured(points: dict, misses: dict) -> dict:
     best = min(alone, key=lambda pair: (errors(pair), -pair[0]))
     if all(x["measured"] for x in layers):
       best = (0.0, float("inf"))  # no layer says where it would pass
-    pairs = [(a, b) for a in grids[0] for b in grids[1]]
-    better = [p for p in pairs if errors(p) < errors(best)]
+    fewest = errors(best)
+    scored = [(errors((a, b)), a, b) for a in grids[0] for b in grids[1]]
+    better = [s for s in scored if s[0] < fewest]
     if better:
-      best = min(better, key=lambda p: (errors(p), -p[0], -p[1]))
+      fewest, *best = min(better, key=lambda s: (s[0], -s[1], -s[2]))
     out[name] = {
       **dict(zip(CAPTURED_AXES, best)),
       "layers": len(layers),
-      "errors": errors(best),
+      "errors": fewest,
     }
   return out
 
@@ -311,13 +312,3 @@ def captured_entries(data) -> dict:
     name: {k: float("inf") if v is None else v for k, v in entry.items()}
     for name, entry in kernels.items()
   }
-
-
-def kernels_missing_on_captures(point: dict, data) -> list[str]:
-  """The kernels the captured calibration predicts to miss at `point`
-  ({"key_offset_ratio", "near_tied_share"}): their thresholds reached."""
-  return [
-    name
-    for name, entry in captured_entries(data).items()
-    if predicted_on_captures(entry, point)
-  ]

@@ -106,7 +106,8 @@ def timeline(records, data) -> dict:
   """{(layer, head): [(step, kernels missing there, largest logit,
   near-tie share, key offset), ...]} by step: the kernels the drawn map
   places there and, where the records hold key offsets, those the
-  captured calibration predicts (`map_check.kernels_missing_on_captures`)."""
+  captured calibration predicts (`map_check.predicted_on_captures`)."""
+  captured = map_check.captured_entries(data)
   out: dict = {}
   for rec in records:
     heads = len(rec["max_logit_per_head"])
@@ -119,7 +120,11 @@ def timeline(records, data) -> dict:
       kernels = set(thresholds.kernels_missing_at(logit, data, share))
       if not np.isnan(offset):
         point = {"key_offset_ratio": offset, "near_tied_share": share}
-        kernels |= set(map_check.kernels_missing_on_captures(point, data))
+        kernels |= {
+          name
+          for name, entry in captured.items()
+          if map_check.predicted_on_captures(entry, point)
+        }
       out.setdefault((rec["layer"], head), []).append(
         (rec["step"], tuple(sorted(kernels)), logit, share, offset)
       )
