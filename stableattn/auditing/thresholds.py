@@ -320,10 +320,13 @@ def kernels_missing_at(
   ]
 
 
-def calibration_name(implementation: str, policy: str) -> str | None:
-  """The calibration's name of a run's attention (`KERNELS`): our kernel
-  under its policy, or a peer at its input format; None where the
-  calibration has no such kernel (e.g. the Baseline, "reference")."""
+def calibration_name(attention) -> str | None:
+  """The calibration's name of a run's attention (`KERNELS`; a training
+  `AttentionSpec`): our kernel under its policy, or a peer at its input
+  format; None where the calibration has no such kernel (e.g. the
+  Baseline, "reference")."""
+  implementation = attention.kind
+  policy = attention.options.precision.name
   if implementation == "pallas":
     name = f"pallas {policy}"
   else:

@@ -90,6 +90,8 @@ def _configs_folder() -> pathlib.Path:
 
 
 CONFIGS = _configs_folder()
+# The flags every command has (its --help lists them as its own).
+COMMON_FLAGS = ("config", "workdir", "restart", "json", "compilation_cache")
 
 
 def config_argument(
@@ -153,9 +155,6 @@ def _define_flags(argv, config: str, workdir: str, workdir_holds: str):
   # --help lists the main module's flags: these are the command's.
   for name in COMMON_FLAGS:
     flags.FLAGS.register_flag_by_module(argv[0], flags.FLAGS[name])
-
-
-COMMON_FLAGS = ("config", "workdir", "restart", "json", "compilation_cache")
 
 
 def _variants(config: str) -> list[str]:

@@ -173,8 +173,7 @@ def flash_attention_and_lse(q, k, v, ops: MaskOperands, cfg: KernelConfig):
   for a row no key attends) as a value beside the output: the lse's own
   cotangent is dropped, so a caller reads it under stop_gradient (which
   rows attend a key, `centring`)."""
-  out, residuals = _forward(q, k, v, ops, cfg, residuals=False)
-  return out, residuals[-1][:, :, : cfg.q_len]
+  return flash_attention_with_lse(q, k, v, ops, cfg)
 
 
 def _and_lse_fwd(q, k, v, ops, cfg: KernelConfig):

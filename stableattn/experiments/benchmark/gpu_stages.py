@@ -192,6 +192,7 @@ def price_rows(s: Sizes, mode, causal, seq_len, base, stable) -> list[dict]:
     )
     for precision in (base, stable)
   }
+  presets = {base: base, stable: stable}  # what a name runs under
   if not _fp32_operands(base):
     # The exact fix for shared key and value offsets, on the base preset.
     fns[CENTER_KV] = timed_fn(
@@ -209,12 +210,11 @@ def price_rows(s: Sizes, mode, causal, seq_len, base, stable) -> list[dict]:
       fns[name] = timed_fn(
         attention_fn("mosaic_gpu", precision, causal, **extra), mode
       )
+      presets[name] = precision
   compiled = compile_all(fns, args)
 
   def labels_of(name):
-    precision = name if name in (base, stable) else base
-    if name.startswith("mosaic_gpu stable"):
-      precision = stable
+    precision = presets.get(name, base)
     return {
       **_labels("price", mode, causal, precision, s, seq_len),
       "pair": base,

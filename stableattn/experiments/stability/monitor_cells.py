@@ -26,9 +26,7 @@ def verdict_lines(s: Settings, rows, out_dir, result) -> list[str]:
       )
       if r["arm"] in by_name:
         attention = s.runs[by_name[r["arm"]]][1].attention
-        kernels[cell] = thresholds.calibration_name(
-          attention.kind, attention.options.precision.name
-        )
+        kernels[cell] = thresholds.calibration_name(attention)
   mitigations = {a.mitigation for a in s.arms}
   measured = {
     remedy: f"measured in this sweep: the {arm} arms"

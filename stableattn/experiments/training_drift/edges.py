@@ -121,9 +121,7 @@ def monitor_section(run_dir, settings, rows, headline) -> list:
       "measured in this run: pair stable_vs_baseline, above"
     )
   kernels = {
-    run: thresholds.calibration_name(
-      spec.attention.kind, spec.attention.options.precision.name
-    )
+    run: thresholds.calibration_name(spec.attention)
     for run, spec in settings.runs.items()
   }
   lines, entered = verdict_section(
