@@ -209,9 +209,16 @@ levers() {
     echo "ncu is not on this machine: no counters"
     return 0
   fi
+  # The tensor pipe's metric by the name this ncu knows (one unknown name
+  # fails the whole pass).
+  local metrics=gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__sass_inst_executed_op_local_ld.sum
+  ncu --query-metrics --chip gh100 > "$record/ncu_metrics.txt" 2>&1
+  local tensor
+  tensor=$(awk '{print $1}' "$record/ncu_metrics.txt" | grep -m1 -x -E \
+    'sm__pipe_tensor_op_gmma_cycles_active|sm__pipe_tensor_cycles_active|sm__pipe_tensor_op_hmma_cycles_active')
+  [ -n "$tensor" ] && metrics="$metrics,$tensor.avg.pct_of_peak_sustained_active"
   ncu --clock-control none -k regex:'flash_forward|mha_forward|mosaic_forward' -c 20 --csv \
-    --log-file "$record/ncu.csv" \
-    --metrics gpu__time_duration.sum,smsp__inst_executed.sum,launch__registers_per_thread,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__sass_inst_executed_op_local_ld.sum \
+    --log-file "$record/ncu.csv" --metrics "$metrics" \
     "$python" launch/gpu_stage.py --stage=ncu_pass --out="$record/ncu_order.json" "$@" || return
   "$python" launch/gpu_stage.py --stage=ncu_rows --ncu_csv="$record/ncu.csv" \
     --order="$record/ncu_order.json" --out="$record/nsight.jsonl"

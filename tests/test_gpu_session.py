@@ -42,10 +42,18 @@ def test_nsight_rows_follow_the_order_the_levers_ran():
     [
       ("stableattn_flash_forward_fa2", "8,316,096", 210),
       ("mha_forward", "5,040,928", 196),
+      ("stableattn_mosaic_forward", "4,000,000", 168),
     ]
   )
-  rows = gpu_stages.parse_ncu_csv(text, ["default", "jax_mha"])
-  assert [r["lever"] for r in rows] == ["default", "jax_mha"]
+  rows = gpu_stages.parse_ncu_csv(text, ["default", "jax_mha", "mosaic_gpu"])
+  assert [r["lever"] for r in rows] == ["default", "jax_mha", "mosaic_gpu"]
+  assert rows[2]["registers_per_thread"] == 168
+  # A build whose Hopper kernel the filter missed keeps the other rows.
+  missed = gpu_stages.parse_ncu_csv(
+    _ncu_csv([("stableattn_flash_forward_fa2", "1", 1)]),
+    ["default", "mosaic_gpu"],
+  )
+  assert [r["lever"] for r in missed] == ["default"]
   assert (
     rows[0]["gpu_time_ns"] == 8316096 and rows[1]["registers_per_thread"] == 196
   )
