@@ -25,6 +25,10 @@ Public API:
     logged steps placed on the calibrated 2-D map, with remedies
 """
 
+import importlib.util as _importlib_util
+import pathlib as _pathlib
+import sys as _sys
+
 from stableattn.auditing.check import CheckReport, check
 from stableattn.auditing.kernel_audit import AuditReport, audit
 from stableattn.auditing.monitor_verdict import verdict as monitor_verdict
@@ -74,3 +78,29 @@ __all__ = [
   "rounding_floor",
   "tiles_from_sram",
 ]
+
+
+def _configs_of_a_checkout() -> None:
+  """`stableattn.configs` from `configs/` at a checkout's top.
+
+  An install maps the folder to that name (pyproject.toml's
+  `package-dir`); a checkout run from its root with PYTHONPATH alone (a
+  GPU machine with the packages but not the project) has no such map.
+  """
+  if _importlib_util.find_spec(f"{__name__}.configs") is not None:
+    return
+  folder = _pathlib.Path(__file__).resolve().parent.parent / "configs"
+  if not (folder / "__init__.py").exists():
+    return
+  spec = _importlib_util.spec_from_file_location(
+    f"{__name__}.configs",
+    folder / "__init__.py",
+    submodule_search_locations=[str(folder)],
+  )
+  module = _importlib_util.module_from_spec(spec)
+  _sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  _sys.modules[__name__].configs = module  # as an import would bind it
+
+
+_configs_of_a_checkout()

@@ -220,8 +220,18 @@ def test_compiled_kernel_matches_interpret_mode(name):
   case = CASES[name]
   compiled = _value_and_grads("mosaic_gpu", case, interpret=False)
   interpreted = _value_and_grads("mosaic_gpu", case, interpret=True)
-  for a, b in zip(compiled, interpreted):
-    assert np.abs(a - b).max() <= 2.0**-8 * np.abs(b).max()
+  # wgmma sums its FP32 products in another order than XLA:CPU's dot, so a
+  # value near a rounding boundary of the output format may round to the
+  # neighbour: at most one unit in the last place of the largest value,
+  # in a few elements.
+  fmt = jnp.float16 if case[0].startswith("fp16") else jnp.bfloat16
+  for name, a, b in zip(("o", "dq", "dk", "dv"), compiled, interpreted):
+    ulp = float(jnp.finfo(fmt).eps) * 2.0 ** np.floor(np.log2(np.abs(b).max()))
+    same = float(np.mean(a == b))
+    assert np.abs(a - b).max() <= ulp and same >= 0.99, (
+      f"{name}: {np.abs(a - b).max() / ulp:.2f} ulps apart at most, "
+      f"{same:.4f} bit-identical"
+    )
 
 
 def test_jax_mgpu_is_a_registry_name_with_the_interpreters_reason():
