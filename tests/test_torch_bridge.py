@@ -148,3 +148,26 @@ def test_a_torch_kernel_trains_as_a_subject_in_the_drift_study(tmp_path):
   assert ratio["wasserstein"]["over_replicates"]["count"] == 2
   report = (tmp_path / "report.md").read_text()
   assert "candidate: torch_sdpa_flash attention" in report
+
+
+def test_a_backend_without_gqa_gets_its_kv_heads_repeated(torch):
+  """The memory-efficient backend refuses `enable_gqa` ("No available
+  kernel" on an H200): its caller repeats K and V per query head instead,
+  which must be the grouped result, gradients summed over each group."""
+  from stableattn.ops import torch_kernels
+
+  assert "EFFICIENT_ATTENTION" in torch_kernels.WITHOUT_GQA
+  gen = torch.Generator().manual_seed(0)
+  q = torch.randn(2, 4, 16, 8, generator=gen, dtype=torch.float64)
+  k, v = (torch.randn(2, 2, 16, 8, generator=gen, dtype=torch.float64)
+          for _ in range(2))  # fmt: skip
+  outs = []
+  for repeat in (False, True):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    fn = torch_kernels.sdpa("MATH", repeat_kv_heads=repeat)
+    out = fn(*leaves, enable_gqa=True)
+    out.sum().backward()
+    outs.append([out.detach(), *(x.grad for x in leaves)])
+  for grouped, repeated in zip(*outs):
+    assert torch.allclose(grouped, repeated, rtol=1e-12, atol=1e-12)
+  assert outs[1][2].shape == k.shape  # dK per KV head, not per query head

@@ -19,17 +19,30 @@ SDPA_BACKENDS = {
 }
 
 
-def sdpa(backend: str):
+# Backends that refuse `enable_gqa` ("No available kernel" from the
+# memory-efficient one on an H200, torch 2.11).
+WITHOUT_GQA = ("EFFICIENT_ATTENTION",)
+
+
+def sdpa(backend: str, repeat_kv_heads: bool | None = None):
   """F.scaled_dot_product_attention restricted to one backend (it raises
   rather than fall back to another), on the GPU where PyTorch has one
-  (there `torch_sdpa_flash` is FlashAttention-2), else on the CPU."""
+  (there `torch_sdpa_flash` is FlashAttention-2), else on the CPU. With
+  `repeat_kv_heads` (a backend in `WITHOUT_GQA` by default), grouped
+  key/value heads are repeated to the query heads instead of passing
+  `enable_gqa`, as a caller of such a backend does."""
   torch = import_torch()
   from torch.nn.attention import SDPBackend, sdpa_kernel
 
   chosen = getattr(SDPBackend, backend)
   on_cuda = torch.cuda.is_available()
+  if repeat_kv_heads is None:
+    repeat_kv_heads = backend in WITHOUT_GQA
 
   def attention(query, key, value, **kwargs):
+    if repeat_kv_heads and kwargs.pop("enable_gqa", False):
+      group = query.shape[1] // key.shape[1]
+      key, value = (x.repeat_interleave(group, dim=1) for x in (key, value))
     if on_cuda:
       query, key, value = (x.cuda() for x in (query, key, value))
       if "attn_mask" in kwargs:
