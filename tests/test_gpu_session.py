@@ -1,6 +1,7 @@
 """launch/gpu_session.sh runs on the CPU path before a GPU sees it, and its
 Nsight Compute rows are read back as the levers ran."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -147,15 +148,18 @@ def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
   assert (tmp_path / "p.tgz").stat().st_size > 0
 
 
-def test_docs_quote_every_table_of_the_session_record_unchanged():
+@pytest.mark.parametrize("record", ["h100-2026-11-26", "h200-2026-11-28"])
+def test_docs_quote_every_table_of_the_session_record_unchanged(record):
   from stableattn.experiments.benchmark import session_record
 
-  record = session_record.load(ROOT / "results" / "gpu" / "h100-2026-11-26")
+  loaded = session_record.load(ROOT / "results" / "gpu" / record)
   docs = (ROOT / "docs" / "performance.md").read_text()
-  for name, text in session_record.sections(record).items():
-    assert text, f"section {name} is empty"
+  sections = session_record.sections(loaded)
+  for name in ("stages", "tests", "goals", "price", "levers", "regimes"):
+    assert sections[name], f"{record}: section {name} is empty"
+  for name, text in sections.items():
     assert text in docs, (
-      f"docs/performance.md does not quote {name} as rows give it"
+      f"docs/performance.md does not quote {record}'s {name} as rows give it"
     )
 
 
@@ -193,6 +197,61 @@ def test_session_goals_read_met_or_missed_from_rows():
   assert lines[2].endswith("no rows")  # no cuDNN forward+backward row
   assert "**missed**" in lines[3] and "1.150x" in lines[3]  # 23 / 20
   assert "**met**" in lines[4] and "0.50x" in lines[4]  # causal 5 / 10
+  assert [line.rsplit(": ", 1)[-1] for line in lines[5:]] == [
+    "no rows",
+    "no rows",
+    "not run",
+  ]
+  price += [
+    timing("price", "center_kv", "bf16-fa2", 21.0, mode="forward_backward"),
+    timing("price", "pallas", "fp32", 1.0, seq_len=2048, pair="fp32", tflops=8),
+  ]
+  split_kv = f"{session_record.SPLIT_KV_TESTS[0]}[lengths]"
+  tests = {"gpu_tests.txt": ([split_kv], [], [])}
+  record = session_record.SessionRecord(
+    {}, [], tests, price, levers, [], {}, []
+  )
+  lines = session_record.goal_lines(record).splitlines()
+  assert "**met**" in lines[5] and "1.050x" in lines[5]  # center_kv 21 / 20
+  assert (
+    "**met**" in lines[6] and "8.0 TFLOP/s; spills not measured" in lines[6]
+  )
+  assert "**met**" in lines[7] and "1 passed, 0 failed" in lines[7]
+  failing = {"gpu_tests.txt": ([], [split_kv], [])}
+  record = dataclasses.replace(record, tests=failing)
+  assert "**missed**" in session_record.goal_lines(record).splitlines()[7]
+
+
+def test_the_offsets_table_reads_each_kernels_worst_ratios():
+  from stableattn.experiments.benchmark import offsets_record
+
+  def row(regime, tensor, fa, flex, **more):
+    return {
+      "regime": regime, "tensor": tensor, "shape": "B1 T8 S8 H2/1 D4",
+      "flashattention_applies": True, "flashattention_limit": 1.0,
+      "flashattention_value": fa, "flashattention_passed": fa <= 1,
+      "flexattention_applies": True, "flexattention_limit": 2.0,
+      "flexattention_value": flex, "flexattention_passed": flex <= 2,
+      **more,
+    }  # fmt: skip
+
+  missing = [
+    row("none", "out", 0.1, 0.5),
+    row("key_offset", "dq", 20.0, 80.0),
+    row("key_offset", "dk", 0.5, 1.0),
+    row("key_shift", "dq", 0.5, 3.0, deterministic=False),
+  ]
+  text = offsets_record.offsets_table(
+    {"theirs": missing, "ours": [row("key_offset", "dq", 0.2, 1.0)]}
+  )
+  theirs = next(line for line in text.splitlines() if "`theirs`" in line)
+  cells = [c.strip() for c in theirs.split("|")[1:-1]]
+  assert cells[2:] == [
+    "20x (dq)", "40x (dq)", "1.5x (dq)", "0.5x (dk)", "0.25x (out)",
+    "**no**", "**fails**",
+  ]  # fmt: skip
+  ours = next(line for line in text.splitlines() if "`ours`" in line)
+  assert ours.endswith("| yes | passes |")
 
 
 def test_the_hopper_goals_read_met_or_missed_from_rows():
@@ -224,3 +283,34 @@ def test_the_hopper_goals_read_met_or_missed_from_rows():
   text = hopper_record.hopper_table(rows)
   assert "fails" in text and "0.89x" in text
   assert hopper_record.hopper_sections([]) == {}
+
+
+def test_the_gpu_offset_findings_read_from_the_stored_rows():
+  """docs/findings.md's GPU claims on shared key components (H200)."""
+  from stableattn.experiments.benchmark import offsets_record, session_record
+
+  record = session_record.load(ROOT / "results" / "gpu" / "h200-2026-11-28")
+
+  def worst_dq(name):
+    rows = [
+      r for r in record.offsets[name]
+      if r["regime"] == "key_offset" and r["tensor"] == "dq"
+    ]  # fmt: skip
+    return max(offsets_record._ratio(r, "flexattention") for r in rows)
+
+  fa2_style = ("cudnn", "torch_sdpa_cudnn", "torch_sdpa_flash",
+               "torch_sdpa_efficient", "pallas", "mosaic_gpu")  # fmt: skip
+  assert all(80.5 <= worst_dq(n) <= 82.5 for n in fa2_style)
+  assert round(worst_dq("jax_mha_mha")) == 151
+  assert all(
+    90 <= worst_dq(n) <= 92 for n in ("pallas_mha", "torch_sdpa_flash_mha")
+  )
+  fixed = [
+    f"{p}_{fix}"
+    for p in ("pallas", "mosaic_gpu")
+    for fix in ("stable", "center_kv")
+  ]
+  assert all(0.65 <= worst_dq(n) <= 0.74 for n in fixed)
+  assert not all(r["deterministic"] for r in record.offsets["jax_mha_gqa"])
+  table = offsets_record.offsets_table(record.offsets)
+  assert sum("**fails**" in line for line in table.splitlines()) == 10
