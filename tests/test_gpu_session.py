@@ -164,7 +164,7 @@ def test_docs_quote_every_table_of_the_session_record_unchanged(record):
 
 
 def test_session_goals_read_met_or_missed_from_rows():
-  from stableattn.experiments.benchmark import session_record
+  from stableattn.experiments.benchmark import session_goals, session_record
 
   def timing(kind, implementation, precision, ms, **labels):
     return {
@@ -191,7 +191,7 @@ def test_session_goals_read_met_or_missed_from_rows():
     timing("lever", "pallas", "bf16-fa2", 5.0, lever="causal", causal=True),
   ]
   record = session_record.SessionRecord({}, [], {}, price, levers, [], {}, [])
-  lines = session_record.goal_lines(record).splitlines()
+  lines = session_goals.goal_lines(record).splitlines()
   assert "**met**" in lines[0] and "1.10x" in lines[0]  # 11 / 10
   assert "**missed**" in lines[1] and "0.50x" in lines[1]  # 5 / 10
   assert lines[2].endswith("no rows")  # no cuDNN forward+backward row
@@ -206,12 +206,12 @@ def test_session_goals_read_met_or_missed_from_rows():
     timing("price", "center_kv", "bf16-fa2", 21.0, mode="forward_backward"),
     timing("price", "pallas", "fp32", 1.0, seq_len=2048, pair="fp32", tflops=8),
   ]
-  split_kv = f"{session_record.SPLIT_KV_TESTS[0]}[lengths]"
+  split_kv = f"{session_goals.SPLIT_KV_TESTS[0]}[lengths]"
   tests = {"gpu_tests.txt": ([split_kv], [], [])}
   record = session_record.SessionRecord(
     {}, [], tests, price, levers, [], {}, []
   )
-  lines = session_record.goal_lines(record).splitlines()
+  lines = session_goals.goal_lines(record).splitlines()
   assert "**met**" in lines[5] and "1.050x" in lines[5]  # center_kv 21 / 20
   assert (
     "**met**" in lines[6] and "8.0 TFLOP/s; spills not measured" in lines[6]
@@ -219,7 +219,7 @@ def test_session_goals_read_met_or_missed_from_rows():
   assert "**met**" in lines[7] and "1 passed, 0 failed" in lines[7]
   failing = {"gpu_tests.txt": ([], [split_kv], [])}
   record = dataclasses.replace(record, tests=failing)
-  assert "**missed**" in session_record.goal_lines(record).splitlines()[7]
+  assert "**missed**" in session_goals.goal_lines(record).splitlines()[7]
 
 
 def test_the_offsets_table_reads_each_kernels_worst_ratios():

@@ -10,7 +10,6 @@ import json
 import math
 
 import numpy as np
-from scipy import stats
 
 
 def num(x) -> str:
@@ -110,6 +109,10 @@ def mean_interval(
   back = np.exp if geometric else (lambda v: v)
   if x.size < 2:
     return Interval(float(back(mean)), None, None, 1)
+  # Imported here: scipy.stats takes 0.4 s to import, paid by every
+  # process that imports the package (each launcher, each test worker).
+  from scipy import stats
+
   half = float(
     stats.t.ppf(0.5 + confidence / 2, x.size - 1)
     * np.std(x, ddof=1)
