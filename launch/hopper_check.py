@@ -1,7 +1,7 @@
 r"""The Hopper path (implementation="mosaic_gpu") against the Triton path,
 both in interpret mode on a CPU, and both against FP64, case by case.
 
-  python launch/hopper_check.py --out=results/cpu/hopper-interpret-2026-11-27
+  python launch/hopper_check.py --out=results/cpu/hopper-interpret-2026-11-28
   python launch/hopper_check.py --regimes \
       --out=results/cpu/hopper-regimes-2026-11-27
 

@@ -144,10 +144,9 @@ def _racy_copy():
       r"key_order=.reversed.*Triton",
     ),
     (
-      {"precision": "bf16-fa2", "local_window_size": (8, 0)},
-      r"window: not built",
+      {"precision": "bf16-fa2", "sink": jnp.zeros((2,), jnp.float32)},
+      r"sink: not built",
     ),
-    ({"precision": "bf16-fa2", "softcap": 30.0}, r"softcap: not built"),
   ],
 )
 def test_what_the_path_cannot_honour_is_refused_in_one_line(changes, message):
@@ -200,6 +199,11 @@ def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
   text = _lowered_text(causal=True, key_value_seq_lengths=np.array([150, 200]))
   assert text.count("custom_call @mosaic_gpu") == 3
   assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+
+
+def test_a_window_and_a_softcap_lower_to_mosaic_gpu_for_cuda():
+  text = _lowered_text(local_window_size=(40, 20), softcap=5.0)
+  assert text.count("custom_call @mosaic_gpu") == 3
 
 
 def test_the_refusal_list_is_empty_for_the_base_presets():
@@ -265,7 +269,7 @@ def _stored_rows(name: str) -> list[dict]:
 
 
 def test_docs_quote_the_stored_interpret_mode_comparison():
-  rows = _stored_rows("hopper-interpret-2026-11-27")
+  rows = _stored_rows("hopper-interpret-2026-11-28")
   assert [r["case"] for r in rows] == list(CASES)
   docs = pathlib.Path(__file__).parent.parent / "docs" / "performance.md"
   assert hopper_check.table(rows) in docs.read_text()

@@ -45,6 +45,17 @@ CASES = {
   "bf16-stable-causal": ("bf16-fa2-stable", 96, 80, 2, 1, 64, {"causal": True}),
   "fp16-stable": ("fp16-fa2-stable", 96, 80, 2, 1, 64, {}),
   "mla-192-128": ("bf16-fa2", 96, 96, 2, 1, (192, 128), {"causal": True}),
+  # A window narrower than a tile: key blocks before it are skipped in the
+  # forward and dQ, query blocks past it in dK dV.
+  "window-causal": (
+    "bf16-fa2", 200, 200, 2, 1, 64,
+    {"causal": True, "local_window_size": (40, 0)},
+  ),
+  "window-two-sided": (
+    "bf16-fa2+exp2=on", 96, 150, 2, 2, 64, {"local_window_size": (30, 70)},
+  ),
+  # A cap near the scores' spread, so tanh bends them.
+  "softcap": ("bf16-fa2", 96, 110, 2, 1, 64, {"causal": True, "softcap": 2.0}),
 }  # fmt: skip
 
 

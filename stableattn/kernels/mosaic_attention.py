@@ -10,7 +10,8 @@ normalized once, at the end; the log-sum-exp in FP32; the softmax in base
 (`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (the
 Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
-causal, GQA, key lengths and segments. Everything else is refused in one
+causal, GQA, key lengths and segments, a local window and a softcap.
+Everything else is refused in one
 line naming the stage, feature or option (`refusals`, `tile_refusals`).
 On a CPU the kernels run in jax's GPU interpret mode.
 """
@@ -116,12 +117,10 @@ def refusals(cfg: KernelConfig) -> list[str]:
     if getattr(policy, name) not in values
   ]
   features = {
-    "window": spec.window is not None,
     "per-example key positions (bottom-right with lengths)": spec.key_positions,
     "bias": spec.bias is not None,
     "mask": spec.dense_mask is not None,
     "sink": spec.sink,
-    "softcap": spec.softcap is not None,
     "paged KV cache": cfg.page_size is not None,
     "split-KV": cfg.blocks_per_split is not None,
     "tie_beta": options.tie_beta is not None,
@@ -199,6 +198,8 @@ def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
     key_offset=cfg.mask.key_offset,
     token_ids=cfg.mask.token_ids,
     interpret=bool(cfg.interpret),
+    window=cfg.mask.window,
+    softcap=cfg.mask.softcap,
   )
 
 

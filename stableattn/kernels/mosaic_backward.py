@@ -32,10 +32,12 @@ from stableattn.kernels.mosaic_support import (
   block_mask,
   causal_block_bounds,
   column_vector,
-  query_block_start,
+  query_block_bounds,
   recomputed_probs,
   row_vector,
   smem_tile,
+  softcap_slope,
+  softcapped,
   stats_names,
 )
 
@@ -114,7 +116,9 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
     *((n, (batch, head, rows)) for n in (*stats_names(plan), "delta")),
   ):
     _copy(g[name].at[index], smem[name], bar)
-  s_t = _product((ROWS, ROWS), smem["k"], smem["qt"]) * jnp.float32(plan.scale)
+  s_t, tanh_t = softcapped(
+    _product((ROWS, ROWS), smem["k"], smem["qt"]), plan, plan.scale
+  )
   q_ids = _token_ids(g, smem, plan, 0, (batch, rows), column_vector)
   allowed = block_mask(
     plan, i * ROWS, k_start, q_ids, kv_ids, cols=ROWS, transposed=True
@@ -124,7 +128,7 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   p_t = recomputed_probs(s_t, stats, as_columns)
   dp_t = _product((ROWS, ROWS), smem["v"], smem["dot"])
   delta = column_vector(smem["delta"], plan.interpret)
-  ds_t = p_t * (dp_t - as_columns(delta, dp_t.shape))
+  ds_t = softcap_slope(p_t * (dp_t - as_columns(delta, dp_t.shape)), tanh_t)
   dims = plan.head_dim, plan.value_dim
   dv = dv + _product((ROWS, dims[1]), _staged(p_t, smem["ds"]), smem["do"])
   dk_step = _product((ROWS, dims[0]), _staged(ds_t, smem["ds"]), smem["q"])
@@ -163,8 +167,10 @@ def _dkdv_kernel(*refs, plan: MosaicPlan):
     at = (batch, head, k_start, kv_ids)
     step = functools.partial(_dkdv_step, g, smem, at, plan=plan)
     init = (_zeros((ROWS, dims[0])), _zeros((ROWS, dims[1])))
-    first = query_block_start(plan, k_start)
-    dk, dv = lax.fori_loop(first, plan.q_len_padded // ROWS, step, init)
+    first, end = query_block_bounds(
+      plan, k_start, ROWS, plan.q_len_padded // ROWS
+    )
+    dk, dv = lax.fori_loop(first, end, step, init)
     smem["dk"][...] = dk
     smem["dv"][...] = dv
     plgpu.commit_smem()
@@ -202,13 +208,13 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
   _copy(g["vt"].at[batch, kv_head, :, keys], smem["vt"], bar)
   _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
   tile = (ROWS, plan.block_k)
-  s = _product(tile, smem["q"], smem["kt"]) * jnp.float32(plan.scale)
+  s, tanh = softcapped(_product(tile, smem["q"], smem["kt"]), plan, plan.scale)
   kv_ids = _token_ids(g, smem, plan, 1, (batch, keys), column_vector)
   allowed = block_mask(plan, q_start, j * plan.block_k, q_ids, kv_ids)
   s = jnp.where(allowed, s, -jnp.inf)
   p = recomputed_probs(s, stats, as_rows)
   dp = _product(tile, smem["do"], smem["vt"])
-  ds = p * (dp - as_rows(delta, dp.shape))
+  ds = softcap_slope(p * (dp - as_rows(delta, dp.shape)), tanh)
   scale = jnp.float32(plan.scale)
   out = (ROWS, plan.head_dim)
   step = _product(out, _staged(ds, smem["ds"]), smem["k"]) * scale
@@ -236,8 +242,8 @@ def _dq_kernel(*refs, plan: MosaicPlan):
     delta = row_vector(smem["delta"], plan.interpret)
     at = (batch, kv_head, q_start, q_ids, stats, delta)
     step = functools.partial(_dq_step, g, smem, at, plan=plan)
-    _, _, end = causal_block_bounds(plan, q_start)
-    dq = lax.fori_loop(0, end, step, _zeros((ROWS, dims[0])))
+    first, _, end = causal_block_bounds(plan, q_start)
+    dq = lax.fori_loop(first, end, step, _zeros((ROWS, dims[0])))
     smem["dq"][...] = dq
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(smem["dq"], dq_ref.at[batch, rows, head])

@@ -41,18 +41,20 @@ from stableattn.kernels.mosaic_support import (
   column_vector,
   row_vector,
   smem_tile,
+  softcapped,
 )
 
 
-def _scores(acc_shape, q_smem, kt_smem, scale):
-  """S = (Q K^T) * scale, the product in FP32 (wgmma's accumulator)."""
+def _scores(acc_shape, q_smem, kt_smem, plan: MosaicPlan):
+  """S = (Q K^T) * scale (softcapped if set), the product in FP32 (wgmma's
+  accumulator), in the forward's base."""
 
   def product(acc_ref):
     plgpu.wgmma(acc_ref, q_smem, kt_smem)
     return acc_ref[...]
 
   s = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-  return s * jnp.float32(scale)
+  return softcapped(s, plan, plan.score_scale)[0]
 
 
 def _probs_times_values(p, p_smem, v_smem, value_dim):
@@ -120,9 +122,7 @@ def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
     _fetch(block, j + 1)
 
   plgpu.barrier_wait(block.bars[1].at[slot])
-  s = _scores(
-    (ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan.score_scale
-  )
+  s = _scores((ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan)
   if masked:
     s = jnp.where(_allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1))

@@ -68,6 +68,9 @@ class MosaicPlan:
   key_offset: int  # key j's position is j - key_offset
   token_ids: bool
   interpret: bool
+  # (left, right) of a local window (a side None is unbounded), or None.
+  window: tuple[int | None, int | None] | None = None
+  softcap: float | None = None  # S = softcap * tanh(Q K^T scale / softcap)
 
   @property
   def score_scale(self) -> float:
@@ -146,8 +149,14 @@ def block_mask(
   q_index = iota(q_axis) + q_start
   k_index = iota(k_axis) + k_start
   allowed = k_index < plan.kv_len
+  k_pos = k_index - plan.key_offset
   if plan.causal:
-    allowed = allowed & (k_index - plan.key_offset <= q_index)
+    allowed = allowed & (k_pos <= q_index)
+  left, right = plan.window or (None, None)
+  if left is not None:
+    allowed = allowed & (k_pos >= q_index - left)
+  if right is not None:
+    allowed = allowed & (k_pos <= q_index + right)
   if q_ids is not None:
     place_q, place_k = (
       (as_columns, as_rows) if transposed else (as_rows, as_columns)
@@ -175,25 +184,73 @@ def _nonnegative_div(x, d: int):
   return lax.div(jnp.maximum(x, 0), jnp.int32(d))
 
 
+def _last_key(plan: MosaicPlan, q_start):
+  """The last key index the block's queries may reach by causality and the
+  window's right side, or None where nothing bounds it."""
+  right = (plan.window or (None, None))[1]
+  reach = [r for r in (0 if plan.causal else None, right) if r is not None]
+  if not reach:
+    return None
+  return q_start + (ROWS - 1) + plan.key_offset + min(reach)
+
+
 def causal_block_bounds(plan: MosaicPlan, q_start):
   """(first, full, end): a query block visits key blocks [first, end);
-  blocks before `full` need no mask (every pair attends)."""
+  blocks in [first, full) need no mask (every pair attends). A window
+  masks every block it visits."""
   blocks = plan.kv_len_padded // plan.block_k
   end = jnp.int32(blocks)
   full = jnp.int32(0 if plan.token_ids else plan.kv_len // plan.block_k)
-  if plan.causal:
-    last = q_start + (ROWS - 1) + plan.key_offset
+  last = _last_key(plan, q_start)
+  if last is not None:
     end = jnp.where(
       last < 0, 0, jnp.minimum(end, _nonnegative_div(last, plan.block_k) + 1)
     )
+  if plan.causal:
     diagonal = _nonnegative_div(q_start + plan.key_offset + 1, plan.block_k)
     full = jnp.minimum(full, diagonal)
-  full = jnp.minimum(full, end)
-  return jnp.int32(0), full, end
+  first = jnp.int32(0)
+  left = (plan.window or (None, None))[0]
+  if left is not None:
+    first = jnp.minimum(
+      _nonnegative_div(q_start - left + plan.key_offset, plan.block_k), end
+    )
+  if plan.window is not None:
+    full = first
+  full = jnp.clip(full, first, end)
+  return first, full, end
 
 
-def query_block_start(plan: MosaicPlan, k_start, block_q: int = ROWS):
-  """The first query block a key block can be attended from (causal)."""
-  if not plan.causal:
-    return jnp.int32(0)
-  return _nonnegative_div(k_start - plan.key_offset, block_q)
+def query_block_bounds(plan: MosaicPlan, k_start, block_k: int, q_blocks: int):
+  """(first, end): the query blocks of `ROWS` rows a key block of
+  `block_k` keys can be attended from (causality and the window)."""
+  first, end = jnp.int32(0), jnp.int32(q_blocks)
+  left, right = plan.window or (None, None)
+  reach = [r for r in (0 if plan.causal else None, right) if r is not None]
+  if reach:  # query i >= k_pos - min(reach)
+    first = _nonnegative_div(k_start - plan.key_offset - min(reach), ROWS)
+  if left is not None:  # query i <= k_pos + left, k_pos of the block's last
+    last = k_start + (block_k - 1) - plan.key_offset + left
+    end = jnp.where(
+      last < 0, 0, jnp.minimum(end, _nonnegative_div(last, ROWS) + 1)
+    )
+  return jnp.minimum(first, end), end
+
+
+def softcapped(product, plan: MosaicPlan, scale: float):
+  """(S, tanh or None) from Q K^T in FP32: product * scale, or softcap *
+  tanh(product * scale_natural / softcap) with the forward's base folded
+  into the cap (`masking.scores`); `scale` is the one multiplier without
+  a softcap (the forward's carries log2(e) under exp2)."""
+  if plan.softcap is None:
+    return product * jnp.float32(scale), None
+  tanh = jnp.tanh(product * jnp.float32(plan.scale / plan.softcap))
+  cap = plan.softcap * (scale / plan.scale)
+  return tanh * jnp.float32(cap), tanh
+
+
+def softcap_slope(ds, tanh):
+  """dS times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2."""
+  if tanh is None:
+    return ds
+  return ds * (1.0 - tanh * tanh)
