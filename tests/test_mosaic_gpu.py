@@ -144,8 +144,12 @@ def _racy_copy():
       r"key_order=.reversed.*Triton",
     ),
     (
-      {"precision": "bf16-fa2", "sink": jnp.zeros((2,), jnp.float32)},
-      r"sink: not built",
+      {"precision": "fp16-fa2-stable", "sink": jnp.zeros((2,), jnp.float32)},
+      r"sink with sink_delta='probs' \(the FP16 stable preset's\): not built",
+    ),
+    (
+      {"precision": "bf16-fa2", "bias": jnp.zeros((1, 1, 64, 64))},
+      r"bias: not built",
     ),
   ],
 )
@@ -201,8 +205,10 @@ def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
   assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
 
 
-def test_a_window_and_a_softcap_lower_to_mosaic_gpu_for_cuda():
-  text = _lowered_text(local_window_size=(40, 20), softcap=5.0)
+def test_a_window_a_softcap_and_a_sink_lower_to_mosaic_gpu_for_cuda():
+  text = _lowered_text(
+    local_window_size=(40, 20), softcap=5.0, sink=np.zeros(4, np.float32)
+  )
   assert text.count("custom_call @mosaic_gpu") == 3
 
 
@@ -297,3 +303,27 @@ def test_docs_quote_the_stable_presets_regimes_on_both_paths():
   keys = {(r["policy"], r["regime"], r["implementation"]) for r in rows}
   assert len(keys) == len(rows) == 2 * 2 * len(regimes)
   assert "passes (0 cases" not in hopper_check.regime_table(rows)
+
+
+@pytest.mark.slow
+def test_the_sinks_gradient_is_the_triton_paths():
+  """d(sink) from the Hopper path's lse and delta, against the Triton
+  path's: the same formula on rows that agree to a rounding."""
+  case = CASES["sink"]
+  (q, k, v, d_out), features = _inputs(case)
+  sink = jnp.asarray(features["sink"])
+  rest = {n: x for n, x in features.items() if n != "sink"}
+
+  def d_sink(implementation):
+    def loss(sink):
+      out = sa.attention(
+        q, k, v, implementation=implementation, precision=case[0],
+        sink=sink, **rest,
+      )  # fmt: skip
+      return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    return np.asarray(jax.grad(loss)(sink), np.float64)
+
+  ours, triton = d_sink("mosaic_gpu"), d_sink("pallas")
+  assert np.all(ours != 0) and np.all(np.isfinite(ours))
+  np.testing.assert_allclose(ours, triton, rtol=2e-2)

@@ -56,6 +56,12 @@ CASES = {
   ),
   # A cap near the scores' spread, so tanh bends them.
   "softcap": ("bf16-fa2", 96, 110, 2, 1, 64, {"causal": True, "softcap": 2.0}),
+  # A sink per head (d(sink) too), one of them strong enough to take most
+  # of each row's weight.
+  "sink": (
+    "bf16-fa2+exp2=on", 96, 90, 2, 1, 64,
+    {"causal": True, "sink": np.array([0.5, 4.0], np.float32)},
+  ),
 }  # fmt: skip
 
 

@@ -292,23 +292,27 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
       dbias = ar.sum(dbias, "grad_accum", axis=axes, keepdims=True)
     d_ops = d_ops._replace(bias=dbias.astype(ops.bias.dtype))
   if ops.sink is not None:
-    # d sink = -sum_i p_sink,i delta_i, p_sink,i = exp(sink - lse_i).
-    delta, prob_sums = sink_terms
-    lse_rows = lse[:, :, : cfg.q_len].astype(ar.carrier)
-    sink = ops.sink.astype(ar.carrier)[None, :, None]
-    p_sink = jnp.exp(sink - lse_rows)
-    delta = delta[:, :, : cfg.q_len].astype(ar.carrier)
-    if prob_sums is not None:
-      # sink_delta=probs: normalized by the sum of unrounded P, not by
-      # the forward's l (which sums P rounded with softmax_sum=
-      # rounded_probs), so p_sink and delta are the exact softmax's.
-      total = p_sink + prob_sums[:, :, : cfg.q_len]
-      total = jnp.where(total == 0, 1.0, total)  # no key and a -inf sink
-      p_sink, delta = p_sink / total, delta / total
-    weighted = p_sink * delta
-    d_sink = -ar.sum(weighted, "grad_accum", axis=(0, 2))
-    d_ops = d_ops._replace(sink=d_sink.astype(ops.sink.dtype))
+    d_ops = d_ops._replace(sink=sink_gradient(ops.sink, lse, sink_terms, cfg))
   return (*grads, d_ops)
+
+
+def sink_gradient(sink, lse, sink_terms, cfg: KernelConfig):
+  """d sink = -sum_i p_sink,i delta_i, p_sink,i = exp(sink - lse_i), from
+  the padded lse and d(sink)'s (delta, rowsum(P) or None) [B, H, T]."""
+  ar = PolicyArithmetic(cfg.policy)
+  delta, prob_sums = sink_terms
+  lse_rows = lse[:, :, : cfg.q_len].astype(ar.carrier)
+  p_sink = jnp.exp(sink.astype(ar.carrier)[None, :, None] - lse_rows)
+  delta = delta[:, :, : cfg.q_len].astype(ar.carrier)
+  if prob_sums is not None:
+    # sink_delta=probs: normalized by the sum of unrounded P, not by the
+    # forward's l (which sums P rounded with softmax_sum=rounded_probs),
+    # so p_sink and delta are the exact softmax's.
+    total = p_sink + prob_sums[:, :, : cfg.q_len]
+    total = jnp.where(total == 0, 1.0, total)  # no key and a -inf sink
+    p_sink, delta = p_sink / total, delta / total
+  d_sink = -ar.sum(p_sink * delta, "grad_accum", axis=(0, 2))
+  return d_sink.astype(sink.dtype)
 
 
 def zero_cotangent(x):

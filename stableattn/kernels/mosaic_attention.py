@@ -10,7 +10,8 @@ normalized once, at the end; the log-sum-exp in FP32; the softmax in base
 (`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (the
 Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
-causal, GQA, key lengths and segments, a local window and a softcap.
+causal, GQA, key lengths and segments, a local window, a softcap and a
+sink (with its gradient).
 Everything else is refused in one
 line naming the stage, feature or option (`refusals`, `tile_refusals`).
 On a CPU the kernels run in jax's GPU interpret mode.
@@ -35,6 +36,7 @@ from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
   pad_operands,
   pad_to,
+  sink_gradient,
   zero_cotangent,
 )
 from stableattn.kernels.kernel_config import KernelConfig
@@ -120,7 +122,9 @@ def refusals(cfg: KernelConfig) -> list[str]:
     "per-example key positions (bottom-right with lengths)": spec.key_positions,
     "bias": spec.bias is not None,
     "mask": spec.dense_mask is not None,
-    "sink": spec.sink,
+    "sink with sink_delta='probs' (the FP16 stable preset's)": (
+      spec.sink and policy.sink_delta != "shared"
+    ),
     "paged KV cache": cfg.page_size is not None,
     "split-KV": cfg.blocks_per_split is not None,
     "tie_beta": options.tie_beta is not None,
@@ -200,6 +204,7 @@ def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
     interpret=bool(cfg.interpret),
     window=cfg.mask.window,
     softcap=cfg.mask.softcap,
+    sink=cfg.mask.sink,
   )
 
 
@@ -222,11 +227,14 @@ def _padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
   q_p = pad_to(q, tq, plan.head_dim)
   k_p = pad_to(k, tk, plan.head_dim)
   v_p = pad_to(v, tk, plan.value_dim)
-  ids = ()
-  if plan.token_ids:
+  ids, sink_rows = (), ()
+  if plan.token_ids or plan.sink:
     ops_p = pad_operands(ops, tiled_config(cfg, plan))
-    ids = (ops_p.q_ids, ops_p.kv_ids)
-  return q_p, k_p, v_p, ids
+    if plan.token_ids:
+      ids = (ops_p.q_ids, ops_p.kv_ids)
+    if plan.sink:
+      sink_rows = (ops_p.sink.astype(jnp.float32),)
+  return q_p, k_p, v_p, ids, sink_rows
 
 
 def _forward(q, k, v, ops, cfg: KernelConfig):
@@ -234,9 +242,9 @@ def _forward(q, k, v, ops, cfg: KernelConfig):
   if plan.token_ids:
     # P is 0 at keys no query attends, but 0 x NaN is NaN.
     k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
-  q_p, k_p, v_p, ids = _padded(q, k, v, ops, cfg, plan)
+  q_p, k_p, v_p, ids, sink_rows = _padded(q, k, v, ops, cfg, plan)
   out_p, lse, *kept = mosaic_forward(
-    q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, ids, plan
+    q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, (*ids, *sink_rows), plan
   )
   extra = dict(zip(output_names(plan)[2:], kept))
   out = out_p[:, : cfg.q_len, :, : cfg.value_dim]
@@ -301,7 +309,14 @@ def _bwd(cfg: KernelConfig, saved, d_out):
   dk = sum_groups(dk)[:, : cfg.kv_len, :, : cfg.head_dim]
   dv = sum_groups(dv)[:, : cfg.kv_len, :, : cfg.value_dim]
   grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
-  return (*grads, jax.tree_util.tree_map(zero_cotangent, ops))
+  d_ops = jax.tree_util.tree_map(zero_cotangent, ops)
+  if plan.sink:
+    # The sink's value is 0: it reaches dQ, dK and dV only through the
+    # lse; its own gradient is the Triton path's (`sink_gradient`).
+    d_ops = d_ops._replace(
+      sink=sink_gradient(ops.sink, lse, (delta, None), cfg)
+    )
+  return (*grads, d_ops)
 
 
 mosaic_flash_attention.defvjp(_fwd, _bwd)

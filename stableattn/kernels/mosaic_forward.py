@@ -173,16 +173,37 @@ def _store(block: _Block, carry):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _initial_carry(value_dim: int):
-  """(O, m, l) before the first key block, in the layouts wgmma gives."""
+def _initial_carry(value_dim: int, sink=None):
+  """(O, m, l) before the first key block, in the layouts wgmma gives. A
+  sink is a key with logit `sink` (in the scores' base) and value 0: it
+  starts the running maximum and contributes exp(sink - m) to the sum
+  (`pallas_forward._initial_state`)."""
   layout = plgpu.Layout.WGMMA
+  rows = layout.reduce(1)
+  if sink is None:
+    m = jnp.full((ROWS,), -jnp.inf, jnp.float32)
+    l_sum = jnp.zeros((ROWS,), jnp.float32)
+  else:
+    m, l_sum = sink, jnp.ones((ROWS,), jnp.float32)
   return (
     plgpu.layout_cast(jnp.zeros((ROWS, value_dim), jnp.float32), layout),
-    plgpu.layout_cast(
-      jnp.full((ROWS,), -jnp.inf, jnp.float32), layout.reduce(1)
-    ),
-    plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), layout.reduce(1)),
+    plgpu.layout_cast(m, rows),
+    plgpu.layout_cast(l_sum, rows),
   )
+
+
+def _sink_logits(block: _Block, rows):
+  """The head's sink logit on each row, in the forward's base; None
+  without a sink."""
+  if not block.plan.sink:
+    return None
+  bar = block.bars[0].at[1]
+  plgpu.copy_gmem_to_smem(
+    block.refs["sink"].at[block.head, rows], block.smem["sink"], bar
+  )
+  plgpu.barrier_wait(bar)
+  sink = row_vector(block.smem["sink"], block.plan.interpret)
+  return sink * jnp.float32(math.log2(math.e)) if block.plan.exp2 else sink
 
 
 def _block_program(block: _Block):
@@ -201,6 +222,7 @@ def _block_program(block: _Block):
     )
     plgpu.barrier_wait(q_bar.at[1])
     q_ids = row_vector(smem["ids"][0], plan.interpret)
+  sink = _sink_logits(block, rows)
   first, full, end = causal_block_bounds(plan, block.q_start)
 
   @pl.when(end > first)
@@ -209,7 +231,7 @@ def _block_program(block: _Block):
 
   plgpu.barrier_wait(q_bar.at[0])
   step = functools.partial(_step, block, end, q_ids)
-  carry = _initial_carry(plan.value_dim)
+  carry = _initial_carry(plan.value_dim, sink)
   # Blocks every pair of which attends, then those that need the mask.
   carry = lax.fori_loop(
     first, full, functools.partial(step, masked=False), carry
@@ -240,17 +262,19 @@ def _residual_scratch(plan: MosaicPlan):
 
 def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
   outputs = output_names(plan)
-  ids_refs = refs[: len(refs) - len(outputs)]
+  inputs = len(refs) - len(outputs)
+  ids_refs = refs[: 2 if plan.token_ids else 0]
   batch, head, q_block = (lax.axis_index(n) for n in ("batch", "heads", "q"))
   global_refs = dict(
     q=q_ref,
     kt=kt_ref,
     v=v_ref,
     ids=ids_refs,
+    sink=refs[inputs - 1] if plan.sink else None,
     outputs=outputs,
-    **dict(zip(outputs, refs[len(ids_refs) :])),
+    **dict(zip(outputs, refs[inputs:])),
   )
-  names = ("q", "kt", "v", "p", "o", "lse", "ids", *outputs[2:])
+  names = ("q", "kt", "v", "p", "o", "lse", "ids", "sink", *outputs[2:])
 
   def scoped(*buffers):
     block = _Block(
@@ -281,6 +305,7 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     smem_tile((ROWS, plan.value_dim), plan.output_dtype),
     plgpu.SMEM((ROWS,), jnp.float32),
     ids_scratch,
+    plgpu.SMEM((ROWS,), jnp.float32) if plan.sink else (),
     *_residual_scratch(plan),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
@@ -288,12 +313,13 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
   )
 
 
-def mosaic_forward(q, kt, v, ids, plan: MosaicPlan):
+def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
   """(O [B, T, H, Dv] in the output format, lse [B, H, T] FP32, natural
   log, +inf where no key attends, then `output_names`' residuals: O_lo
   like O, m and l like the lse) of padded q [B, T, H, D], K^T [B, Hkv,
-  D, S], v [B, S, Hkv, Dv] and the token ids (q_ids [B, T], kv_ids [B,
-  S]) or ()."""
+  D, S], v [B, S, Hkv, Dv] and `extra`: the token ids (q_ids [B, T],
+  kv_ids [B, S]) if `plan.token_ids`, then the sink's rows [H, T] FP32 if
+  `plan.sink`."""
   batch, q_len, heads, _ = q.shape
   tile = jax.ShapeDtypeStruct(
     (batch, q_len, heads, plan.value_dim), plan.output_dtype
@@ -308,4 +334,4 @@ def mosaic_forward(q, kt, v, ids, plan: MosaicPlan):
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_forward",
   )
-  return kernel(q, kt, v, *ids)
+  return kernel(q, kt, v, *extra)

@@ -71,6 +71,7 @@ class MosaicPlan:
   # (left, right) of a local window (a side None is unbounded), or None.
   window: tuple[int | None, int | None] | None = None
   softcap: float | None = None  # S = softcap * tanh(Q K^T scale / softcap)
+  sink: bool = False  # a per-head logit with value 0 (rows [H, T] in)
 
   @property
   def score_scale(self) -> float:
