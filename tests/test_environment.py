@@ -1,5 +1,7 @@
 """What a run records of its machine, and the machine one step down."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -43,8 +45,31 @@ def test_the_probe_is_deterministic_and_sees_a_lower_instruction_set():
   if isa in (None, "SSE4_2"):
     pytest.skip(f"no lower instruction set than {isa} here")
   here = environment.program_digest("")
-  assert environment.program_digest.__wrapped__("") == here
+  assert environment._run_probe("") == here  # a fresh process, not a store
   assert environment.program_digest("--xla_cpu_max_isa=SSE4_2") != here
+
+
+def test_a_probe_is_run_once_per_flags_and_kept_beside_the_cache(
+  tmp_path, monkeypatch
+):
+  runs = []
+
+  def probe(flags):
+    runs.append(flags)
+    return f"digest of {flags or 'host'}"
+
+  monkeypatch.setattr(environment, "_run_probe", probe)
+  store = tmp_path / "machine_probe.json"
+  monkeypatch.setattr(environment, "_probe_file", lambda: store)
+  digest = environment.program_digest.__wrapped__
+  assert digest("") == digest("") == "digest of host"
+  assert digest("--xla_cpu_max_isa=AVX") == "digest of --xla_cpu_max_isa=AVX"
+  assert runs == ["", "--xla_cpu_max_isa=AVX"]
+  assert len(json.loads(store.read_text())) == 2
+  # Another CPU is another key: probed again.
+  monkeypatch.setattr(environment, "cpu_model", lambda: "Another CPU")
+  digest("")
+  assert runs[-1] == "" and len(runs) == 3
 
 
 def test_the_instruction_set_is_the_hosts_capped_by_the_flag(avx2_host):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import pathlib
 import platform
@@ -132,7 +133,62 @@ PROBED: dict[str, str] = {}
 @functools.cache
 def program_digest(flags: str) -> str:
   """The bits of a small training step (`machine_probe`) compiled under
-  XLA_FLAGS `flags`, in a fresh process (flags act when JAX starts)."""
+  XLA_FLAGS `flags`, in a fresh process (flags act when JAX starts); kept
+  beside JAX's compilation cache, where one is set, for the next process
+  on this machine and software (a probe costs 1.3 s)."""
+  key = _probe_key(flags)
+  stored = _stored_probes()
+  digest = stored.get(key) or _run_probe(flags)
+  if key not in stored:
+    _store_probe(key, digest)
+  PROBED[compiled_isa(flags) or flags] = digest[:16]
+  return digest
+
+
+def _probe_file() -> pathlib.Path | None:
+  folder = jax.config.jax_compilation_cache_dir
+  return pathlib.Path(folder) / "machine_probe.json" if folder else None
+
+
+def _probe_key(flags: str) -> str:
+  """What a probe's bits depend on: the flags, the CPU, the software and
+  the probe's own source."""
+  from stableattn.experiments import machine_probe
+
+  source = pathlib.Path(machine_probe.__file__).read_bytes()
+  parts = [
+    flags,
+    cpu_model(),
+    host_isa() or platform.machine(),
+    *(f"{p}={_version(p)}" for p in ("jax", "jaxlib", "numpy")),
+    hashlib.sha256(source).hexdigest(),
+  ]
+  return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _stored_probes() -> dict:
+  path = _probe_file()
+  try:
+    return json.loads(path.read_text()) if path else {}
+  except (OSError, ValueError):  # none yet, or a write cut short
+    return {}
+
+
+def _store_probe(key: str, digest: str) -> None:
+  path = _probe_file()
+  if path is None:
+    return
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept = {**_stored_probes(), key: digest}
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(kept, indent=1) + "\n")
+    os.replace(partial, path)  # whole or not at all for a reader
+  except OSError:  # a read-only cache folder: probe again next time
+    pass
+
+
+def _run_probe(flags: str) -> str:
   env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
   done = subprocess.run(
     [sys.executable, "-m", "stableattn.experiments.machine_probe"],
@@ -147,9 +203,7 @@ def program_digest(flags: str) -> str:
       f"the machine probe failed under XLA_FLAGS={flags!r}: "
       f"{done.stderr.strip().splitlines()[-1:]}"
     )
-  digest = done.stdout.strip().splitlines()[-1]
-  PROBED[compiled_isa(flags) or flags] = digest[:16]
-  return digest
+  return done.stdout.strip().splitlines()[-1]
 
 
 def corpus_digest(*arrays: np.ndarray) -> str:
