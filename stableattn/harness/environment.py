@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -125,6 +126,8 @@ def other_machine_flags() -> tuple[str | None, str]:
   )
 
 
+# The probe's program, run in a process of its own.
+PROBE_MODULE = "stableattn.experiments.machine_probe"
 # Digests the probe gave in this process, by the instruction set it ran
 # for (recorded by `describe`).
 PROBED: dict[str, str] = {}
@@ -153,9 +156,8 @@ def _probe_file() -> pathlib.Path | None:
 def _probe_key(flags: str) -> str:
   """What a probe's bits depend on: the flags, the CPU, the software and
   the probe's own source."""
-  from stableattn.experiments import machine_probe
-
-  source = pathlib.Path(machine_probe.__file__).read_bytes()
+  spec = importlib.util.find_spec(PROBE_MODULE)  # found, not imported
+  source = pathlib.Path(spec.origin).read_bytes()
   parts = [
     flags,
     cpu_model(),
@@ -191,7 +193,7 @@ def _store_probe(key: str, digest: str) -> None:
 def _run_probe(flags: str) -> str:
   env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
   done = subprocess.run(
-    [sys.executable, "-m", "stableattn.experiments.machine_probe"],
+    [sys.executable, "-m", PROBE_MODULE],
     env=env,
     capture_output=True,
     text=True,
