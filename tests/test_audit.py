@@ -83,6 +83,7 @@ def _launch(*flags):
   )
 
 
+@pytest.mark.slow  # a launcher process end to end (CI's slow tier)
 def test_launcher_exit_code_gates_ci(tmp_path):
   smoke = "--config=smoke"
   bad = _launch(

@@ -88,6 +88,7 @@ def test_bad_capture_paths_are_refused_saying_what_is_valid(tmp_path):
     captures.load(root)
 
 
+@pytest.mark.slow  # a launcher process end to end (CI's slow tier)
 def test_a_truncated_or_misshapen_capture_is_one_line_naming_the_file(
   tmp_path,
 ):

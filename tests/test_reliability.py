@@ -198,6 +198,7 @@ def test_bad_forward_values_name_their_field(changes, message):
     forward.run(_forward_config(**changes), "/nonexistent/x")
 
 
+@pytest.mark.slow  # a launcher process end to end (CI's slow tier)
 def test_launcher_prints_the_error_line_not_a_traceback(tmp_path):
   out = subprocess.run(
     [

@@ -182,6 +182,7 @@ def test_a_context_parallel_flash_arm_is_swept_beside_flash(tmp_path):
   assert by_arm[("flash_context_parallel/bf16/none", 0.01)] != stable
 
 
+@pytest.mark.slow  # a launcher process end to end (CI's slow tier)
 def test_launcher_names_a_bad_field_in_one_line(tmp_path):
   import pathlib
   import subprocess
