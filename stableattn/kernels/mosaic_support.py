@@ -185,14 +185,20 @@ def _nonnegative_div(x, d: int):
   return lax.div(jnp.maximum(x, 0), jnp.int32(d))
 
 
-def _last_key(plan: MosaicPlan, q_start):
-  """The last key index the block's queries may reach by causality and the
-  window's right side, or None where nothing bounds it."""
+def _right_reach(plan: MosaicPlan):
+  """How far past its query's position a key may sit (0 when causal, the
+  window's right side, the smaller of the two), or None if unbounded."""
   right = (plan.window or (None, None))[1]
   reach = [r for r in (0 if plan.causal else None, right) if r is not None]
-  if not reach:
+  return min(reach) if reach else None
+
+
+def _last_key(plan: MosaicPlan, q_start):
+  """The last key index the block's queries may reach, or None."""
+  reach = _right_reach(plan)
+  if reach is None:
     return None
-  return q_start + (ROWS - 1) + plan.key_offset + min(reach)
+  return q_start + (ROWS - 1) + plan.key_offset + reach
 
 
 def causal_block_bounds(plan: MosaicPlan, q_start):
@@ -226,10 +232,10 @@ def query_block_bounds(plan: MosaicPlan, k_start, block_k: int, q_blocks: int):
   """(first, end): the query blocks of `ROWS` rows a key block of
   `block_k` keys can be attended from (causality and the window)."""
   first, end = jnp.int32(0), jnp.int32(q_blocks)
-  left, right = plan.window or (None, None)
-  reach = [r for r in (0 if plan.causal else None, right) if r is not None]
-  if reach:  # query i >= k_pos - min(reach)
-    first = _nonnegative_div(k_start - plan.key_offset - min(reach), ROWS)
+  left = (plan.window or (None, None))[0]
+  reach = _right_reach(plan)
+  if reach is not None:  # query i >= k_pos - reach
+    first = _nonnegative_div(k_start - plan.key_offset - reach, ROWS)
   if left is not None:  # query i <= k_pos + left, k_pos of the block's last
     last = k_start + (block_k - 1) - plan.key_offset + left
     end = jnp.where(
