@@ -327,3 +327,39 @@ def test_the_sinks_gradient_is_the_triton_paths():
   ours, triton = d_sink("mosaic_gpu"), d_sink("pallas")
   assert np.all(ours != 0) and np.all(np.isfinite(ours))
   np.testing.assert_allclose(ours, triton, rtol=2e-2)
+
+
+def test_flash_is_the_triton_path_in_interpret_mode_bit_for_bit():
+  case = CASES["causal-gqa"]
+  ours = _value_and_grads("flash", case)
+  triton = _value_and_grads("pallas", case)
+  for a, b in zip(ours, triton):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+  "request_, path",
+  [
+    ({}, "mosaic_gpu"),
+    ({"causal": True, "local_window_size": (32, 0)}, "mosaic_gpu"),
+    ({"precision": "fp32"}, "pallas"),  # wgmma takes 16-bit operands here
+    ({"bias": np.zeros((1, 1, 128, 128), np.float32)}, "pallas"),
+    ({"block_q": 128}, "pallas"),  # not one warpgroup's rows
+  ],
+  ids=str,
+)
+def test_flash_takes_the_hopper_path_on_hopper_where_it_runs_the_request(
+  request_, path, monkeypatch
+):
+  from stableattn.ops import dispatch
+
+  options, features = dispatch.split_keywords(
+    None, None, {"precision": "bf16-fa2", "interpret": False, **request_}
+  )
+  shape = (1, 128, 2, 64)
+  spec, _ = features.split(shape, shape)
+  cfg = dispatch.kernel_config(options, shape, shape, spec)
+  monkeypatch.setattr(dispatch, "_hopper_or_later", lambda: True)
+  assert dispatch.flash_path(cfg, options) == path
+  monkeypatch.setattr(dispatch, "_hopper_or_later", lambda: False)
+  assert dispatch.flash_path(cfg, options) == "pallas"

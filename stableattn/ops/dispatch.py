@@ -37,9 +37,12 @@ from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
 
-IMPLEMENTATIONS = ("pallas", "reference", "xla", "mosaic_gpu")
-# Our flash kernels: Pallas Triton, and Pallas Mosaic GPU for Hopper.
-FLASH_IMPLEMENTATIONS = ("pallas", "mosaic_gpu")
+IMPLEMENTATIONS = ("pallas", "reference", "xla", "mosaic_gpu", "flash")
+# Our flash kernels: Pallas Triton, and Pallas Mosaic GPU for Hopper;
+# "flash" picks one of the two per call (`flash_path`).
+FLASH_IMPLEMENTATIONS = ("pallas", "mosaic_gpu", "flash")
+# Compute capability from which "flash" takes the Mosaic GPU path (Hopper).
+HOPPER_CAPABILITY = 9.0
 
 
 def _check_choice(name: str, value, valid) -> None:
@@ -216,6 +219,27 @@ def check_options_for(implementation: str, options: Options) -> None:
     )
 
 
+def flash_path(cfg: KernelConfig, options: Options) -> str:
+  """The kernel implementation="flash" runs for `cfg`: the Hopper path
+  ("mosaic_gpu") when compiling for a GPU of compute capability 9.0 or
+  later where that path runs the request as asked (its policy, features
+  and the caller's tiles), else the Triton path ("pallas"), which runs
+  everything; interpret mode takes the Triton path."""
+  if cfg.interpret or not _hopper_or_later():
+    return "pallas"
+  mosaic = _mosaic()
+  if mosaic.refusals(cfg) or mosaic.tile_refusals(options):
+    return "pallas"
+  return "mosaic_gpu"
+
+
+def _hopper_or_later() -> bool:
+  if jax.default_backend() != "gpu":
+    return False
+  capability = getattr(jax.devices()[0], "compute_capability", "0")
+  return float(capability) >= HOPPER_CAPABILITY
+
+
 def _mosaic():
   """The Mosaic GPU path, imported on use: jax's Mosaic GPU modules add
   half a second to every process's import."""
@@ -246,8 +270,10 @@ def attention(
       "pallas" and "reference".
     implementation: "pallas" (our flash kernel, Pallas Triton),
       "mosaic_gpu" (our flash kernel on Pallas Mosaic GPU, Hopper; the
-      policies and features `kernels.mosaic_attention` lists), "reference"
-      (materialized baseline in jnp) or "xla"
+      policies and features `kernels.mosaic_attention` lists), "flash"
+      (the Mosaic GPU kernel where it runs the request on a Hopper or
+      later GPU, else the Triton kernel: `flash_path` says which),
+      "reference" (materialized baseline in jnp) or "xla"
       (`jax.nn.dot_product_attention`).
     options: how to compute (`stableattn.Options`: precision, tiles,
       scheme, Qiu & Yao's tie fix, compiler parameters, interpret);
@@ -255,7 +281,8 @@ def attention(
     features: what to compute (`stableattn.Features`: causal, window,
       lengths, segments, bias, mask, scale, softcap, sink); default none.
     return_lse: also return the log-sum-exp [batch, heads, q_len] (pallas
-      and mosaic_gpu only; not differentiable; +inf for a row no key attends).
+      mosaic_gpu and flash only; not differentiable; +inf for a row no key
+      attends).
     return_statistics: also return {"lse", "row_max", "second"}, each
       [batch, heads, q_len]: the log-sum-exp and each row's largest and
       second largest score from the kernel's own pass, for the monitor
@@ -286,6 +313,10 @@ def attention(
   q, k, v = validate_inputs(q, k, v)
   spec, ops = features.split(q.shape, k.shape)
   cfg = kernel_config(options, q.shape, k.shape, spec, v.shape[3])
+  if implementation == "flash":
+    implementation = flash_path(cfg, options)
+    if return_statistics:  # the Triton path's alone
+      implementation = "pallas"
   _check_implementation_options(implementation, cfg, return_lse)
   check_flag("return_statistics", return_statistics)
   if cfg.options.center_kv:
@@ -334,7 +365,8 @@ def _check_implementation_options(
   check_flag("return_lse", return_lse)
   if return_lse and implementation not in FLASH_IMPLEMENTATIONS:
     raise ValueError(
-      "return_lse=True is only available for 'pallas' and 'mosaic_gpu'."
+      "return_lse=True is only available for 'pallas', 'mosaic_gpu' and "
+      "'flash'."
     )
 
 
