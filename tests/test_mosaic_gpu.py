@@ -351,7 +351,7 @@ def test_flash_is_the_triton_path_in_interpret_mode_bit_for_bit():
 def test_flash_takes_the_hopper_path_on_hopper_where_it_runs_the_request(
   request_, path, monkeypatch
 ):
-  from stableattn.ops import dispatch
+  from stableattn.ops import dispatch, flash_choice
 
   options, features = dispatch.split_keywords(
     None, None, {"precision": "bf16-fa2", "interpret": False, **request_}
@@ -359,7 +359,7 @@ def test_flash_takes_the_hopper_path_on_hopper_where_it_runs_the_request(
   shape = (1, 128, 2, 64)
   spec, _ = features.split(shape, shape)
   cfg = dispatch.kernel_config(options, shape, shape, spec)
-  monkeypatch.setattr(dispatch, "_hopper_or_later", lambda: True)
-  assert dispatch.flash_path(cfg, options) == path
-  monkeypatch.setattr(dispatch, "_hopper_or_later", lambda: False)
-  assert dispatch.flash_path(cfg, options) == "pallas"
+  monkeypatch.setattr(flash_choice, "hopper_or_later", lambda: True)
+  assert flash_choice.flash_path(cfg, options) == path
+  monkeypatch.setattr(flash_choice, "hopper_or_later", lambda: False)
+  assert flash_choice.flash_path(cfg, options) == "pallas"

@@ -36,13 +36,12 @@ from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
+from stableattn.ops.flash_choice import flash_path
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla", "mosaic_gpu", "flash")
 # Our flash kernels: Pallas Triton, and Pallas Mosaic GPU for Hopper;
-# "flash" picks one of the two per call (`flash_path`).
+# "flash" picks one of the two per call (`flash_choice.flash_path`).
 FLASH_IMPLEMENTATIONS = ("pallas", "mosaic_gpu", "flash")
-# Compute capability from which "flash" takes the Mosaic GPU path (Hopper).
-HOPPER_CAPABILITY = 9.0
 
 
 def _check_choice(name: str, value, valid) -> None:
@@ -217,27 +216,6 @@ def check_options_for(implementation: str, options: Options) -> None:
       f"{list(FLASH_IMPLEMENTATIONS)}, not of implementation="
       f"{implementation!r}."
     )
-
-
-def flash_path(cfg: KernelConfig, options: Options) -> str:
-  """The kernel implementation="flash" runs for `cfg`: the Hopper path
-  ("mosaic_gpu") when compiling for a GPU of compute capability 9.0 or
-  later where that path runs the request as asked (its policy, features
-  and the caller's tiles), else the Triton path ("pallas"), which runs
-  everything; interpret mode takes the Triton path."""
-  if cfg.interpret or not _hopper_or_later():
-    return "pallas"
-  mosaic = _mosaic()
-  if mosaic.refusals(cfg) or mosaic.tile_refusals(options):
-    return "pallas"
-  return "mosaic_gpu"
-
-
-def _hopper_or_later() -> bool:
-  if jax.default_backend() != "gpu":
-    return False
-  capability = getattr(jax.devices()[0], "compute_capability", "0")
-  return float(capability) >= HOPPER_CAPABILITY
 
 
 def _mosaic():
