@@ -11,10 +11,9 @@ normalized once, at the end; the log-sum-exp in FP32; the softmax in base
 Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
 causal, GQA, key lengths and segments, a local window, a softcap and a
-sink (with its gradient).
-Everything else is refused in one
-line naming the stage, feature or option (`refusals`, `tile_refusals`).
-On a CPU the kernels run in jax's GPU interpret mode.
+sink (with its gradient). Everything else is refused in one line naming
+the stage, feature or option (`refusals`, `tile_refusals`). On a CPU the
+kernels run in jax's GPU interpret mode.
 """
 
 from __future__ import annotations
