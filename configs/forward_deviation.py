@@ -46,7 +46,8 @@ e4m3 and peaked (outlier) rows; with `sage_fp8`: smoothing K helps where K
 has a channel bias; with `long_context` (4.6 minutes, to 131,072 keys):
 Hopper's one-level truncating FP8 accumulator doubles the error at 128K
 keys with normal inputs, two-level accumulation restores it. The report
-computes each of these verdicts from its rows. """
+computes each of these verdicts from its rows.
+"""
 
 import ml_collections
 

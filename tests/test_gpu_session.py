@@ -287,6 +287,7 @@ def test_the_hopper_goals_read_met_or_missed_from_rows():
 
 def test_the_gpu_offset_findings_read_from_the_stored_rows():
   """docs/findings.md's GPU claims on shared key components (H200)."""
+  from stableattn.auditing.measure import rule_ratio
   from stableattn.experiments.benchmark import offsets_record, session_record
 
   record = session_record.load(ROOT / "results" / "gpu" / "h200-2026-11-28")
@@ -296,7 +297,7 @@ def test_the_gpu_offset_findings_read_from_the_stored_rows():
       r for r in record.offsets[name]
       if r["regime"] == "key_offset" and r["tensor"] == "dq"
     ]  # fmt: skip
-    return max(offsets_record._ratio(r, "flexattention") for r in rows)
+    return max(rule_ratio(r, "flexattention") for r in rows)
 
   fa2_style = ("cudnn", "torch_sdpa_cudnn", "torch_sdpa_flash",
                "torch_sdpa_efficient", "pallas", "mosaic_gpu")  # fmt: skip

@@ -203,7 +203,7 @@ def _sink_logits(block: _Block, rows):
   )
   plgpu.barrier_wait(bar)
   sink = row_vector(block.smem["sink"], block.plan.interpret)
-  return sink * jnp.float32(math.log2(math.e)) if block.plan.exp2 else sink
+  return sink * jnp.float32(block.plan.to_base)
 
 
 def _block_program(block: _Block):

@@ -74,9 +74,14 @@ class MosaicPlan:
   sink: bool = False  # a per-head logit with value 0 (rows [H, T] in)
 
   @property
+  def to_base(self) -> float:
+    """A natural-log logit's factor into the forward's softmax base."""
+    return math.log2(math.e) if self.exp2 else 1.0
+
+  @property
   def score_scale(self) -> float:
     """The forward's one constant multiplier of Q K^T."""
-    return self.scale * (math.log2(math.e) if self.exp2 else 1.0)
+    return self.scale * self.to_base
 
   @property
   def interpret_params(self):

@@ -172,7 +172,7 @@ class Trainer:
       else self.graph_with(eval_attention)
     )
 
-  def _programs(self) -> tuple:
+  def program_key(self) -> tuple:
     """What this trainer's compiled programs depend on: everything but the
     initialization (init seed, replica)."""
     run = dataclasses.replace(self.run, init_seed=0, replica=0)
@@ -188,7 +188,7 @@ class Trainer:
     """Runs with `other`'s compiled step, evaluation and probes: for a run
     that differs from it only in how it starts (another seed, an identical
     rerun), the same executables, compiled once."""
-    if self._programs() != other._programs():
+    if self.program_key() != other.program_key():
       raise ValueError(
         f"run {self.run} differs from {other.run} in more than its "
         "initialization; its programs are its own."

@@ -8,6 +8,7 @@ A record's `offsets/<name>.jsonl` holds one audit's rows (`launch/audit.py
 
 from __future__ import annotations
 
+from stableattn.auditing.measure import rule_ratio
 from stableattn.harness.reporting import table
 
 RULES = ("flashattention", "flexattention")
@@ -15,15 +16,11 @@ RULES = ("flashattention", "flexattention")
 REGIMES = ("none", "key_offset", "key_shift")
 
 
-def _ratio(row, rule: str) -> float:
-  return row[f"{rule}_value"] / row[f"{rule}_limit"]
-
-
 def _worst(rows, rule: str, tensors) -> str:
   """The largest (value / limit) of `rule` over `tensors`' rows, and the
   tensor it is on; '-' where none applies."""
   found = [
-    (_ratio(r, rule), r["tensor"])
+    (rule_ratio(r, rule), r["tensor"])
     for r in rows
     if r["tensor"] in tensors and r.get(f"{rule}_applies")
   ]

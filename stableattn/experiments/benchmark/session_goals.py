@@ -55,9 +55,9 @@ def goal_lines(r: SessionRecord) -> str:
   return "\n".join(
     _speed_goal_lines(r, points)
     + [
-      _price_goal(points),
+      _price_goal(points, "stable presets vs their base", stable_of),
       _skip_goal(r, points),
-      _center_kv_goal(points),
+      _price_goal(points, "center_kv vs its base", lambda base: "center_kv"),
       _fp32_goal(r, points),
       _split_kv_goal(r),
     ]
@@ -110,44 +110,25 @@ def _speed_goal_lines(r: SessionRecord, points) -> list[str]:
   ]
 
 
-def _price_goal(points) -> str:
+def _price_goal(points, what: str, name_of) -> str:
+  """`what` (the rows named `name_of(base)`) against its base preset,
+  forward+backward, at every length and masking timed."""
   prices = []
   for (mode, causal, length, base), rows in sorted(points.items()):
-    b, s = rows.get(base, {}), rows.get(stable_of(base), {})
-    if mode == "forward_backward" and "median_ms" in b and "median_ms" in s:
-      prices.append((s["median_ms"] / b["median_ms"], base, length, causal))
+    b, x = rows.get(base, {}), rows.get(name_of(base), {})
+    if mode == "forward_backward" and "median_ms" in b and "median_ms" in x:
+      prices.append((x["median_ms"] / b["median_ms"], base, length, causal))
   if not prices:
-    return "- stable presets vs their base, forward+backward: no rows"
+    return f"- {what}, forward+backward: no rows"
   worst = max(prices)[0]
   each = "; ".join(
     f"{base}{' causal' if c else ''} at {n}: {x:.3f}x"
     for x, base, n, c in prices
   )
   return (
-    f"- stable presets vs their base, forward+backward <= "
-    f"{STABLE_PRICE_GOAL}x: {goal_verdict(worst <= STABLE_PRICE_GOAL)} "
-    f"(worst {worst:.3f}x; {each})."
+    f"- {what}, forward+backward <= {STABLE_PRICE_GOAL}x: "
+    f"{goal_verdict(worst <= STABLE_PRICE_GOAL)} (worst {worst:.3f}x; {each})."
   )
-
-
-def _center_kv_goal(points) -> str:
-  prices = [
-    (rows["center_kv"]["median_ms"] / rows[base]["median_ms"], base, n, c)
-    for (mode, c, n, base), rows in sorted(points.items())
-    if mode == "forward_backward"
-    and "median_ms" in rows.get("center_kv", {})
-    and "median_ms" in rows.get(base, {})
-  ]
-  label = f"- center_kv vs its base, forward+backward <= {STABLE_PRICE_GOAL}x"
-  if not prices:
-    return f"{label}: no rows"
-  worst = max(prices)[0]
-  each = "; ".join(
-    f"{base}{' causal' if c else ''} at {n}: {x:.3f}x"
-    for x, base, n, c in prices
-  )
-  verdict = goal_verdict(worst <= STABLE_PRICE_GOAL)
-  return f"{label}: {verdict} (worst {worst:.3f}x; {each})."
 
 
 def _fp32_goal(r: SessionRecord, points) -> str:

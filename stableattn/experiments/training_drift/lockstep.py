@@ -78,7 +78,7 @@ class Lockstep:
     # rerun) run one set of executables.
     programs: dict = {}
     for trainer in self.trainers.values():
-      first = programs.setdefault(trainer._programs(), trainer)
+      first = programs.setdefault(trainer.program_key(), trainer)
       if first is not trainer:
         trainer.share_programs(first)
     self.grad_error = {
