@@ -10,6 +10,7 @@ import pytest
 import shares
 from hypothesis import HealthCheck, settings
 
+from stableattn.harness.compile_flags import quick_cpu_compiles
 from stableattn.harness.memory_maps import release_if_near_limit
 
 # Golden comparisons at FP64 need JAX's 64-bit mode; the library raises a
@@ -21,18 +22,18 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
   "XLA_FLAGS", ""
 ):
   jax.config.update("jax_num_cpu_devices", 8)
-# XLA's CPU backend at optimization level 0. The tiers compile hundreds of
-# small programs and run most of them a few times, so LLVM's optimizations
-# cost a third of the fast tier's time and save little. They can move the
-# bits of plain float arithmetic, as another instruction set does, but not
-# a policy's (CI runs the rounding tests again at the default level); a
-# test about one machine's bits sets its own level. A level set in
-# XLA_FLAGS wins. Set before JAX starts its backend, and inherited by the
-# launchers and workers the tests start.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join(
-    (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")
-  ).strip()
+# XLA's CPU backend at optimization level 0, with its legacy emitters
+# (`compile_flags`). The tiers compile hundreds of small programs and run
+# most of them a few times: LLVM's optimizations cost a third of the fast
+# tier's time and save little, and the fusion emitters take twice as long
+# as the legacy ones. Both can move the bits of plain float arithmetic, as
+# another instruction set does, but not a policy's (CI runs the rounding
+# tests again at XLA's defaults); a test about one machine's bits sets
+# its own level. A setting in XLA_FLAGS wins. Set before JAX starts its
+# backend, and inherited by the launchers and workers the tests start.
+os.environ["XLA_FLAGS"] = quick_cpu_compiles(
+  os.environ.get("XLA_FLAGS", ""), level=0
+)
 # Compile once per configuration across test processes and reruns. The
 # environment carries the cache to the launchers, notebook kernels and
 # workers the tests start as subprocesses, which would otherwise compile
