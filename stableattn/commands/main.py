@@ -39,7 +39,7 @@ class Experiment:
   # LLVM's level under XLA:CPU's quicker compiles (`harness.compile_flags`)
   # for a command that compiles many small programs and does not time
   # them; None: XLA's defaults. 0 where each program runs a few times on
-  # small tensors (training a small model, an audit's cases).
+  # small tensors (training a small model).
   optimization_level: int | None = 0
 
 
@@ -52,6 +52,8 @@ EXPERIMENTS = {
     "is this attention kernel accurate? (exit 0 pass, 1 fail, 2 bad config)",
     audit=True,
     shortcuts=("junit", "baseline", "update_baseline"),
+    # The kernel under audit compiled as its users compile it.
+    optimization_level=None,
   ),
   "forward_deviation": Experiment(
     "stableattn.experiments.forward",
