@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import stableattn as sa
+from stableattn.numerics import metrics
 from stableattn.numerics.metrics import ulp, wasserstein_1d
 
 
@@ -119,3 +120,29 @@ def test_one_zero_safe_ratio_for_every_report():
   assert safe_ratio(1.0, 0.0) == float("inf")
   gold = np.zeros((2, 2))
   assert sa.error_ratio(gold, gold, gold) == 0.0
+
+
+def test_sorted_values_are_reused_only_for_arrays_that_cannot_change():
+  """W1 sorts both samples; the sorted values of an array are kept between
+  comparisons only when the array owns its data and is read-only."""
+  rng = np.random.default_rng(5)
+  x, y = rng.standard_normal(1000), rng.standard_normal(1000)
+
+  def exact(a, b):
+    return float(np.mean(np.abs(np.sort(a) - np.sort(b))))
+
+  before = wasserstein_1d(x, y)
+  x += 1.0  # writeable: sorted again
+  assert wasserstein_1d(x, y) == exact(x, y) != before
+  view = x.view()
+  view.setflags(write=False)  # read-only, but its owner is not
+  assert wasserstein_1d(view, y) == exact(x, y)
+  x *= 3.0
+  assert wasserstein_1d(view, y) == exact(x, y)
+  frozen = x.copy()
+  frozen.setflags(write=False)
+  assert wasserstein_1d(frozen, y) == wasserstein_1d(frozen, y) == exact(x, y)
+  assert wasserstein_1d(y, frozen) == exact(x, y)
+  kept = metrics._sorted
+  assert id(frozen) in kept and kept[id(frozen)][0]() is frozen
+  assert id(x) not in kept and id(view) not in kept and id(y) not in kept
