@@ -3,6 +3,7 @@ on a CPU in jax's GPU interpret mode (with its race detector) and lowered
 for CUDA; the GPU-marked test compares the compiled kernel with interpret
 mode. Shapes are ragged on purpose: no case is a multiple of the tiles."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -15,6 +16,7 @@ from helpers import stored_run
 import stableattn as sa
 from stableattn.experiments import hopper_check
 from stableattn.kernels import mosaic_attention
+from stableattn.numerics.formats import to_dtype
 from stableattn.ops import registry
 
 CASES = hopper_check.CASES
@@ -177,9 +179,10 @@ def test_tiles_it_does_not_run_are_refused_not_ignored():
   )
 
 
-def _lowered_text(**features):
-  q = jax.ShapeDtypeStruct((2, 200, 4, 64), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)
+def _lowered_text(precision="bf16-fa2", **features):
+  dtype = to_dtype(sa.Precision.from_name(precision).inputs)
+  q = jax.ShapeDtypeStruct((2, 200, 4, 64), dtype)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
 
   def loss(q, k, v):
     out = sa.attention(
@@ -187,7 +190,7 @@ def _lowered_text(**features):
       k,
       v,
       implementation="mosaic_gpu",
-      precision="bf16-fa2",
+      precision=precision,
       interpret=False,
       **features,
     )
@@ -210,6 +213,38 @@ def test_a_window_a_softcap_and_a_sink_lower_to_mosaic_gpu_for_cuda():
     local_window_size=(40, 20), softcap=5.0, sink=np.zeros(4, np.float32)
   )
   assert text.count("custom_call @mosaic_gpu") == 3
+
+
+def _refusals(precision):
+  shape = (1, 64, 2, 64)
+  cfg = sa.ops.dispatch.kernel_config(
+    sa.Options(precision=precision),
+    shape,
+    shape,
+    sa.Features().split(shape, shape)[0],
+    64,
+  )
+  return mosaic_attention.refusals(cfg)
+
+
+@pytest.mark.parametrize("precision", sa.preset_names())
+def test_every_preset_lowers_for_sm90_or_is_refused_with_its_reason(precision):
+  """A preset the Hopper path runs builds its three Mosaic GPU kernels for
+  CUDA on the CPU; any other is refused, naming the policy's stages."""
+  refused = _refusals(precision)
+  if refused:
+    stages = {f.name for f in dataclasses.fields(sa.Precision)}
+    assert all(r.split("=")[0] in stages for r in refused), refused
+    return
+  text = _lowered_text(precision, causal=True)
+  assert text.count("custom_call @mosaic_gpu") == 3
+
+
+def test_the_hopper_path_runs_the_base_and_stable_half_presets():
+  runs = [p for p in sa.preset_names() if not _refusals(p)]
+  assert {"bf16-fa2", "fp16-fa2", "bf16-fa2-stable", "fp16-fa2-stable"} <= set(
+    runs
+  )
 
 
 def test_the_refusal_list_is_empty_for_the_base_presets():
