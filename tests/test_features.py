@@ -3,6 +3,8 @@ sink) in every implementation: against `jax.nn.dot_product_attention`,
 against the FP64 golden under FlashAttention's rule, and where no key
 attends."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,12 +140,21 @@ FA_GRID_CASES = {
 }
 
 
+# What the Hopper path (GPU interpret mode here) has not built yet; a
+# case that starts to run there fails its test until it is removed here.
+MOSAIC_GPU_LACKS = {
+  "varlen_segments_causal": "per-example key positions (bottom-right with "
+  "lengths)",
+}
+
+
+@pytest.mark.parametrize("flash_path", ["pallas", "mosaic_gpu"])
 @pytest.mark.parametrize("name", sampled(list(FA_GRID_CASES), 1))
-def test_features_pass_the_flashattention_rule_against_golden(name):
+def test_features_pass_the_flashattention_rule_against_golden(name, flash_path):
   """Under the FlashAttention-2 policy (BF16 matmul operands and P, FP32
-  elsewhere) the kernel's error is <= 2x the Baseline's + 1e-5 against the
-  FP64 golden (FlashAttention's test rule), output and every gradient,
-  the sink's included."""
+  elsewhere) each of our flash paths' error is <= 2x the Baseline's + 1e-5
+  against the FP64 golden (FlashAttention's test rule), output and every
+  gradient, the sink's included."""
   kw = dict(FA_GRID_CASES[name])
   q, k, v = (
     x.astype(np.float32)
@@ -175,15 +186,19 @@ def test_features_pass_the_flashattention_rule_against_golden(name):
 
     return _outputs_and_grads(fn, q, k, v, d_out, extra)
 
+  if flash_path == "mosaic_gpu" and name in MOSAIC_GPU_LACKS:
+    with pytest.raises(ValueError, match=re.escape(MOSAIC_GPU_LACKS[name])):
+      run(flash_path)
+    return
   golden_kw = dict(kw, sink=sink) if sink is not None else kw
   want = [sa.golden_attention(q, k, v, **golden_kw)]
   want += list(sa.golden_attention_vjp(q, k, v, d_out, **golden_kw))
-  (out, grads), (base, base_grads) = run("pallas"), run("reference")
+  (out, grads), (base, base_grads) = run(flash_path), run("reference")
   names = ["output", "dq", "dk", "dv", "dsink"]
   for what, w, c, b in zip(names, want, [out, *grads], [base, *base_grads]):
     assert sa.passes_fa_rule(w, c, b, floor=1e-5), (
-      f"{name} {what}: error {np.max(np.abs(c - w)):.3g} vs Baseline "
-      f"{np.max(np.abs(b - w)):.3g}"
+      f"{name} {flash_path} {what}: error {np.max(np.abs(c - w)):.3g} vs "
+      f"Baseline {np.max(np.abs(b - w)):.3g}"
     )
 
 
