@@ -84,12 +84,12 @@ class Engine:
     self._max_bytes = max_bytes
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self._sizes: dict = {}
-    self.held_bytes = 0
+    self._held_bytes = 0
 
   def clear(self) -> None:
     self._cache.clear()
     self._sizes.clear()
-    self.held_bytes = 0
+    self._held_bytes = 0
 
   def _memo(self, key, compute):
     if key in self._cache:
@@ -97,10 +97,10 @@ class Engine:
       return self._cache[key]
     value = self._cache[key] = compute()
     self._sizes[key] = _nbytes(value)
-    self.held_bytes += self._sizes[key]
-    while self.held_bytes > self._max_bytes and len(self._cache) > 1:
+    self._held_bytes += self._sizes[key]
+    while self._held_bytes > self._max_bytes and len(self._cache) > 1:
       oldest, _ = self._cache.popitem(last=False)
-      self.held_bytes -= self._sizes.pop(oldest)
+      self._held_bytes -= self._sizes.pop(oldest)
     return value
 
   def inputs(self, case: Case):

@@ -163,9 +163,10 @@ def compare(expected, actual, *, ulp_format: str | None = None) -> Deviation:
     argmax = np.unravel_index(int(np.argmax(np.isnan(abs_diff))), e.shape)
   else:
     argmax = np.unravel_index(int(np.argmax(abs_diff)), e.shape)
+  mean_abs = float(np.mean(abs_diff))
   return Deviation(
     max_abs=float(np.max(abs_diff)),
-    mean_abs=float(np.mean(abs_diff)),
+    mean_abs=mean_abs,
     std_abs=float(np.std(abs_diff)),
     rmse=float(np.sqrt(np.mean(diff**2))),
     rel_l2=rel_l2,
@@ -173,7 +174,7 @@ def compare(expected, actual, *, ulp_format: str | None = None) -> Deviation:
     max_ulp=max_ulp,
     ulp_format=ulp_format,
     mean_signed=float(np.mean(diff)),
-    signed_share=signed_share(e, a),
+    signed_share=_signed_share(diff, e, mean_abs),
     n_nan=int(np.isnan(a).sum()),
     n_inf=int(np.isinf(a).sum()),
     **_range_counts(e, a, ulp_format),
@@ -189,12 +190,16 @@ def signed_share(expected, actual) -> float:
   errors or none. Measured relative to the sign of the true value, so a
   bias of magnitude does not cancel between positive and negative values.
   """
-  e, a = _float64(expected), _float64(actual)
-  diff = a - e
-  scale = float(np.mean(np.abs(diff)))
-  if scale == 0 or not np.isfinite(scale):
-    return 0.0 if scale == 0 else float("nan")
-  return float(np.mean(diff * np.sign(e)) / scale)
+  e = _float64(expected)
+  diff = _float64(actual) - e
+  return _signed_share(diff, e, float(np.mean(np.abs(diff))))
+
+
+def _signed_share(diff, e, mean_abs: float) -> float:
+  """`signed_share` from the error, the expected values and mean |error|."""
+  if mean_abs == 0 or not np.isfinite(mean_abs):
+    return 0.0 if mean_abs == 0 else float("nan")
+  return float(np.mean(diff * np.sign(e)) / mean_abs)
 
 
 def safe_ratio(a: float, b: float) -> float:
