@@ -21,6 +21,7 @@ import numpy as np
 from stableattn.ops.dispatch import attention
 
 TENSORS = ("out", "dq", "dk", "dv")
+_FEATURE_RNG = np.random.default_rng(11)
 # name -> (precision, q_len, kv_len, heads, kv_heads, head_dim, features),
 # head_dim an int or MLA's (query/key, value) pair: ragged on purpose, no
 # length a multiple of the tiles but one.
@@ -53,6 +54,35 @@ CASES = {
   ),
   "window-two-sided": (
     "bf16-fa2+exp2=on", 96, 150, 2, 2, 64, {"local_window_size": (30, 70)},
+  ),
+  # A per-head bias and a per-example dense mask on ragged lengths.
+  "bias-mask": (
+    "bf16-fa2", 96, 110, 2, 1, 64,
+    {
+      "bias": _FEATURE_RNG.standard_normal((1, 2, 96, 110)).astype(np.float32),
+      "mask": _FEATURE_RNG.random((2, 1, 96, 110)) < 0.7,
+    },
+  ),
+  # A KV cache: the last query on the last key of each example's own
+  # lengths (per-example key positions).
+  "bottom-right-lengths": (
+    "bf16-fa2", 100, 130, 2, 1, 64,
+    {
+      "causal": True,
+      "causal_alignment": "bottom_right",
+      "query_seq_lengths": np.array([70, 100]),
+      "key_value_seq_lengths": np.array([90, 130]),
+    },
+  ),
+  # Split-KV decoding of a KV cache: 3 splits, merged by lse.
+  "split-kv-decode": (
+    "bf16-fa2", 4, 300, 4, 1, 64,
+    {
+      "num_splits": 3,
+      "causal": True,
+      "causal_alignment": "bottom_right",
+      "key_value_seq_lengths": np.array([230, 300]),
+    },
   ),
   # A cap near the scores' spread, so tanh bends them.
   "softcap": ("bf16-fa2", 96, 110, 2, 1, 64, {"causal": True, "softcap": 2.0}),

@@ -285,15 +285,23 @@ def _gradients(cfg: KernelConfig, residuals, ops, d_out):
   grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
   d_ops = jax.tree_util.tree_map(zero_cotangent, ops)
   if dbias_p is not None:
-    dbias = dbias_p[:, :, : cfg.q_len, : cfg.kv_len]
-    per_example, per_head = cfg.mask.bias
-    axes = tuple(a for a, full in ((0, per_example), (1, per_head)) if not full)
-    if axes:
-      dbias = ar.sum(dbias, "grad_accum", axis=axes, keepdims=True)
-    d_ops = d_ops._replace(bias=dbias.astype(ops.bias.dtype))
+    d_ops = d_ops._replace(bias=bias_gradient(dbias_p, ops.bias, cfg))
   if ops.sink is not None:
     d_ops = d_ops._replace(sink=sink_gradient(ops.sink, lse, sink_terms, cfg))
   return (*grads, d_ops)
+
+
+def bias_gradient(dbias_p, bias, cfg: KernelConfig):
+  """d(bias) in the bias's shape and format from dS [B, H, T, S] at the
+  padded lengths: summed (in `grad_accum`) over the axes the bias
+  broadcasts."""
+  ar = PolicyArithmetic(cfg.policy)
+  dbias = dbias_p[:, :, : cfg.q_len, : cfg.kv_len]
+  per_example, per_head = cfg.mask.bias
+  axes = tuple(a for a, full in ((0, per_example), (1, per_head)) if not full)
+  if axes:
+    dbias = ar.sum(dbias, "grad_accum", axis=axes, keepdims=True)
+  return dbias.astype(bias.dtype)
 
 
 def sink_gradient(sink, lse, sink_terms, cfg: KernelConfig):

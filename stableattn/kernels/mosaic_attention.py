@@ -28,11 +28,13 @@ import numpy as np
 from stableattn.contract.masking import (
   MaskOperands,
   keys_of_some_query,
+  keys_some_query_attends,
   without_unattended_keys,
 )
 from stableattn.contract.tiling import round_up
 from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
+  bias_gradient,
   pad_operands,
   pad_to,
   sink_gradient,
@@ -40,12 +42,17 @@ from stableattn.kernels.flash_attention import (
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_backward import mosaic_backward
-from stableattn.kernels.mosaic_forward import mosaic_forward, output_names
+from stableattn.kernels.mosaic_forward import (
+  input_names,
+  mosaic_forward,
+  output_names,
+)
 from stableattn.kernels.mosaic_support import (
   HEAD_DIM_MULTIPLE,
   ROWS,
   MosaicPlan,
 )
+from stableattn.kernels.split_merge import merge_splits
 from stableattn.numerics.rounding import PolicyArithmetic
 
 OPERAND_FORMATS = ("bf16", "fp16")
@@ -118,20 +125,30 @@ def refusals(cfg: KernelConfig) -> list[str]:
     if getattr(policy, name) not in values
   ]
   features = {
-    "per-example key positions (bottom-right with lengths)": spec.key_positions,
-    "bias": spec.bias is not None,
-    "mask": spec.dense_mask is not None,
     "sink with sink_delta='probs' (the FP16 stable preset's)": (
       spec.sink and policy.sink_delta != "shared"
     ),
     "paged KV cache": cfg.page_size is not None,
-    "split-KV": cfg.blocks_per_split is not None,
     "tie_beta": options.tie_beta is not None,
     "scheme=fa1": options.scheme != "fa2",
   }
   why += [
     f"{name}: not built on this path" for name, on in features.items() if on
   ]
+  split_size = cfg.options.split_size
+  if split_size is not None and split_size % _block_k(cfg):
+    why.append(
+      f"split_size={split_size}: a multiple of this path's key block "
+      f"({_block_k(cfg)})"
+    )
+  if cfg.blocks_per_split is not None and (
+    policy.delta_source == "hi_lo" or policy.softmax_residuals == "max_sum"
+  ):
+    why.append(
+      "split-KV with a stable preset's residuals (delta_source=hi_lo, "
+      "softmax_residuals=max_sum): the splits are merged by lse only, as "
+      "on the Triton path"
+    )
   if max(cfg.head_dim, cfg.value_dim) > MAX_HEAD_DIM:
     why.append(f"head dim {max(cfg.head_dim, cfg.value_dim)} > {MAX_HEAD_DIM}")
   return why
@@ -155,8 +172,6 @@ def tile_refusals(options) -> list[str]:
     for name in ("bwd_block_q", "bwd_block_k", "num_warps", "num_stages")
     if getattr(options, name) is not None
   ]
-  if options.fixed_tiles:
-    why.append("fixed_tiles=True: split-KV's option, not built on this path")
   return why
 
 
@@ -178,8 +193,24 @@ def check_supported(cfg: KernelConfig) -> None:
     )
 
 
+def _block_k(cfg: KernelConfig) -> int:
+  return 128 if cfg.options.block_k >= 128 else 64
+
+
+def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
+  """Split-KV's key blocks per split at this path's key block (as
+  `KernelConfig.blocks_per_split` at the Triton path's)."""
+  options = cfg.options
+  if options.split_size is not None:
+    return max(options.split_size // block_k, 1)
+  if options.num_splits is not None:
+    blocks = round_up(cfg.kv_len, block_k) // block_k
+    return -(-blocks // options.num_splits)
+  return None
+
+
 def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
-  block_k = 128 if cfg.options.block_k >= 128 else 64
+  block_k = _block_k(cfg)
   policy = cfg.policy
   return MosaicPlan(
     kv_len=cfg.kv_len,
@@ -204,7 +235,20 @@ def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
     window=cfg.mask.window,
     softcap=cfg.mask.softcap,
     sink=cfg.mask.sink,
+    key_positions=cfg.mask.key_positions,
+    additive=_additive_broadcast(cfg.mask),
+    bias_grad=cfg.mask.bias is not None,
+    blocks_per_split=_blocks_per_split(cfg, block_k),
+    partials_dtype=np.dtype(policy.dtype("partials")),
   )
+
+
+def _additive_broadcast(spec) -> tuple[bool, bool] | None:
+  """(per example, per head) of the bias and dense mask together."""
+  shapes = [s for s in (spec.bias, spec.dense_mask) if s is not None]
+  if not shapes:
+    return None
+  return tuple(any(s[axis] for s in shapes) for axis in (0, 1))
 
 
 def tiled_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
@@ -221,19 +265,34 @@ def tiled_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
   return dataclasses.replace(cfg, options=options)
 
 
+def _additive(ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
+  """The bias plus -inf where the dense mask blocks, FP32, at the padded
+  lengths (padded pairs are masked by index), or None without either."""
+  if plan.additive is None:
+    return None
+  blocks = None if ops.mask is None else ops.mask == 0
+  added = 0.0 if ops.bias is None else ops.bias.astype(jnp.float32)
+  if blocks is not None:
+    added = jnp.where(blocks, -jnp.inf, added)
+  pad = [(0, 0), (0, 0), (0, plan.q_len_padded - cfg.q_len)]
+  return jnp.pad(added, [*pad, (0, plan.kv_len_padded - cfg.kv_len)])
+
+
 def _padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
+  """Padded q, k, v and {name: operand} of `input_names`."""
   tq, tk = plan.q_len_padded, plan.kv_len_padded
   q_p = pad_to(q, tq, plan.head_dim)
   k_p = pad_to(k, tk, plan.head_dim)
   v_p = pad_to(v, tk, plan.value_dim)
-  ids, sink_rows = (), ()
-  if plan.token_ids or plan.sink:
-    ops_p = pad_operands(ops, tiled_config(cfg, plan))
-    if plan.token_ids:
-      ids = (ops_p.q_ids, ops_p.kv_ids)
-    if plan.sink:
-      sink_rows = (ops_p.sink.astype(jnp.float32),)
-  return q_p, k_p, v_p, ids, sink_rows
+  ops_p = pad_operands(ops, tiled_config(cfg, plan))
+  features = dict(
+    q_ids=ops_p.q_ids,
+    kv_ids=ops_p.kv_ids,
+    kv_pos=ops_p.kv_pos,
+    additive=_additive(ops, cfg, plan),
+    sink=None if ops_p.sink is None else ops_p.sink.astype(jnp.float32),
+  )
+  return q_p, k_p, v_p, {n: features[n] for n in input_names(plan)}
 
 
 def _forward(q, k, v, ops, cfg: KernelConfig):
@@ -241,13 +300,17 @@ def _forward(q, k, v, ops, cfg: KernelConfig):
   if plan.token_ids:
     # P is 0 at keys no query attends, but 0 x NaN is NaN.
     k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
-  q_p, k_p, v_p, ids, sink_rows = _padded(q, k, v, ops, cfg, plan)
+  if ops.mask is not None:
+    k, v = without_unattended_keys(keys_some_query_attends(ops.mask != 0), k, v)
+  q_p, k_p, v_p, features = _padded(q, k, v, ops, cfg, plan)
   out_p, lse, *kept = mosaic_forward(
-    q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, (*ids, *sink_rows), plan
+    q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, tuple(features.values()), plan
   )
   extra = dict(zip(output_names(plan)[2:], kept))
+  if plan.blocks_per_split is not None:
+    out_p, lse = merge_splits(out_p, lse, cfg)
   out = out_p[:, : cfg.q_len, :, : cfg.value_dim]
-  return out, (q_p, k_p, v_p, ids, out_p, lse, extra)
+  return out, (q_p, k_p, v_p, features, out_p, lse, extra)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -285,15 +348,15 @@ def _fwd(q, k, v, ops, cfg):
 
 
 def _bwd(cfg: KernelConfig, saved, d_out):
-  (q_p, k_p, v_p, ids, out_p, lse, extra), ops = saved
+  (q_p, k_p, v_p, features, out_p, lse, extra), ops = saved
   plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
   d_out_p = pad_to(d_out.astype(out_p.dtype), plan.q_len_padded, plan.value_dim)
   delta = output_delta(
     delta_operands(out_p, extra), d_out_p, tiled_config(cfg, plan)
   )
   stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
-  dq, dk, dv = mosaic_backward(
-    q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, ids, plan
+  dq, dk, dv, dbias = mosaic_backward(
+    q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, features, plan
   )
   ar = PolicyArithmetic(cfg.policy)
   batch, kv_len, kv_heads = k_p.shape[:3]
@@ -309,6 +372,8 @@ def _bwd(cfg: KernelConfig, saved, d_out):
   dv = sum_groups(dv)[:, : cfg.kv_len, :, : cfg.value_dim]
   grads = tuple(ar.stored(g, "inputs") for g in (dq, dk, dv))
   d_ops = jax.tree_util.tree_map(zero_cotangent, ops)
+  if dbias is not None:
+    d_ops = d_ops._replace(bias=bias_gradient(dbias, ops.bias, cfg))
   if plan.sink:
     # The sink's value is 0: it reaches dQ, dK and dV only through the
     # lse; its own gradient is the Triton path's (`sink_gradient`).

@@ -39,6 +39,7 @@ from stableattn.kernels.mosaic_support import (
   softcap_slope,
   softcapped,
   stats_names,
+  tile_values,
 )
 
 
@@ -80,20 +81,34 @@ def _scoped(program, scratch: dict):
   pl.run_scoped(body, *scratch.values())
 
 
-def _token_ids(g, smem, plan: MosaicPlan, side: int, span, vector):
-  """One side's token ids (0: the queries', 1: the keys') over `span`
-  ((batch, rows)), by TMA, in registers as `vector` lays them out; None
-  without lengths or segments."""
-  if not plan.token_ids:
+def _per_token(g, smem, name: str, span, vector, plan: MosaicPlan):
+  """A per-token operand's entries over `span` ((batch, rows)): token
+  ids ("q_ids", "kv_ids") or key positions ("kv_pos"), by TMA, in
+  registers as `vector` lays them out; None where not in use."""
+  if name not in g:
     return None
-  _copy(g["ids"][side].at[span], smem["ids"][side], smem["bar"].at[0])
-  return vector(smem["ids"][side], plan.interpret)
+  _copy(g[name].at[span], smem[name], smem["bar"].at[0])
+  return vector(smem[name], plan.interpret)
 
 
-def _ids_scratch(plan: MosaicPlan, kv_rows: int):
-  if not plan.token_ids:
-    return ()
-  return (plgpu.SMEM((ROWS,), jnp.int32), plgpu.SMEM((kv_rows,), jnp.int32))
+def _feature_scratch(plan: MosaicPlan, names, kv_rows: int, additive) -> dict:
+  """Shared memory for the feature operands `names` read: the per-token
+  vectors and the additive tile of shape `additive`."""
+  scratch = {
+    "q_ids": plgpu.SMEM((ROWS,), jnp.int32),
+    "kv_ids": plgpu.SMEM((kv_rows,), jnp.int32),
+    "kv_pos": plgpu.SMEM((kv_rows,), jnp.int32),
+    "additive": smem_tile(additive, jnp.float32),
+  }
+  return {n: scratch[n] for n in names}
+
+
+def _added(g, smem, s, index, plan: MosaicPlan):
+  """S plus the additive tile at `index` (natural log), or S."""
+  if plan.additive is None:
+    return s
+  _copy(g["additive"].at[index], smem["additive"], smem["bar"].at[0])
+  return s + tile_values(smem["additive"], plan.interpret)
 
 
 def _row_scratch(plan: MosaicPlan) -> dict:
@@ -104,7 +119,7 @@ def _row_scratch(plan: MosaicPlan) -> dict:
 
 def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   """dK, dV += one query block's share, on the transposed tile."""
-  batch, head, k_start, kv_ids = at
+  batch, head, k_start, kv_ids, kv_pos = at
   dk, dv = carry
   rows = pl.ds(i * ROWS, ROWS)
   bar = smem["bar"].at[0]
@@ -119,9 +134,20 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   s_t, tanh_t = softcapped(
     _product((ROWS, ROWS), smem["k"], smem["qt"]), plan, plan.scale
   )
-  q_ids = _token_ids(g, smem, plan, 0, (batch, rows), column_vector)
+  if plan.additive is not None:
+    example, bias_head = plan.additive_index(batch, head)
+    keys = pl.ds(k_start, ROWS)
+    s_t = _added(g, smem, s_t, (example, bias_head, keys, rows), plan)
+  q_ids = _per_token(g, smem, "q_ids", (batch, rows), column_vector, plan)
   allowed = block_mask(
-    plan, i * ROWS, k_start, q_ids, kv_ids, cols=ROWS, transposed=True
+    plan,
+    i * ROWS,
+    k_start,
+    q_ids,
+    kv_ids,
+    cols=ROWS,
+    transposed=True,
+    kv_pos=kv_pos,
   )
   s_t = jnp.where(allowed, s_t, -jnp.inf)
   stats = [column_vector(smem[n], plan.interpret) for n in stats_names(plan)]
@@ -136,25 +162,24 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
 
 
 def _operands(refs, names, outputs: int, block_axis: str, plan: MosaicPlan):
-  """The inputs by name (the token ids, if any, as "ids"), the outputs,
-  and this thread block's (batch, query head, key/value head, first row
-  of its block)."""
-  inputs = dict(zip(names, refs))
-  inputs["ids"] = refs[len(names) : len(refs) - outputs]
+  """The inputs by name, the outputs, and this thread block's (batch,
+  query head, key/value head, first row of its block)."""
   batch, head, block = (
     lax.axis_index(n) for n in ("batch", "heads", block_axis)
   )
   kv_head = lax.div(head, jnp.int32(plan.group))
   return (
-    inputs,
-    refs[len(refs) - outputs :],
+    dict(zip(names, refs)),
+    refs[len(names) :],
     (batch, head, kv_head, block * ROWS),
   )
 
 
-def _dkdv_kernel(*refs, plan: MosaicPlan):
+def _dkdv_kernel(*refs, plan: MosaicPlan, features):
   names = ("q", "qt", "k", "v", "do", "dot", *stats_names(plan), "delta")
-  g, (dk_ref, dv_ref), place = _operands(refs, names, 2, "k", plan)
+  g, (dk_ref, dv_ref), place = _operands(
+    refs, (*names, *features), 2, "k", plan
+  )
   batch, head, kv_head, k_start = place
   keys = pl.ds(k_start, ROWS)
   dims = plan.head_dim, plan.value_dim
@@ -163,8 +188,11 @@ def _dkdv_kernel(*refs, plan: MosaicPlan):
     bar = smem["bar"].at[0]
     _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
     _copy(g["v"].at[batch, keys, kv_head], smem["v"], bar)
-    kv_ids = _token_ids(g, smem, plan, 1, (batch, keys), row_vector)
-    at = (batch, head, k_start, kv_ids)
+    kv_ids, kv_pos = (
+      _per_token(g, smem, name, (batch, keys), row_vector, plan)
+      for name in ("kv_ids", "kv_pos")
+    )
+    at = (batch, head, k_start, kv_ids, kv_pos)
     step = functools.partial(_dkdv_step, g, smem, at, plan=plan)
     init = (_zeros((ROWS, dims[0])), _zeros((ROWS, dims[1])))
     first, end = query_block_bounds(
@@ -192,7 +220,7 @@ def _dkdv_kernel(*refs, plan: MosaicPlan):
       dk=smem_tile((ROWS, dims[0]), jnp.float32),
       dv=smem_tile((ROWS, dims[1]), jnp.float32),
       **_row_scratch(plan),
-      ids=_ids_scratch(plan, ROWS),
+      **_feature_scratch(plan, features, ROWS, (ROWS, ROWS)),
       bar=plgpu.Barrier(num_barriers=1),
     ),
   )
@@ -200,21 +228,39 @@ def _dkdv_kernel(*refs, plan: MosaicPlan):
 
 def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
   """dQ += one key block's dS K * scale; with ds_for_dq=hi_lo dS enters
-  as dS_hi + dS_lo, two products (`pallas_backward._dq_step`)."""
-  batch, kv_head, q_start, q_ids, stats, delta = at
+  as dS_hi + dS_lo, two products (`pallas_backward._dq_step`). With a
+  bias, the tile's d(bias) (dS before the softcap's slope) is stored."""
+  batch, head, kv_head, q_start, q_ids, stats, delta = at
   keys = pl.ds(j * plan.block_k, plan.block_k)
+  rows = pl.ds(q_start, ROWS)
   bar = smem["bar"].at[0]
   _copy(g["kt"].at[batch, kv_head, :, keys], smem["kt"], bar)
   _copy(g["vt"].at[batch, kv_head, :, keys], smem["vt"], bar)
   _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
   tile = (ROWS, plan.block_k)
   s, tanh = softcapped(_product(tile, smem["q"], smem["kt"]), plan, plan.scale)
-  kv_ids = _token_ids(g, smem, plan, 1, (batch, keys), column_vector)
-  allowed = block_mask(plan, q_start, j * plan.block_k, q_ids, kv_ids)
+  if plan.additive is not None:
+    example, bias_head = plan.additive_index(batch, head)
+    s = _added(g, smem, s, (example, bias_head, rows, keys), plan)
+  kv_ids, kv_pos = (
+    _per_token(g, smem, name, (batch, keys), column_vector, plan)
+    for name in ("kv_ids", "kv_pos")
+  )
+  allowed = block_mask(
+    plan, q_start, j * plan.block_k, q_ids, kv_ids, kv_pos=kv_pos
+  )
   s = jnp.where(allowed, s, -jnp.inf)
   p = recomputed_probs(s, stats, as_rows)
   dp = _product(tile, smem["do"], smem["vt"])
-  ds = softcap_slope(p * (dp - as_rows(delta, dp.shape)), tanh)
+  d_scores = p * (dp - as_rows(delta, dp.shape))
+  if plan.bias_grad:
+    smem["dbias"][...] = d_scores
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(
+      smem["dbias"], g["dbias"].at[batch, head, rows, keys]
+    )
+    plgpu.wait_smem_to_gmem(0)
+  ds = softcap_slope(d_scores, tanh)
   scale = jnp.float32(plan.scale)
   out = (ROWS, plan.head_dim)
   step = _product(out, _staged(ds, smem["ds"]), smem["k"]) * scale
@@ -224,9 +270,33 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
   return dq + step
 
 
-def _dq_kernel(*refs, plan: MosaicPlan):
+def _zero_bias_gradient(g, smem, at, blocks, plan: MosaicPlan):
+  """d(bias) is 0 on the key blocks the dQ loop skips (no pair there
+  attends): a zero tile is stored to each."""
+  batch, head, q_start = at
+  first, end = blocks
+  smem["dbias"][...] = _zeros((ROWS, plan.block_k))
+  plgpu.commit_smem()
+
+  def store(j, _):
+    keys = pl.ds(j * plan.block_k, plan.block_k)
+    rows = pl.ds(q_start, ROWS)
+    plgpu.copy_smem_to_gmem(
+      smem["dbias"], g["dbias"].at[batch, head, rows, keys]
+    )
+
+  lax.fori_loop(jnp.int32(0), first, store, None)
+  lax.fori_loop(end, jnp.int32(plan.kv_len_padded // plan.block_k), store, None)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_kernel(*refs, plan: MosaicPlan, features):
   names = ("q", "k", "kt", "vt", "do", *stats_names(plan), "delta")
-  g, (dq_ref,), place = _operands(refs, names, 1, "q", plan)
+  outputs = ("dq", "dbias") if plan.bias_grad else ("dq",)
+  g, out_refs, place = _operands(
+    refs, (*names, *features), len(outputs), "q", plan
+  )
+  g.update(zip(outputs, out_refs))
   batch, head, kv_head, q_start = place
   rows = pl.ds(q_start, ROWS)
   dims = plan.head_dim, plan.value_dim
@@ -237,19 +307,24 @@ def _dq_kernel(*refs, plan: MosaicPlan):
     _copy(g["do"].at[batch, rows, head], smem["do"], bar)
     for name in (*stats_names(plan), "delta"):
       _copy(g[name].at[batch, head, rows], smem[name], bar)
-    q_ids = _token_ids(g, smem, plan, 0, (batch, rows), row_vector)
+    q_ids = _per_token(g, smem, "q_ids", (batch, rows), row_vector, plan)
     stats = [row_vector(smem[n], plan.interpret) for n in stats_names(plan)]
     delta = row_vector(smem["delta"], plan.interpret)
-    at = (batch, kv_head, q_start, q_ids, stats, delta)
-    step = functools.partial(_dq_step, g, smem, at, plan=plan)
     first, _, end = causal_block_bounds(plan, q_start)
+    if plan.bias_grad:
+      _zero_bias_gradient(g, smem, (batch, head, q_start), (first, end), plan)
+    at = (batch, head, kv_head, q_start, q_ids, stats, delta)
+    step = functools.partial(_dq_step, g, smem, at, plan=plan)
     dq = lax.fori_loop(first, end, step, _zeros((ROWS, dims[0])))
     smem["dq"][...] = dq
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem["dq"], dq_ref.at[batch, rows, head])
+    plgpu.copy_smem_to_gmem(smem["dq"], g["dq"].at[batch, rows, head])
     plgpu.wait_smem_to_gmem(0)
 
   dtype, block_k = plan.operand_dtype, plan.block_k
+  dbias = {}
+  if plan.bias_grad:
+    dbias = dict(dbias=smem_tile((ROWS, block_k), jnp.float32))
   _scoped(
     program,
     dict(
@@ -261,23 +336,31 @@ def _dq_kernel(*refs, plan: MosaicPlan):
       ds=smem_tile((ROWS, block_k), dtype),
       dq=smem_tile((ROWS, dims[0]), jnp.float32),
       **_row_scratch(plan),
-      ids=_ids_scratch(plan, block_k),
+      **_feature_scratch(plan, features, block_k, (ROWS, block_k)),
+      **dbias,
       bar=plgpu.Barrier(num_barriers=1),
     ),
   )
 
 
-def mosaic_backward(q, k, v, d_out, stats, delta, ids, plan: MosaicPlan):
-  """(dq [B, T, H, D], dk and dv [B, S, H, D] per query head) in FP32 of
-  padded q, k, v, d_out, the forward's softmax residuals `stats` ((lse,)
-  or (m, l), `stats_names`) and delta, each [B, H, T]."""
+def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
+  """(dq [B, T, H, D], dk and dv [B, S, H, D] per query head in FP32,
+  d(bias) [B, H, T, S] FP32 or None) of padded q, k, v, d_out, the
+  forward's softmax residuals `stats` ((lse,) or (m, l), `stats_names`)
+  and delta, each [B, H, T], and the forward's feature operands
+  {name: array} (`mosaic_forward.input_names`; the sink is not read)."""
   batch, q_len, heads, _ = q.shape
   kv_len = k.shape[1]
   qt, dot = (jnp.transpose(x, (0, 2, 3, 1)) for x in (q, d_out))
   kt, vt = (jnp.transpose(x, (0, 2, 3, 1)) for x in (k, v))
+  features = {n: x for n, x in features.items() if n != "sink"}
   f32 = jnp.float32
+  # dK dV work on S^T tiles: the additive tile enters transposed too.
+  transposed = dict(features)
+  if "additive" in features:
+    transposed["additive"] = jnp.swapaxes(features["additive"], 2, 3)
   dkdv = plgpu.kernel(
-    functools.partial(_dkdv_kernel, plan=plan),
+    functools.partial(_dkdv_kernel, plan=plan, features=tuple(features)),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_len, heads, plan.head_dim), f32),
       jax.ShapeDtypeStruct((batch, kv_len, heads, plan.value_dim), f32),
@@ -287,14 +370,17 @@ def mosaic_backward(q, k, v, d_out, stats, delta, ids, plan: MosaicPlan):
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_backward_dkdv",
   )
-  dk, dv = dkdv(q, qt, k, v, d_out, dot, *stats, delta, *ids)
+  dk, dv = dkdv(q, qt, k, v, d_out, dot, *stats, delta, *transposed.values())
+  dq_types = [jax.ShapeDtypeStruct((batch, q_len, heads, plan.head_dim), f32)]
+  if plan.bias_grad:
+    dq_types.append(jax.ShapeDtypeStruct((batch, heads, q_len, kv_len), f32))
   dq_call = plgpu.kernel(
-    functools.partial(_dq_kernel, plan=plan),
-    out_type=jax.ShapeDtypeStruct((batch, q_len, heads, plan.head_dim), f32),
+    functools.partial(_dq_kernel, plan=plan, features=tuple(features)),
+    out_type=tuple(dq_types),
     grid=(batch, heads, q_len // ROWS),
     grid_names=("batch", "heads", "q"),
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_backward_dq",
   )
-  dq = dq_call(q, k, kt, vt, d_out, *stats, delta, *ids)
-  return dq, dk, dv
+  dq, *dbias = dq_call(q, k, kt, vt, d_out, *stats, delta, *features.values())
+  return dq, dk, dv, (dbias[0] if dbias else None)

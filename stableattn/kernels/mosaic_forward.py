@@ -42,6 +42,7 @@ from stableattn.kernels.mosaic_support import (
   row_vector,
   smem_tile,
   softcapped,
+  tile_values,
 )
 
 
@@ -73,13 +74,14 @@ class _Block(NamedTuple):
   """One thread block's operands, scratch buffers and place."""
 
   plan: MosaicPlan
-  refs: dict  # global memory: q, kt, v, ids (or ()), o, lse, residuals
-  smem: dict  # shared memory: q, kt, v (two slots), p, o, lse, ids, ...
+  refs: dict  # global memory: q, kt, v, `input_names`, `output_names`
+  smem: dict  # shared memory: q, kt, v (two slots), p, o, lse, features
   bars: tuple  # (q and ids, K^T slots, V slots)
   batch: object
   head: object
   kv_head: object
   q_start: object
+  split: object  # split-KV's split (0 without split-KV)
 
 
 def _fetch(block: _Block, step):
@@ -96,18 +98,49 @@ def _fetch(block: _Block, step):
   )
 
 
+def _key_vector(block: _Block, name: str, k_start):
+  """The key block's entries of a per-key operand ([B, S] in global
+  memory: token ids or positions), by TMA, one per tile column."""
+  bar = block.bars[0].at[1]
+  keys = pl.ds(k_start, block.plan.block_k)
+  plgpu.copy_gmem_to_smem(
+    block.refs[name].at[block.batch, keys], block.smem[name], bar
+  )
+  plgpu.barrier_wait(bar)
+  return column_vector(block.smem[name], block.plan.interpret)
+
+
 def _allowed(block: _Block, k_start, q_ids):
-  """The tile's mask; the key block's token ids come by TMA if in use."""
-  kv_ids = None
+  """The tile's mask; the key block's token ids and positions come by
+  TMA where in use."""
+  kv_ids = kv_pos = None
   if q_ids is not None:
-    ids_bar = block.bars[0].at[1]
-    keys = pl.ds(k_start, block.plan.block_k)
-    plgpu.copy_gmem_to_smem(
-      block.refs["ids"][1].at[block.batch, keys], block.smem["ids"][1], ids_bar
-    )
-    plgpu.barrier_wait(ids_bar)
-    kv_ids = column_vector(block.smem["ids"][1], block.plan.interpret)
-  return block_mask(block.plan, block.q_start, k_start, q_ids, kv_ids)
+    kv_ids = _key_vector(block, "kv_ids", k_start)
+  if block.plan.key_positions:
+    kv_pos = _key_vector(block, "kv_pos", k_start)
+  return block_mask(
+    block.plan, block.q_start, k_start, q_ids, kv_ids, kv_pos=kv_pos
+  )
+
+
+def _added(block: _Block, s, k_start):
+  """S plus the additive tile (bias, -inf where a dense mask blocks) in
+  the forward's base, by TMA; S itself without one."""
+  plan = block.plan
+  if plan.additive is None:
+    return s
+  bar = block.bars[0].at[1]
+  example, head = plan.additive_index(block.batch, block.head)
+  rows = pl.ds(block.q_start, ROWS)
+  keys = pl.ds(k_start, plan.block_k)
+  plgpu.copy_gmem_to_smem(
+    block.refs["additive"].at[example, head, rows, keys],
+    block.smem["additive"],
+    bar,
+  )
+  plgpu.barrier_wait(bar)
+  tile = tile_values(block.smem["additive"], plan.interpret)
+  return s + tile * jnp.float32(plan.to_base)
 
 
 def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
@@ -123,6 +156,7 @@ def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
 
   plgpu.barrier_wait(block.bars[1].at[slot])
   s = _scores((ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan)
+  s = _added(block, s, j * plan.block_k)
   if masked:
     s = jnp.where(_allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1))
@@ -152,7 +186,9 @@ def _store(block: _Block, carry):
     lse = (m + jnp.log2(l_safe)) * jnp.float32(math.log(2.0))
   else:
     lse = m + jnp.log(l_safe)
-  smem["lse"][...] = jnp.where(empty, jnp.inf, lse)
+  # An empty split's lse is -inf: the merge gives it weight 0.
+  no_key = -jnp.inf if plan.blocks_per_split is not None else jnp.inf
+  smem["lse"][...] = jnp.where(empty, no_key, lse)
   if plan.o_lo:
     # O - round(O): exact in FP32, round(O) being O's nearest neighbour.
     o_hi = o.astype(smem["o"].dtype).astype(jnp.float32)
@@ -169,15 +205,18 @@ def _store(block: _Block, carry):
       if tile
       else (block.batch, block.head, rows)
     )
+    if plan.blocks_per_split is not None:
+      index = (index[0], block.split, *index[1:])
     plgpu.copy_smem_to_gmem(smem[name], block.refs[name].at[index])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _initial_carry(value_dim: int, sink=None):
+def _initial_carry(value_dim: int, sink=None, first_split=None):
   """(O, m, l) before the first key block, in the layouts wgmma gives. A
   sink is a key with logit `sink` (in the scores' base) and value 0: it
   starts the running maximum and contributes exp(sink - m) to the sum
-  (`pallas_forward._initial_state`)."""
+  (`pallas_forward._initial_state`); with split-KV, in the split where
+  `first_split` holds only."""
   layout = plgpu.Layout.WGMMA
   rows = layout.reduce(1)
   if sink is None:
@@ -185,6 +224,9 @@ def _initial_carry(value_dim: int, sink=None):
     l_sum = jnp.zeros((ROWS,), jnp.float32)
   else:
     m, l_sum = sink, jnp.ones((ROWS,), jnp.float32)
+    if first_split is not None:
+      m = m + jnp.where(first_split, 0.0, -jnp.inf)
+      l_sum = l_sum * jnp.where(first_split, 1.0, 0.0)
   return (
     plgpu.layout_cast(jnp.zeros((ROWS, value_dim), jnp.float32), layout),
     plgpu.layout_cast(m, rows),
@@ -215,15 +257,21 @@ def _block_program(block: _Block):
     q_ref.at[block.batch, rows, block.head], smem["q"], q_bar.at[0]
   )
   q_ids = None
-  if block.refs["ids"]:
-    ids_ref = block.refs["ids"][0]
+  if plan.token_ids:
     plgpu.copy_gmem_to_smem(
-      ids_ref.at[block.batch, rows], smem["ids"][0], q_bar.at[1]
+      block.refs["q_ids"].at[block.batch, rows], smem["q_ids"], q_bar.at[1]
     )
     plgpu.barrier_wait(q_bar.at[1])
-    q_ids = row_vector(smem["ids"][0], plan.interpret)
+    q_ids = row_vector(smem["q_ids"], plan.interpret)
   sink = _sink_logits(block, rows)
   first, full, end = causal_block_bounds(plan, block.q_start)
+  if plan.blocks_per_split is not None:
+    # This split's blocks only; the sink joins the first split's sum.
+    first = jnp.maximum(first, block.split * plan.blocks_per_split)
+    end = jnp.maximum(
+      jnp.minimum(end, (block.split + 1) * plan.blocks_per_split), first
+    )
+    full = jnp.clip(full, first, end)
 
   @pl.when(end > first)
   def _():
@@ -231,7 +279,8 @@ def _block_program(block: _Block):
 
   plgpu.barrier_wait(q_bar.at[0])
   step = functools.partial(_step, block, end, q_ids)
-  carry = _initial_carry(plan.value_dim, sink)
+  first_split = None if plan.blocks_per_split is None else block.split == 0
+  carry = _initial_carry(plan.value_dim, sink, first_split)
   # Blocks every pair of which attends, then those that need the mask.
   carry = lax.fori_loop(
     first, full, functools.partial(step, masked=False), carry
@@ -260,21 +309,35 @@ def _residual_scratch(plan: MosaicPlan):
   return [tiles[name] for name in output_names(plan)[2:]]
 
 
+def input_names(plan: MosaicPlan) -> tuple[str, ...]:
+  """The feature operands the forward reads after q, K^T and v."""
+  names = ("q_ids", "kv_ids") if plan.token_ids else ()
+  if plan.key_positions:
+    names += ("kv_pos",)
+  if plan.additive is not None:
+    names += ("additive",)
+  if plan.sink:
+    names += ("sink",)
+  return names
+
+
 def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
   outputs = output_names(plan)
-  inputs = len(refs) - len(outputs)
-  ids_refs = refs[: 2 if plan.token_ids else 0]
-  batch, head, q_block = (lax.axis_index(n) for n in ("batch", "heads", "q"))
+  inputs = input_names(plan)
+  batch, head, place = (lax.axis_index(n) for n in ("batch", "heads", "q"))
+  q_block, split = place, jnp.int32(0)
+  if plan.blocks_per_split is not None:
+    splits = jnp.int32(plan.splits)
+    q_block, split = lax.div(place, splits), lax.rem(place, splits)
   global_refs = dict(
     q=q_ref,
     kt=kt_ref,
     v=v_ref,
-    ids=ids_refs,
-    sink=refs[inputs - 1] if plan.sink else None,
     outputs=outputs,
-    **dict(zip(outputs, refs[inputs:])),
+    **dict(zip(inputs, refs)),
+    **dict(zip(outputs, refs[len(inputs) :])),
   )
-  names = ("q", "kt", "v", "p", "o", "lse", "ids", "sink", *outputs[2:])
+  names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:])
 
   def scoped(*buffers):
     block = _Block(
@@ -286,26 +349,27 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
       head,
       lax.div(head, jnp.int32(plan.group)),
       q_block * ROWS,
+      split,
     )
     _block_program(block)
 
   dtype, block_k = plan.operand_dtype, plan.block_k
-  ids_scratch = ()
-  if ids_refs:
-    ids_scratch = (
-      plgpu.SMEM((ROWS,), jnp.int32),
-      plgpu.SMEM((block_k,), jnp.int32),
-    )
+  feature_scratch = {
+    "q_ids": plgpu.SMEM((ROWS,), jnp.int32),
+    "kv_ids": plgpu.SMEM((block_k,), jnp.int32),
+    "kv_pos": plgpu.SMEM((block_k,), jnp.int32),
+    "additive": smem_tile((ROWS, block_k), jnp.float32),
+    "sink": plgpu.SMEM((ROWS,), jnp.float32),
+  }
   pl.run_scoped(
     scoped,
     smem_tile((ROWS, plan.head_dim), dtype),
     smem_tile((2, plan.head_dim, block_k), dtype),
     smem_tile((2, block_k, plan.value_dim), dtype),
     smem_tile((ROWS, block_k), dtype),
-    smem_tile((ROWS, plan.value_dim), plan.output_dtype),
+    smem_tile((ROWS, plan.value_dim), plan.o_dtype),
     plgpu.SMEM((ROWS,), jnp.float32),
-    ids_scratch,
-    plgpu.SMEM((ROWS,), jnp.float32) if plan.sink else (),
+    *(feature_scratch[name] for name in inputs),
     *_residual_scratch(plan),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
@@ -317,19 +381,22 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
   """(O [B, T, H, Dv] in the output format, lse [B, H, T] FP32, natural
   log, +inf where no key attends, then `output_names`' residuals: O_lo
   like O, m and l like the lse) of padded q [B, T, H, D], K^T [B, Hkv,
-  D, S], v [B, S, Hkv, Dv] and `extra`: the token ids (q_ids [B, T],
-  kv_ids [B, S]) if `plan.token_ids`, then the sink's rows [H, T] FP32 if
-  `plan.sink`."""
+  D, S], v [B, S, Hkv, Dv] and `extra`, the operands `input_names`
+  lists: token ids (q_ids [B, T], kv_ids [B, S]), key positions kv_pos
+  [B, S], the additive tile [B|1, H|1, T, S] FP32 and the sink's rows
+  [H, T] FP32."""
   batch, q_len, heads, _ = q.shape
+  # With split-KV each output has a splits axis after the batch's.
+  splits = () if plan.blocks_per_split is None else (plan.splits,)
   tile = jax.ShapeDtypeStruct(
-    (batch, q_len, heads, plan.value_dim), plan.output_dtype
+    (batch, *splits, q_len, heads, plan.value_dim), plan.o_dtype
   )
-  rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+  rows = jax.ShapeDtypeStruct((batch, *splits, heads, q_len), jnp.float32)
   types = {"o": tile, "o_lo": tile, "lse": rows, "m": rows, "l": rows}
   kernel = plgpu.kernel(
     functools.partial(_kernel, plan=plan),
     out_type=tuple(types[name] for name in output_names(plan)),
-    grid=(batch, heads, q_len // ROWS),
+    grid=(batch, heads, q_len // ROWS * plan.splits),
     grid_names=("batch", "heads", "q"),
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_forward",

@@ -72,6 +72,42 @@ class MosaicPlan:
   window: tuple[int | None, int | None] | None = None
   softcap: float | None = None  # S = softcap * tanh(Q K^T scale / softcap)
   sink: bool = False  # a per-head logit with value 0 (rows [H, T] in)
+  # kv_pos [B, S] in: each key's position (bottom-right with lengths);
+  # the offset differs per example, so no block is skipped by position.
+  key_positions: bool = False
+  # An FP32 tile added to the natural-log scores (a bias, and -inf where
+  # a dense mask blocks), [B|1, H|1, T, S]: (per example, per head).
+  additive: tuple[bool, bool] | None = None
+  bias_grad: bool = False  # the dQ kernel also writes d(bias) = dS
+  # Split-KV: key blocks per split (None: one pass over every key), and
+  # the format each split's output is stored in before the merge.
+  blocks_per_split: int | None = None
+  partials_dtype: object = None
+
+  @property
+  def splits(self) -> int:
+    if self.blocks_per_split is None:
+      return 1
+    return -(-(self.kv_len_padded // self.block_k) // self.blocks_per_split)
+
+  @property
+  def o_dtype(self):
+    """The format the forward's kernel stores O in."""
+    if self.blocks_per_split is None:
+      return self.output_dtype
+    return self.partials_dtype
+
+  def additive_index(self, batch, head):
+    """The (example, head) of the additive operand for a thread block."""
+    per_example, per_head = self.additive
+    zero = jnp.int32(0)
+    return (batch if per_example else zero, head if per_head else zero)
+
+  @property
+  def limits_positions_per_example(self) -> bool:
+    """Causal or a window over per-example positions: every key block is
+    visited, masked."""
+    return self.key_positions and (self.causal or self.window is not None)
 
   @property
   def to_base(self) -> float:
@@ -119,6 +155,13 @@ def _vector(smem, layout, interpret: bool):
   return plgpu.load(smem, (), layout=layout)
 
 
+def tile_values(smem, interpret: bool):
+  """A (rows x columns) FP32 tile from shared memory in the wgmma layout."""
+  if interpret:
+    return smem[...]
+  return plgpu.load(smem, (), layout=plgpu.Layout.WGMMA)
+
+
 def row_vector(smem, interpret: bool):
   """A vector of one entry per row of a wgmma tile, from shared memory."""
   return _vector(smem, plgpu.Layout.WGMMA.reduce(1), interpret)
@@ -138,11 +181,13 @@ def block_mask(
   rows=ROWS,
   cols=None,
   transposed=False,
+  kv_pos=None,
 ):
   """Which pairs of a (query rows x key columns) tile attend, as a
   boolean array in registers (never in shared memory): keys past the
   true length, causal and token ids (lengths and segments). With
-  `transposed` the tile is keys x queries (dK dV)."""
+  `transposed` the tile is keys x queries (dK dV). `kv_pos`: the keys'
+  positions (a vector), where `plan.key_positions`."""
   cols = plan.block_k if cols is None else cols
   shape = (rows, cols)
   q_axis, k_axis = (1, 0) if transposed else (0, 1)
@@ -155,7 +200,13 @@ def block_mask(
   q_index = iota(q_axis) + q_start
   k_index = iota(k_axis) + k_start
   allowed = k_index < plan.kv_len
-  k_pos = k_index - plan.key_offset
+  place_q, place_k = (
+    (as_columns, as_rows) if transposed else (as_rows, as_columns)
+  )
+  if kv_pos is None:
+    k_pos = k_index - plan.key_offset
+  else:
+    k_pos = place_k(kv_pos, shape)
   if plan.causal:
     allowed = allowed & (k_pos <= q_index)
   left, right = plan.window or (None, None)
@@ -164,9 +215,6 @@ def block_mask(
   if right is not None:
     allowed = allowed & (k_pos <= q_index + right)
   if q_ids is not None:
-    place_q, place_k = (
-      (as_columns, as_rows) if transposed else (as_rows, as_columns)
-    )
     allowed = allowed & (place_q(q_ids, shape) == place_k(kv_ids, shape))
   return allowed
 
@@ -213,6 +261,8 @@ def causal_block_bounds(plan: MosaicPlan, q_start):
   blocks = plan.kv_len_padded // plan.block_k
   end = jnp.int32(blocks)
   full = jnp.int32(0 if plan.token_ids else plan.kv_len // plan.block_k)
+  if plan.limits_positions_per_example:
+    return jnp.int32(0), jnp.int32(0), end
   last = _last_key(plan, q_start)
   if last is not None:
     end = jnp.where(
@@ -237,6 +287,8 @@ def query_block_bounds(plan: MosaicPlan, k_start, block_k: int, q_blocks: int):
   """(first, end): the query blocks of `ROWS` rows a key block of
   `block_k` keys can be attended from (causality and the window)."""
   first, end = jnp.int32(0), jnp.int32(q_blocks)
+  if plan.limits_positions_per_example:
+    return first, end
   left = (plan.window or (None, None))[0]
   reach = _right_reach(plan)
   if reach is not None:  # query i >= k_pos - reach
