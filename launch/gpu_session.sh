@@ -9,7 +9,10 @@
 #               path (mosaic_gpu) against its interpret mode;
 #   2. hopper:  the Hopper path against cuDNN, jax's mha and attention_mgpu
 #               and our Triton path, forward and forward+backward, causal
-#               and not, BF16, head dim 128 at 8K, 4K, 16K;
+#               and not, BF16, head dim 128 at 8K, 4K, 16K, with each of
+#               FlashAttention-3's forms (Options.hopper_form); then each
+#               feature (window, softcap, sink, bias, bottom-right
+#               lengths) on both paths and cuDNN at 8K;
 #   3. price:   the stable presets against their base presets (and jax's
 #               mha and cuDNN in BF16), forward and forward+backward, time
 #               and program memory, head dim 128 at 8K, 4K, 16K (the FP32

@@ -63,6 +63,16 @@ def main(argv):
       print(
         f"hopper {point}: {len(rows)} rows in {time.time() - started:.1f} s"
       )
+    # Then each feature at the goals' length (after every length's core
+    # comparison: a stage cut off keeps those).
+    for point in gpu_stages.hopper_feature_points(sizes, modes):
+      started = time.time()
+      rows = gpu_stages.hopper_feature_rows(sizes, *point)
+      gpu_stages.append_rows(out, rows)
+      print(
+        f"hopper feature {point}: {len(rows)} rows in "
+        f"{time.time() - started:.1f} s"
+      )
   elif f.stage == "levers":
     rows = gpu_stages.lever_rows(sizes, f.small)
     gpu_stages.append_rows(out, rows)

@@ -1,8 +1,9 @@
 """Every GPU configuration lowers to Triton for CUDA, on a CPU-only machine.
 
-`lower(lowering_platforms=("cuda",))` runs the Pallas Triton lowering, which
-raises on what Triton cannot compile; the GPU-marked test runs the same
-configurations compiled when a GPU is present.
+Lowering for CUDA (`harness.cuda_lowering.lowered_for_cuda`) runs the
+Pallas Triton lowering, which raises on what Triton cannot compile; the
+GPU-marked test runs the same configurations compiled when a GPU is
+present.
 """
 
 import itertools
@@ -14,6 +15,8 @@ import pytest
 from helpers import random_qkv, sampled, value_and_grads
 
 import stableattn as sa
+from stableattn.harness import cuda_lowering
+from stableattn.harness.cuda_lowering import lowered_for_cuda
 from stableattn.ops.ring_plan import context_mesh
 
 GPU_PRESETS = [
@@ -70,9 +73,7 @@ def test_forward_and_backward_lower_for_cuda(precision, tiles, head_dim):
   kv = jax.ShapeDtypeStruct((2, 200, 2, head_dim), dtype)
   for causal in (False, True):
     fn = _loss_and_grads(precision, tiles, causal, interpret=False)
-    text = (
-      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    text = lowered_for_cuda(fn, q, kv, kv).as_text()
     # Forward, delta, dK/dV and dQ kernels all became Triton calls.
     assert text.count("__gpu$xla.gpu.triton") == 4
 
@@ -101,9 +102,7 @@ def test_stability_options_lower_for_cuda(precision):
   kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
   for causal in (False, True):
     fn = _loss_and_grads(precision, (64, 64), causal, interpret=False)
-    text = (
-      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    text = lowered_for_cuda(fn, q, kv, kv).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
@@ -120,9 +119,7 @@ def _causal_triton_calls(precision, q, k, v) -> int:
   """Triton kernels in the CUDA lowering of a causal loss and its
   gradients at 64 x 64 tiles."""
   fn = _loss_and_grads(precision, (64, 64), True, interpret=False)
-  text = (
-    jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-  )
+  text = lowered_for_cuda(fn, q, k, v).as_text()
   return text.count("__gpu$xla.gpu.triton")
 
 
@@ -149,9 +146,7 @@ def test_split_kv_lowers_for_cuda(schedule):
       return jnp.sum(out.astype(jnp.float32) ** 2)
 
     fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
-    text = (
-      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    text = lowered_for_cuda(fn, q, kv, kv).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4
 
 
@@ -176,12 +171,7 @@ def test_paged_decode_lowers_for_cuda():
       key_value_seq_lengths=lengths,
     )
 
-  text = (
-    jax.jit(decode)
-    .trace(q, pool, pool, table, lengths)
-    .lower(lowering_platforms=("cuda",))
-    .as_text()
-  )
+  text = lowered_for_cuda(decode, q, pool, pool, table, lengths).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -191,16 +181,12 @@ def test_tiles_beyond_gpu_shared_memory_raise_clearly():
     sa.attention(q, q, q, precision="fp32", block_q=128, interpret=False)
   # The same tiles run in interpret mode, and fit with BF16 operands.
   sa.attention(q, q, q, precision="fp32", block_q=128, interpret=True)
-  text = (
-    jax.jit(
-      lambda q: sa.attention(
-        q, q, q, precision="bf16-fa2", block_q=128, interpret=False
-      )
-    )
-    .trace(q.astype(jnp.bfloat16))
-    .lower(lowering_platforms=("cuda",))
-    .as_text()
-  )
+  text = lowered_for_cuda(
+    lambda q: sa.attention(
+      q, q, q, precision="bf16-fa2", block_q=128, interpret=False
+    ),
+    q.astype(jnp.bfloat16),
+  ).as_text()
   assert "__gpu$xla.gpu.triton" in text
 
 
@@ -214,18 +200,14 @@ def test_tie_fix_lowers_for_cuda():
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
-  text = (
-    jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-  )
+  text = lowered_for_cuda(fn, q, q, q).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 4
 
 
 def test_odd_head_dim_lowers_padded_to_power_of_two():
   q = jax.ShapeDtypeStruct((1, 97, 2, 72), jnp.bfloat16)
   fn = _loss_and_grads("bf16-fa2", (64, 64), True, interpret=False)
-  text = (
-    jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-  )
+  text = lowered_for_cuda(fn, q, q, q).as_text()
   assert "__gpu$xla.gpu.triton" in text
 
 
@@ -368,7 +350,7 @@ def test_every_feature_lowers_for_cuda(name):
 
   args = (q, kv, kv) + (() if extra is None else (extra,))
   fn = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lowered_for_cuda(fn, *args).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 4
 
 
@@ -396,7 +378,7 @@ def test_mma_accumulator_presets_lower_for_cuda(precision):
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  text = lowered_for_cuda(fn, q, q, q).as_text()
   assert "stableattn_flash_forward_fa2" in text
 
 
@@ -412,7 +394,7 @@ def test_low_precision_forward_and_backward_lower_for_cuda(precision):
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  text = lowered_for_cuda(fn, q, q, q).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 4
 
 
@@ -420,6 +402,9 @@ def test_low_precision_forward_and_backward_lower_for_cuda(precision):
 def test_ring_attention_lowers_for_cuda(devices, balanced):
   """Every ring step's kernel, forward and backward, inside shard_map."""
   mesh = context_mesh(devices)
+  if cuda_lowering.needs_abstract_gpu():
+    # jax 0.11 names the GPU through the mesh the ring shards over.
+    mesh = cuda_lowering.abstract_gpu_mesh(mesh)
   q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
 
@@ -440,11 +425,74 @@ def test_ring_attention_lowers_for_cuda(devices, balanced):
     return jnp.sum(forward(q, k, v).astype(jnp.float32) ** 2)
 
   def lowered(fn):
-    return (
-      jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    )
+    return lowered_for_cuda(fn, q, kv, kv, mesh=mesh).as_text()
 
   steps = devices * (2 if balanced else 1)  # kernel calls per device
   assert lowered(forward).count("__gpu$xla.gpu.triton") == steps
   grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
   assert lowered(grad).count("__gpu$xla.gpu.triton") > 2 * steps
+
+
+def _warning_lowering(*messages):
+  """A stand-in for pallas_call's lowering that warns `messages`."""
+  import warnings
+
+  def rule(ctx, *args, **params):
+    for message in messages:
+      warnings.warn(message, DeprecationWarning, stacklevel=1)
+    return "lowered"
+
+  return rule
+
+
+@pytest.mark.parametrize(
+  "name", ["stableattn_flash_forward_fa2", "their_kernel"]
+)
+def test_only_our_kernels_drop_the_triton_deprecation_and_only_it(name):
+  """Our lowerings drop jax's Triton deprecation (its exact text); another
+  warning of ours, and every warning of anyone else's kernel, stays."""
+  import warnings
+
+  from stableattn.kernels import triton_deprecation as td
+
+  other = "some other deprecation"
+  extended = td.TRITON_DEPRECATION + " More text."
+  rule = td.quiet_for_our_kernels(
+    _warning_lowering(td.TRITON_DEPRECATION, other, extended)
+  )
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert rule(None, name=name) == "lowered"
+  seen = [str(w.message) for w in caught]
+  ours = name.startswith("stableattn_")
+  assert (td.TRITON_DEPRECATION in seen) is not ours
+  assert other in seen and extended in seen
+
+
+def test_the_quiet_lowering_is_installed_once_over_jaxs():
+  from jax._src.interpreters import mlir
+  from jax._src.pallas.pallas_call import pallas_call_p
+
+  from stableattn.kernels import triton_deprecation as td
+
+  rule = mlir._lowerings[pallas_call_p].rule
+  assert rule.quiets_our_kernels
+  assert not getattr(rule.__wrapped__, "quiets_our_kernels", False)
+  td.install()
+  assert mlir._lowerings[pallas_call_p].rule is rule
+
+
+def test_our_triton_lowering_raises_no_triton_deprecation():
+  """On a jax that deprecates Pallas Triton (0.11+) its warning would
+  come at each lowering of our Triton path; none comes. Under jax 0.10
+  there is none to drop, and this checks that no other warning does."""
+  import warnings
+
+  from stableattn.kernels import triton_deprecation as td
+
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  fn = _loss_and_grads("bf16-fa2", (64, 64), True, interpret=False)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    lowered_for_cuda(fn, q, q, q)
+  assert not [w for w in caught if td.TRITON_DEPRECATION in str(w.message)]

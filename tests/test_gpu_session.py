@@ -130,6 +130,25 @@ def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
   # Off a GPU these cannot run: each is an error row, not a missing one.
   failed = {r["implementation"] for r in hopper if "error" in r}
   assert {"cudnn", "jax_mgpu"} <= failed
+  # FlashAttention-3's forms lower for a GPU only: interpret mode refuses
+  # each, naming what the interpreter lacks.
+  forms = [r for r in hopper if r["implementation"].startswith("mosaic_gpu ")]
+  assert {r["implementation"] for r in forms} == {
+    f"mosaic_gpu {f}" for f in ("fa3", *gpu_stages.FORM_SWITCHES)
+  }
+  assert all("GPU interpreter" in r["error"] for r in forms)
+  # Every feature on both of our paths, in both modes.
+  featured = {
+    (r["feature"], r["implementation"], r["mode"])
+    for r in hopper
+    if "feature" in r and "median_ms" in r
+  }
+  assert featured == {
+    (f, name, m)
+    for f in gpu_stages.HOPPER_FEATURES
+    for name in ("mosaic_gpu", "pallas")
+    for m in gpu_stages.MODES
+  }
   for name in ("xla", "mosaic_gpu", "pallas_stable_fp32", "pallas_stable_bf16"):
     rows = (record / "audit" / f"{name}.jsonl").read_text().splitlines()
     regimes = {json.loads(r).get("regime") for r in rows}
@@ -283,6 +302,31 @@ def test_the_hopper_goals_read_met_or_missed_from_rows():
   text = hopper_record.hopper_table(rows)
   assert "fails" in text and "0.89x" in text
   assert hopper_record.hopper_sections([]) == {}
+  # The forms against the interpreter's form, and the feature rows on
+  # their own table (not mixed into the core comparison's).
+  forms = hopper_record.hopper_form_table(
+    [*rows, row("mosaic_gpu fa3", "forward", 1.2)]
+  )
+  assert "| fa3 | 1.2 | 1.8 | 1.50x |" in forms
+  feature = {"feature": "bias", "causal": False, "seq_len": 8192}
+  featured = [
+    {
+      **feature,
+      "implementation": "mosaic_gpu",
+      "mode": "forward",
+      "median_ms": 2.0,
+    },
+    {
+      **feature,
+      "implementation": "pallas",
+      "mode": "forward",
+      "median_ms": 3.0,
+    },
+  ]
+  assert "| bias | forward | False | 8192 | 2 | 3 | fails | 1.50x |" in (
+    hopper_record.hopper_feature_table(featured)
+  )
+  assert hopper_record.hopper_table(rows + featured) == text
 
 
 def test_the_gpu_offset_findings_read_from_the_stored_rows():

@@ -11,6 +11,7 @@ from helpers import random_qkv
 
 import stableattn as sa
 from stableattn.experiments.benchmark import monitor_overhead
+from stableattn.harness.cuda_lowering import lowered_for_cuda
 from stableattn.numerics.monitor import FP16_TINY, attention_statistics
 
 
@@ -244,9 +245,7 @@ def test_the_forward_with_the_monitors_row_statistics_lowers_for_cuda(
       interpret=False, return_statistics=True,
     )  # fmt: skip
 
-  text = (
-    jax.jit(forward).trace(q, kv, kv).lower(lowering_platforms=("cuda",))
-  ).as_text()
+  text = lowered_for_cuda(forward, q, kv, kv).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 1
 
 

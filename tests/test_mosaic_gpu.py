@@ -15,6 +15,7 @@ from helpers import stored_run
 
 import stableattn as sa
 from stableattn.experiments import hopper_check
+from stableattn.harness.cuda_lowering import lowered_for_cuda
 from stableattn.kernels import mosaic_attention
 from stableattn.numerics.formats import to_dtype
 from stableattn.ops import registry
@@ -197,7 +198,7 @@ def _lowered_text(precision="bf16-fa2", **features):
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  return fn.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+  return lowered_for_cuda(fn, q, kv, kv).as_text()
 
 
 def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
@@ -286,6 +287,106 @@ def test_nan_in_keys_the_dense_mask_hides_never_reaches_a_result():
   poisoned = out(k.at[:, 100:].set(jnp.nan), v.at[:, 100:].set(jnp.nan))
   assert np.all(np.isfinite(clean))
   np.testing.assert_array_equal(poisoned, clean)
+
+
+@pytest.mark.parametrize(
+  "form", ["k_as_stored", "p_in_registers", "accumulate_in_place", "fa3"]
+)
+def test_flashattention3s_forms_lower_for_sm90_and_the_interpreter_refuses_them(
+  form,
+):
+  """Each switch of FlashAttention-3's form (and all of them) builds the
+  forward for CUDA beside the unchanged backward; interpret mode refuses
+  it in one line naming what jax's interpreter lacks."""
+  text = _lowered_text(causal=True, hopper_form=form)
+  assert text.count("custom_call @mosaic_gpu") == 3
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"hopper_form=.*GPU interpreter"):
+    sa.attention(
+      q, q, q, implementation="mosaic_gpu", precision="bf16-fa2",
+      hopper_form=form,
+    )  # fmt: skip
+
+
+def test_the_forms_differ_in_their_lowered_kernels():
+  """The switches change the program: each form's forward module differs
+  from the interpreter form's."""
+  base = _lowered_text(causal=True)
+  for form in ("k_as_stored", "p_in_registers", "accumulate_in_place"):
+    assert _lowered_text(causal=True, hopper_form=form) != base, form
+
+
+def test_hopper_form_is_checked_and_belongs_to_the_hopper_path():
+  with pytest.raises(ValueError, match=r"unknown \['p_in_smem'\]; valid"):
+    sa.Options(hopper_form="p_in_smem")
+  assert sa.Options(hopper_form="p_in_registers+k_as_stored").hopper_form == (
+    "k_as_stored+p_in_registers"
+  )
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"the Hopper path's option"):
+    sa.attention(q, q, q, implementation="pallas", hopper_form="fa3")
+
+
+def _fp8_wgmma(b_transposed: bool, interpret: bool):
+  """One 64x64x64 wgmma of e4m3 operands, B as stored or read through a
+  transposed view: lowered for CUDA, or run in interpret mode."""
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from stableattn.kernels.mosaic_support import smem_tile
+
+  dtype = jnp.float8_e4m3fn
+  tile = plgpu.SMEM(
+    (64, 64),
+    dtype,
+    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)),
+  )
+
+  def body(a_ref, b_ref, o_ref, a_smem, b_smem, o_smem, bar):
+    for src, dst in ((a_ref, a_smem), (b_ref, b_smem)):
+      plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
+      plgpu.barrier_wait(bar.at[0])
+    b = plgpu.transpose_ref(b_smem, (1, 0)) if b_transposed else b_smem
+
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, a_smem, b)
+      return acc_ref[...]
+
+    o_smem[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    scratch_types=[
+      tile,
+      tile,
+      smem_tile((64, 64), jnp.float32),
+      plgpu.Barrier(),
+    ],
+    interpret=InterpretGPUParams() if interpret else False,
+  )
+  x = jax.ShapeDtypeStruct((64, 64), dtype)
+  if interpret:
+    return kernel(jnp.ones((64, 64), dtype), jnp.ones((64, 64), dtype))
+  return lowered_for_cuda(kernel, x, x)
+
+
+def test_fp8_wgmma_needs_k_major_operands_the_interpreter_cannot_read():
+  """Why the FP8 presets are refused here (docs/performance.md): wgmma
+  takes e4m3 operands K-major only, so K and V would be read through
+  transposed views, which lower for sm_90 but which jax 0.10's GPU
+  interpreter cannot run. A jax that changes either fails this test."""
+  with pytest.raises(ValueError, match="Only f16 WGMMA supports transposes"):
+    _fp8_wgmma(b_transposed=False, interpret=False)
+  assert (
+    "mosaic_gpu" in _fp8_wgmma(b_transposed=True, interpret=False).as_text()
+  )
+  with pytest.raises(Exception, match="'TransposeTransform' object has no"):
+    _fp8_wgmma(b_transposed=True, interpret=True)
 
 
 def _refusals(precision):

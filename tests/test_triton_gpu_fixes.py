@@ -20,6 +20,7 @@ from helpers import random_qkv
 
 import stableattn as sa
 from stableattn.contract.tiling import fp32_gpu_tiles
+from stableattn.harness.cuda_lowering import lowered_for_cuda
 from stableattn.kernels.block_math import masked_fill
 
 SPLIT_KV_DECODING = dict(
@@ -46,7 +47,7 @@ def _triton_modules(monkeypatch, fn, *shapes) -> list[str]:
   monkeypatch.setattr(
     registration.lowering, "lower_jaxpr_to_triton_module", keep
   )
-  jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+  lowered_for_cuda(fn, *shapes)
   return modules
 
 
@@ -134,12 +135,7 @@ def test_fp32_tiles_fit_the_register_budget_and_lower_for_cuda():
     )
     return jnp.sum(out)
 
-  text = (
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    .trace(q, q, q)
-    .lower(lowering_platforms=("cuda",))
-    .as_text()
-  )
+  text = lowered_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, q, q).as_text()
   assert text.count("__gpu$xla.gpu.triton") >= 3
 
 

@@ -19,6 +19,44 @@ from stableattn.contract.tiling import check_block_size, check_flag
 from stableattn.numerics.precision import Precision, resolve
 
 SCHEMES = ("fa2", "fa1")
+# The Hopper path's forward in FlashAttention-3's form, switch by switch
+# (`hopper_form`); without them it takes the form jax's GPU interpreter
+# runs (`kernels.mosaic_forward`).
+HOPPER_SWITCHES = ("k_as_stored", "p_in_registers", "accumulate_in_place")
+HOPPER_FORMS = ("interpreter", "fa3")
+
+
+def _hopper_form(value) -> str:
+  """ "interpreter", "fa3" (every switch), or switches joined by "+"; held
+  canonically (switches in `HOPPER_SWITCHES`' order)."""
+  valid = (
+    f"{list(HOPPER_FORMS)} or switches of {list(HOPPER_SWITCHES)} joined by '+'"
+  )
+  if not isinstance(value, str) or not value:
+    raise ValueError(f"hopper_form must be one of {valid}, got {value!r}.")
+  if value in HOPPER_FORMS:
+    return value
+  switches = value.split("+")
+  unknown = [s for s in switches if s not in HOPPER_SWITCHES]
+  if unknown:
+    raise ValueError(
+      f"hopper_form={value!r}: unknown {unknown}; valid: {valid}."
+    )
+  chosen = [s for s in HOPPER_SWITCHES if s in switches]
+  if len(chosen) == len(HOPPER_SWITCHES):
+    return "fa3"
+  return "+".join(chosen)
+
+
+def hopper_switches(form: str) -> tuple[str, ...]:
+  """The switches a (canonical) `hopper_form` turns on."""
+  if form == "interpreter":
+    return ()
+  if form == "fa3":
+    return HOPPER_SWITCHES
+  return tuple(form.split("+"))
+
+
 # Options that change the arithmetic beyond the policy (None: off); only
 # our kernel and reference implement them, not jax's own attention.
 ARITHMETIC_OPTIONS = ("tie_beta",)
@@ -94,6 +132,13 @@ class Options:
       delta = rowsum(dO * O) error (Qiu & Yao, Eq. 1). Our flash kernels
       (pallas, mosaic_gpu) only; not with a sink, a softcap or a
       quantizing policy.
+    hopper_form: the Hopper path's (implementation="mosaic_gpu") forward:
+      "interpreter" (tested on a CPU in jax's GPU interpret mode), "fa3"
+      (FlashAttention-3's form: K read as stored through a transposed
+      shared-memory view, P handed to wgmma from registers, P V
+      accumulated in place), or some of those switches joined by "+"
+      ("k_as_stored", "p_in_registers", "accumulate_in_place"), to time
+      each on a GPU.
     num_warps, num_stages: Triton compiler parameters (GPU only).
     interpret: run the Pallas kernel in interpret mode; None means "iff
       the default backend is the CPU".
@@ -110,6 +155,7 @@ class Options:
   split_size: int | None = None
   fixed_tiles: bool = False
   center_kv: bool = False
+  hopper_form: str = "interpreter"
   num_warps: int | None = None
   num_stages: int | None = None
   interpret: bool | None = None
@@ -155,6 +201,7 @@ class Options:
       )
     put("fixed_tiles", check_flag("fixed_tiles", self.fixed_tiles))
     put("center_kv", check_flag("center_kv", self.center_kv))
+    put("hopper_form", _hopper_form(self.hopper_form))
     if self.interpret is not None:
       put("interpret", check_flag("interpret", self.interpret))
 

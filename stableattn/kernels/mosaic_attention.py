@@ -31,6 +31,7 @@ from stableattn.contract.masking import (
   keys_some_query_attends,
   without_unattended_keys,
 )
+from stableattn.contract.options import hopper_switches
 from stableattn.contract.tiling import round_up
 from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
@@ -86,6 +87,16 @@ STABILITY_VALUES = {
   "ds_for_dq": ("rounded", "hi_lo"),
 }
 MAX_HEAD_DIM = 256  # wgmma's widest N (P V's value head dim)
+# What jax 0.10's GPU interpreter raises on each of FlashAttention-3's
+# switches (`Options.hopper_form`); all of them lower for sm_90.
+INTERPRETER_LACKS = {
+  "k_as_stored": "a transposed shared-memory view as wgmma's B "
+  "(AttributeError: 'TransposeTransform' object has no attribute 'indices')",
+  "p_in_registers": "wgmma's A from registers (ValueError: Expected shape "
+  "(5,) but got (64, 64))",
+  "accumulate_in_place": "pl.run_state over an accumulator "
+  "(NotImplementedError: Higher-order primitive run_state)",
+}
 
 
 def refusals(cfg: KernelConfig) -> list[str]:
@@ -135,6 +146,13 @@ def refusals(cfg: KernelConfig) -> list[str]:
   why += [
     f"{name}: not built on this path" for name, on in features.items() if on
   ]
+  if cfg.interpret:
+    why += [
+      f"hopper_form={cfg.options.hopper_form!r}: jax's GPU interpreter "
+      f"cannot run {INTERPRETER_LACKS[switch]}; the form is lowered and "
+      "timed on a GPU"
+      for switch in hopper_switches(cfg.options.hopper_form)
+    ]
   split_size = cfg.options.split_size
   if split_size is not None and split_size % _block_k(cfg):
     why.append(
@@ -240,6 +258,7 @@ def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
     bias_grad=cfg.mask.bias is not None,
     blocks_per_split=_blocks_per_split(cfg, block_k),
     partials_dtype=np.dtype(policy.dtype("partials")),
+    switches=hopper_switches(cfg.options.hopper_form),
   )
 
 
@@ -303,8 +322,9 @@ def _forward(q, k, v, ops, cfg: KernelConfig):
   if ops.mask is not None:
     k, v = without_unattended_keys(keys_some_query_attends(ops.mask != 0), k, v)
   q_p, k_p, v_p, features = _padded(q, k, v, ops, cfg, plan)
+  k_read = k_p if plan.k_as_stored else jnp.transpose(k_p, (0, 2, 3, 1))
   out_p, lse, *kept = mosaic_forward(
-    q_p, jnp.transpose(k_p, (0, 2, 3, 1)), v_p, tuple(features.values()), plan
+    q_p, k_read, v_p, tuple(features.values()), plan
   )
   extra = dict(zip(output_names(plan)[2:], kept))
   if plan.blocks_per_split is not None:

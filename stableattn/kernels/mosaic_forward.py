@@ -8,9 +8,9 @@ S = Q K^T and O += P V are wgmma with FP32 accumulators. The steps are
 FlashAttention-2's in the order `pallas_forward` takes them, each rounded
 where the policy says (`mosaic_attention` lists what this path honours).
 
-Written with the constructs jax's GPU interpret mode runs on a CPU
-(`jax._src.pallas.mosaic_gpu.interpret`), so the same program is tested
-here and compiled on a GPU:
+Written by default with the constructs jax's GPU interpret mode runs on
+a CPU (`jax._src.pallas.mosaic_gpu.interpret`), so the same program is
+tested here and compiled on a GPU:
 * K enters transposed (K^T [B, Hkv, D, S] in global memory): the
   interpreter's wgmma has no rule for a transposed shared-memory view.
 * P goes through shared memory (the interpreter's wgmma reads both
@@ -18,6 +18,8 @@ here and compiled on a GPU:
   running one (it has no rule for `pl.run_state` over an accumulator).
 * Layout hints (`layout_cast`) are the identity in interpret mode
   (`mosaic_support.interpretable_layout_hints`).
+Each of the three has FlashAttention-3's form behind a switch
+(`Options.hopper_form`), lowered for sm_90 in a test and timed on a GPU.
 """
 
 from __future__ import annotations
@@ -46,28 +48,47 @@ from stableattn.kernels.mosaic_support import (
 )
 
 
-def _scores(acc_shape, q_smem, kt_smem, plan: MosaicPlan):
+def _scores(acc_shape, q_smem, k_smem, plan: MosaicPlan):
   """S = (Q K^T) * scale (softcapped if set), the product in FP32 (wgmma's
-  accumulator), in the forward's base."""
+  accumulator), in the forward's base. `k_smem` holds K^T, or K itself
+  read through a transposed view (`plan.k_as_stored`)."""
+  kt = plgpu.transpose_ref(k_smem, (1, 0)) if plan.k_as_stored else k_smem
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, kt_smem)
+    plgpu.wgmma(acc_ref, q_smem, kt)
     return acc_ref[...]
 
   s = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
   return softcapped(s, plan, plan.score_scale)[0]
 
 
-def _probs_times_values(p, p_smem, v_smem, value_dim):
-  """P V: P stored to shared memory in the probs format, one wgmma."""
-  p_smem[...] = p.astype(p_smem.dtype)
-  plgpu.commit_smem()
+def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
+  """alpha * O + P V, P rounded to the operands' format. The interpreter's
+  form: P through shared memory, P V into a fresh accumulator added to
+  the rescaled O; FlashAttention-3's switches: P from registers
+  (`p_in_registers`), P V accumulated into the rescaled O in place
+  (`accumulate_in_place`)."""
+  p16 = p.astype(p_smem.dtype)
+  if "p_in_registers" in plan.switches:
+    operand = p16
+  else:
+    p_smem[...] = p16
+    plgpu.commit_smem()
+    operand = p_smem
+  scaled = as_rows(alpha, acc.shape) * acc
+  if "accumulate_in_place" in plan.switches:
+
+    def accumulate(acc_ref):
+      plgpu.wgmma(acc_ref, operand, v_smem)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, p_smem, v_smem)
+    plgpu.wgmma(acc_ref, operand, v_smem)
     return acc_ref[...]
 
-  return pl.run_scoped(product, plgpu.ACC((ROWS, value_dim), jnp.float32))
+  shape = (ROWS, plan.value_dim)
+  return scaled + pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
 class _Block(NamedTuple):
@@ -90,9 +111,12 @@ def _fetch(block: _Block, step):
   keys = pl.ds(step * block.plan.block_k, block.plan.block_k)
   _, kt_bars, v_bars = block.bars
   refs, smem, b, h = block.refs, block.smem, block.batch, block.kv_head
-  plgpu.copy_gmem_to_smem(
-    refs["kt"].at[b, h, :, keys], smem["kt"].at[slot], kt_bars.at[slot]
+  k_tile = (
+    refs["kt"].at[b, keys, h]
+    if block.plan.k_as_stored
+    else refs["kt"].at[b, h, :, keys]
   )
+  plgpu.copy_gmem_to_smem(k_tile, smem["kt"].at[slot], kt_bars.at[slot])
   plgpu.copy_gmem_to_smem(
     refs["v"].at[b, keys, h], smem["v"].at[slot], v_bars.at[slot]
   )
@@ -169,8 +193,8 @@ def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
     summed = p.astype(plan.operand_dtype).astype(jnp.float32)
   l_new = alpha * l_sum + summed.sum(axis=1)
   plgpu.barrier_wait(block.bars[2].at[slot])
-  pv = _probs_times_values(p, smem["p"], smem["v"].at[slot], plan.value_dim)
-  return as_rows(alpha, acc.shape) * acc + pv, m_new, l_new
+  acc = _rescaled_plus_pv(acc, alpha, p, smem["p"], smem["v"].at[slot], plan)
+  return acc, m_new, l_new
 
 
 def _store(block: _Block, carry):
@@ -364,7 +388,12 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
   pl.run_scoped(
     scoped,
     smem_tile((ROWS, plan.head_dim), dtype),
-    smem_tile((2, plan.head_dim, block_k), dtype),
+    smem_tile(
+      (2, block_k, plan.head_dim)
+      if plan.k_as_stored
+      else (2, plan.head_dim, block_k),
+      dtype,
+    ),
     smem_tile((2, block_k, plan.value_dim), dtype),
     smem_tile((ROWS, block_k), dtype),
     smem_tile((ROWS, plan.value_dim), plan.o_dtype),
@@ -381,7 +410,8 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
   """(O [B, T, H, Dv] in the output format, lse [B, H, T] FP32, natural
   log, +inf where no key attends, then `output_names`' residuals: O_lo
   like O, m and l like the lse) of padded q [B, T, H, D], K^T [B, Hkv,
-  D, S], v [B, S, Hkv, Dv] and `extra`, the operands `input_names`
+  D, S] (K [B, S, Hkv, D] where `plan.k_as_stored`), v [B, S, Hkv, Dv]
+  and `extra`, the operands `input_names`
   lists: token ids (q_ids [B, T], kv_ids [B, S]), key positions kv_pos
   [B, S], the additive tile [B|1, H|1, T, S] FP32 and the sink's rows
   [H, T] FP32."""

@@ -83,6 +83,15 @@ class MosaicPlan:
   # the format each split's output is stored in before the merge.
   blocks_per_split: int | None = None
   partials_dtype: object = None
+  # FlashAttention-3's form of the forward, switch by switch
+  # (`options.HOPPER_SWITCHES`); () is the interpreter's.
+  switches: tuple[str, ...] = ()
+
+  @property
+  def k_as_stored(self) -> bool:
+    """K enters as stored, [B, S, Hkv, D], and wgmma reads it through a
+    transposed shared-memory view (else K^T comes from global memory)."""
+    return "k_as_stored" in self.switches
 
   @property
   def splits(self) -> int:

@@ -210,6 +210,15 @@ def check_options_for(implementation: str, options: Options) -> None:
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
   if implementation == "mosaic_gpu":
     _mosaic().check_tiles(options)
+  if options.hopper_form != "interpreter" and implementation not in (
+    "mosaic_gpu",
+    "flash",
+  ):
+    raise ValueError(
+      f"hopper_form={options.hopper_form!r} is the Hopper path's option "
+      "(implementation='mosaic_gpu', or 'flash' where it takes that "
+      f"path), not implementation={implementation!r}'s."
+    )
   if options.center_kv and implementation not in FLASH_IMPLEMENTATIONS:
     raise ValueError(
       f"center_kv=True is an option of our flash kernels "

@@ -14,8 +14,12 @@ NAMES = ("mosaic_gpu", "cudnn", "jax_mha", "jax_mgpu", "pallas")
 
 
 def _points(rows) -> dict:
+  """{(mode, causal, length): {name: row}} of the core comparison (not
+  the feature rows)."""
   points: dict = {}
   for r in rows:
+    if "feature" in r:
+      continue
     key = (r["mode"], r["causal"], r["seq_len"])
     points.setdefault(key, {})[r["implementation"]] = r
   return points
@@ -55,8 +59,62 @@ def hopper_goal_lines(rows) -> str:
   return "\n".join(lines)
 
 
+def _ms(row) -> str:
+  return num(row["median_ms"]) if "median_ms" in (row or {}) else "fails"
+
+
+def hopper_form_table(rows) -> str:
+  """FlashAttention-3's forms of the forward against the interpreter's:
+  ms and the interpreter form's time over each form's (> 1: faster)."""
+  body = []
+  for (mode, causal, length), named in sorted(_points(rows).items()):
+    base = named.get("mosaic_gpu", {}).get("median_ms")
+    for name in sorted(n for n in named if n.startswith("mosaic_gpu ")):
+      ms = named[name].get("median_ms")
+      speed = f"{base / ms:.2f}x" if base and ms else "-"
+      body.append(
+        [mode, str(causal), str(length), name.split(" ", 1)[1],
+         _ms(named[name]), num(base) if base else "fails", speed]
+      )  # fmt: skip
+  if not body:
+    return ""
+  header = ["mode", "causal", "length", "form", "ms", "interpreter form ms",
+            "speed vs interpreter form"]  # fmt: skip
+  return table(header, body)
+
+
+def hopper_feature_table(rows) -> str:
+  """Each feature's ms on our two paths and cuDNN, and the Hopper path's
+  speed against the Triton path's."""
+  points: dict = {}
+  for r in rows:
+    if "feature" in r:
+      key = (r["feature"], r["mode"], r["causal"], r["seq_len"])
+      points.setdefault(key, {})[r["implementation"]] = r
+  body = []
+  for (feature, mode, causal, length), named in sorted(points.items()):
+    ours = named.get("mosaic_gpu", {}).get("median_ms")
+    triton = named.get("pallas", {}).get("median_ms")
+    speed = f"{triton / ours:.2f}x" if ours and triton else "-"
+    body.append(
+      [feature, mode, str(causal), str(length),
+       *(_ms(named.get(n)) for n in ("mosaic_gpu", "pallas", "cudnn")),
+       speed]
+    )  # fmt: skip
+  if not body:
+    return ""
+  header = ["feature", "mode", "causal", "length", "mosaic_gpu", "pallas",
+            "cudnn", "mosaic_gpu vs pallas"]  # fmt: skip
+  return table(header, body)
+
+
 def hopper_sections(rows) -> dict[str, str]:
   """The Hopper path's table and goals, where the session timed it."""
   if not rows:
     return {}
-  return {"hopper": hopper_table(rows), "hopper_goals": hopper_goal_lines(rows)}
+  return {
+    "hopper": hopper_table(rows),
+    "hopper_goals": hopper_goal_lines(rows),
+    "hopper_forms": hopper_form_table(rows),
+    "hopper_features": hopper_feature_table(rows),
+  }
