@@ -20,7 +20,7 @@ import time
 
 from absl import app, flags
 
-from stableattn.experiments.benchmark import gpu_stages
+from stableattn.experiments.benchmark import gpu_stages, hopper_stage
 
 STAGES = ("price", "hopper", "levers", "ncu_pass", "ncu_rows")
 flags.DEFINE_enum("stage", None, STAGES, "Which stage.")
@@ -56,18 +56,18 @@ def main(argv):
       print(f"price {point}: {len(rows)} rows in {time.time() - started:.1f} s")
   elif f.stage == "hopper":
     modes = tuple(f.modes or gpu_stages.MODES)
-    for point in gpu_stages.hopper_points(sizes, modes):
+    for point in hopper_stage.hopper_points(sizes, modes):
       started = time.time()
-      rows = gpu_stages.hopper_rows(sizes, *point)
+      rows = hopper_stage.hopper_rows(sizes, *point)
       gpu_stages.append_rows(out, rows)
       print(
         f"hopper {point}: {len(rows)} rows in {time.time() - started:.1f} s"
       )
     # Then each feature at the goals' length (after every length's core
     # comparison: a stage cut off keeps those).
-    for point in gpu_stages.hopper_feature_points(sizes, modes):
+    for point in hopper_stage.hopper_feature_points(sizes, modes):
       started = time.time()
-      rows = gpu_stages.hopper_feature_rows(sizes, *point)
+      rows = hopper_stage.hopper_feature_rows(sizes, *point)
       gpu_stages.append_rows(out, rows)
       print(
         f"hopper feature {point}: {len(rows)} rows in "

@@ -119,3 +119,33 @@ def results_page(*, folded: bool) -> str:
   quoted number may wrap a line (tables keep their lines unfolded)."""
   text = (REPO / "docs" / "results.md").read_text()
   return " ".join(text.split()) if folded else text
+
+
+def mosaic_lowered_text(precision="bf16-fa2", **features):
+  """The Hopper path's forward and backward (value and gradients of a
+  sum of squares) lowered for CUDA, at ragged GQA shapes, as text."""
+  import jax
+  import jax.numpy as jnp
+
+  import stableattn as sa
+  from stableattn.harness.cuda_lowering import lowered_for_cuda
+  from stableattn.numerics.formats import to_dtype
+
+  dtype = to_dtype(sa.Precision.from_name(precision).inputs)
+  q = jax.ShapeDtypeStruct((2, 200, 4, 64), dtype)
+  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
+
+  def loss(q, k, v):
+    out = sa.attention(
+      q,
+      k,
+      v,
+      implementation="mosaic_gpu",
+      precision=precision,
+      interpret=False,
+      **features,
+    )
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return lowered_for_cuda(fn, q, kv, kv).as_text()

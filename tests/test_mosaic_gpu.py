@@ -11,13 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import stored_run
+from helpers import mosaic_lowered_text, stored_run
 
 import stableattn as sa
 from stableattn.experiments import hopper_check
-from stableattn.harness.cuda_lowering import lowered_for_cuda
 from stableattn.kernels import mosaic_attention
-from stableattn.numerics.formats import to_dtype
 from stableattn.ops import registry
 
 CASES = hopper_check.CASES
@@ -124,7 +122,10 @@ def _racy_copy():
   kernel = plgpu.kernel(
     body,
     out_type=shape,
-    scratch_types=[plgpu.SMEM((128,), jnp.float32), plgpu.Barrier()],
+    scratch_types=[
+      plgpu.SMEM((128,), jnp.float32),
+      plgpu.Barrier(num_barriers=1),
+    ],
     interpret=InterpretGPUParams(detect_races=True),
   )
   jax.block_until_ready(kernel(jnp.ones((128,), jnp.float32)))
@@ -180,213 +181,21 @@ def test_tiles_it_does_not_run_are_refused_not_ignored():
   )
 
 
-def _lowered_text(precision="bf16-fa2", **features):
-  dtype = to_dtype(sa.Precision.from_name(precision).inputs)
-  q = jax.ShapeDtypeStruct((2, 200, 4, 64), dtype)
-  kv = jax.ShapeDtypeStruct((2, 200, 2, 64), dtype)
-
-  def loss(q, k, v):
-    out = sa.attention(
-      q,
-      k,
-      v,
-      implementation="mosaic_gpu",
-      precision=precision,
-      interpret=False,
-      **features,
-    )
-    return jnp.sum(out.astype(jnp.float32) ** 2)
-
-  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  return lowered_for_cuda(fn, q, kv, kv).as_text()
-
-
 def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
   """The three kernels (forward, dK dV, dQ) build their Mosaic GPU modules
   on the CPU, causal with key lengths; delta is the Triton path's kernel."""
-  text = _lowered_text(causal=True, key_value_seq_lengths=np.array([150, 200]))
+  text = mosaic_lowered_text(
+    causal=True, key_value_seq_lengths=np.array([150, 200])
+  )
   assert text.count("custom_call @mosaic_gpu") == 3
   assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
 
 
 def test_a_window_a_softcap_and_a_sink_lower_to_mosaic_gpu_for_cuda():
-  text = _lowered_text(
+  text = mosaic_lowered_text(
     local_window_size=(40, 20), softcap=5.0, sink=np.zeros(4, np.float32)
   )
   assert text.count("custom_call @mosaic_gpu") == 3
-
-
-def test_bias_mask_key_positions_and_split_kv_lower_to_mosaic_gpu_for_cuda():
-  """A bias (with its gradient), a dense mask and bottom-right causal over
-  each example's lengths build the three kernels; split-KV's forward
-  builds one."""
-  text = _lowered_text(
-    bias=np.zeros((1, 4, 200, 200), np.float32),
-    mask=np.ones((2, 1, 200, 200), bool),
-    causal=True,
-    causal_alignment="bottom_right",
-    query_seq_lengths=np.array([120, 200]),
-    key_value_seq_lengths=np.array([150, 200]),
-  )
-  assert text.count("custom_call @mosaic_gpu") == 3
-  text = _lowered_text(num_splits=3, key_value_seq_lengths=np.array([150, 200]))
-  assert text.count("custom_call @mosaic_gpu") == 3
-
-
-def test_the_bias_gradient_is_the_triton_paths():
-  """d(bias) is the dQ kernel's dS tile (zero on the blocks it skips),
-  summed over the batch the bias broadcasts across: the Triton path's
-  to a rounding, under causal masking and a dense mask."""
-  rng = np.random.default_rng(5)
-  q, k, v, d_out = (
-    jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-    for s in ((2, 70, 2, 64), (2, 100, 1, 64), (2, 100, 1, 64), (2, 70, 2, 64))
-  )
-  bias = jnp.asarray(rng.standard_normal((1, 2, 70, 100)), jnp.float32)
-  mask = rng.random((2, 1, 70, 100)) < 0.7
-
-  def d_bias(implementation):
-    def loss(bias):
-      out = sa.attention(
-        q, k, v, implementation=implementation, precision="bf16-fa2",
-        bias=bias, mask=mask, causal=True,
-      )  # fmt: skip
-      return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
-
-    return np.asarray(jax.grad(loss)(bias), np.float64)
-
-  ours, triton = d_bias("mosaic_gpu"), d_bias("pallas")
-  assert np.all(np.isfinite(ours))
-  # Zero exactly where no pair of either example attends (above the
-  # diagonal, or masked in both), nonzero elsewhere.
-  attends = np.tril(np.ones((70, 100), bool)) & mask.any(axis=0)[0]
-  assert np.all(ours[0][:, ~attends] == 0)
-  assert np.mean(ours[0][:, attends] != 0) > 0.99
-  np.testing.assert_allclose(ours, triton, atol=2e-3 * np.abs(triton).max())
-
-
-@pytest.mark.slow
-def test_nan_in_keys_the_dense_mask_hides_never_reaches_a_result():
-  """Keys no query may attend (the mask hides the last ten) hold NaN: P
-  is 0 there, and the kernel never multiplies 0 by them."""
-  case = CASES["bias-mask"]
-  (q, k, v, _), features = _inputs(case)
-  mask = np.array(features["mask"])
-  mask[..., 100:] = False
-  features = {**features, "mask": mask}
-
-  def out(k, v):
-    return np.asarray(
-      sa.attention(
-        q, k, v, implementation="mosaic_gpu", precision=case[0], **features
-      ),
-      np.float64,
-    )
-
-  clean = out(k, v)
-  poisoned = out(k.at[:, 100:].set(jnp.nan), v.at[:, 100:].set(jnp.nan))
-  assert np.all(np.isfinite(clean))
-  np.testing.assert_array_equal(poisoned, clean)
-
-
-@pytest.mark.parametrize(
-  "form", ["k_as_stored", "p_in_registers", "accumulate_in_place", "fa3"]
-)
-def test_flashattention3s_forms_lower_for_sm90_and_the_interpreter_refuses_them(
-  form,
-):
-  """Each switch of FlashAttention-3's form (and all of them) builds the
-  forward for CUDA beside the unchanged backward; interpret mode refuses
-  it in one line naming what jax's interpreter lacks."""
-  text = _lowered_text(causal=True, hopper_form=form)
-  assert text.count("custom_call @mosaic_gpu") == 3
-  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"hopper_form=.*GPU interpreter"):
-    sa.attention(
-      q, q, q, implementation="mosaic_gpu", precision="bf16-fa2",
-      hopper_form=form,
-    )  # fmt: skip
-
-
-def test_the_forms_differ_in_their_lowered_kernels():
-  """The switches change the program: each form's forward module differs
-  from the interpreter form's."""
-  base = _lowered_text(causal=True)
-  for form in ("k_as_stored", "p_in_registers", "accumulate_in_place"):
-    assert _lowered_text(causal=True, hopper_form=form) != base, form
-
-
-def test_hopper_form_is_checked_and_belongs_to_the_hopper_path():
-  with pytest.raises(ValueError, match=r"unknown \['p_in_smem'\]; valid"):
-    sa.Options(hopper_form="p_in_smem")
-  assert sa.Options(hopper_form="p_in_registers+k_as_stored").hopper_form == (
-    "k_as_stored+p_in_registers"
-  )
-  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"the Hopper path's option"):
-    sa.attention(q, q, q, implementation="pallas", hopper_form="fa3")
-
-
-def _fp8_wgmma(b_transposed: bool, interpret: bool):
-  """One 64x64x64 wgmma of e4m3 operands, B as stored or read through a
-  transposed view: lowered for CUDA, or run in interpret mode."""
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  from stableattn.kernels.mosaic_support import smem_tile
-
-  dtype = jnp.float8_e4m3fn
-  tile = plgpu.SMEM(
-    (64, 64),
-    dtype,
-    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)),
-  )
-
-  def body(a_ref, b_ref, o_ref, a_smem, b_smem, o_smem, bar):
-    for src, dst in ((a_ref, a_smem), (b_ref, b_smem)):
-      plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
-      plgpu.barrier_wait(bar.at[0])
-    b = plgpu.transpose_ref(b_smem, (1, 0)) if b_transposed else b_smem
-
-    def product(acc_ref):
-      plgpu.wgmma(acc_ref, a_smem, b)
-      return acc_ref[...]
-
-    o_smem[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-  kernel = plgpu.kernel(
-    body,
-    out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-    scratch_types=[
-      tile,
-      tile,
-      smem_tile((64, 64), jnp.float32),
-      plgpu.Barrier(),
-    ],
-    interpret=InterpretGPUParams() if interpret else False,
-  )
-  x = jax.ShapeDtypeStruct((64, 64), dtype)
-  if interpret:
-    return kernel(jnp.ones((64, 64), dtype), jnp.ones((64, 64), dtype))
-  return lowered_for_cuda(kernel, x, x)
-
-
-def test_fp8_wgmma_needs_k_major_operands_the_interpreter_cannot_read():
-  """Why the FP8 presets are refused here (docs/performance.md): wgmma
-  takes e4m3 operands K-major only, so K and V would be read through
-  transposed views, which lower for sm_90 but which jax 0.10's GPU
-  interpreter cannot run. A jax that changes either fails this test."""
-  with pytest.raises(ValueError, match="Only f16 WGMMA supports transposes"):
-    _fp8_wgmma(b_transposed=False, interpret=False)
-  assert (
-    "mosaic_gpu" in _fp8_wgmma(b_transposed=True, interpret=False).as_text()
-  )
-  with pytest.raises(Exception, match="'TransposeTransform' object has no"):
-    _fp8_wgmma(b_transposed=True, interpret=True)
 
 
 def _refusals(precision):
@@ -410,7 +219,7 @@ def test_every_preset_lowers_for_sm90_or_is_refused_with_its_reason(precision):
     stages = {f.name for f in dataclasses.fields(sa.Precision)}
     assert all(r.split("=")[0] in stages for r in refused), refused
     return
-  text = _lowered_text(precision, causal=True)
+  text = mosaic_lowered_text(precision, causal=True)
   assert text.count("custom_call @mosaic_gpu") == 3
 
 

@@ -22,7 +22,12 @@ SCHEMES = ("fa2", "fa1")
 # The Hopper path's forward in FlashAttention-3's form, switch by switch
 # (`hopper_form`); without them it takes the form jax's GPU interpreter
 # runs (`kernels.mosaic_forward`).
-HOPPER_SWITCHES = ("k_as_stored", "p_in_registers", "accumulate_in_place")
+HOPPER_SWITCHES = (
+  "warp_specialized",
+  "k_as_stored",
+  "p_in_registers",
+  "accumulate_in_place",
+)
 HOPPER_FORMS = ("interpreter", "fa3")
 
 
@@ -134,11 +139,11 @@ class Options:
       quantizing policy.
     hopper_form: the Hopper path's (implementation="mosaic_gpu") forward:
       "interpreter" (tested on a CPU in jax's GPU interpret mode), "fa3"
-      (FlashAttention-3's form: K read as stored through a transposed
-      shared-memory view, P handed to wgmma from registers, P V
-      accumulated in place), or some of those switches joined by "+"
-      ("k_as_stored", "p_in_registers", "accumulate_in_place"), to time
-      each on a GPU.
+      (FlashAttention-3's form: a copy warpgroup filling the K/V ring, K
+      read as stored through a transposed shared-memory view, P handed
+      to wgmma from registers, P V accumulated in place), or some of
+      those switches joined by "+" ("warp_specialized", "k_as_stored",
+      "p_in_registers", "accumulate_in_place"), to time each on a GPU.
     num_warps, num_stages: Triton compiler parameters (GPU only).
     interpret: run the Pallas kernel in interpret mode; None means "iff
       the default backend is the CPU".

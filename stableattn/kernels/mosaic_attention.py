@@ -87,16 +87,25 @@ STABILITY_VALUES = {
   "ds_for_dq": ("rounded", "hi_lo"),
 }
 MAX_HEAD_DIM = 256  # wgmma's widest N (P V's value head dim)
-# What jax 0.10's GPU interpreter raises on each of FlashAttention-3's
-# switches (`Options.hopper_form`); all of them lower for sm_90.
-INTERPRETER_LACKS = {
-  "k_as_stored": "a transposed shared-memory view as wgmma's B "
-  "(AttributeError: 'TransposeTransform' object has no attribute 'indices')",
-  "p_in_registers": "wgmma's A from registers (ValueError: Expected shape "
-  "(5,) but got (64, 64))",
-  "accumulate_in_place": "pl.run_state over an accumulator "
-  "(NotImplementedError: Higher-order primitive run_state)",
-}
+
+
+def interpreter_lacks() -> dict[str, str]:
+  """{switch: what the installed jax's GPU interpreter lacks} for each of
+  FlashAttention-3's switches (`Options.hopper_form`) it cannot run; all
+  of them lower for sm_90. Measured: jax 0.10.2's interpreter has no
+  rule for a transposed shared-memory view ("'TransposeTransform' object
+  has no attribute 'indices'"), jax 0.11.2's runs it (bit for bit with
+  K^T from global memory); neither takes wgmma's A from registers
+  ("Expected shape (5,) but got (64, 64)") or accumulates in place (0.10:
+  "Higher-order primitive run_state"; 0.11: no CPU rule for 'wgmma')."""
+  lacks = {
+    "p_in_registers": "wgmma's A operand from registers",
+    "accumulate_in_place": "wgmma accumulating into a running accumulator "
+    "(pl.run_state)",
+  }
+  if jax.__version_info__ < (0, 11):
+    lacks["k_as_stored"] = "a transposed shared-memory view as wgmma's B"
+  return lacks
 
 
 def refusals(cfg: KernelConfig) -> list[str]:
@@ -147,11 +156,13 @@ def refusals(cfg: KernelConfig) -> list[str]:
     f"{name}: not built on this path" for name, on in features.items() if on
   ]
   if cfg.interpret:
+    lacks = interpreter_lacks()
     why += [
-      f"hopper_form={cfg.options.hopper_form!r}: jax's GPU interpreter "
-      f"cannot run {INTERPRETER_LACKS[switch]}; the form is lowered and "
-      "timed on a GPU"
+      f"hopper_form={cfg.options.hopper_form!r}: jax {jax.__version__}'s "
+      f"GPU interpreter cannot run {lacks[switch]} ({switch}); the form is "
+      "lowered and timed on a GPU"
       for switch in hopper_switches(cfg.options.hopper_form)
+      if switch in lacks
     ]
   split_size = cfg.options.split_size
   if split_size is not None and split_size % _block_k(cfg):

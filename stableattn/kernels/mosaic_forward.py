@@ -4,6 +4,9 @@ One thread block per (batch, query head, 64-row query block), one
 warpgroup: Q arrives by TMA once; each key block's K^T and V arrive by
 TMA into a two-slot shared-memory ring, the next block's copy issued
 before this block's arithmetic, so the copy engine overlaps the softmax.
+With the `warp_specialized` switch a second warpgroup issues the copies
+(FlashAttention-3's producer), refilling a slot once the compute
+warpgroup has arrived at the slot's release barrier.
 S = Q K^T and O += P V are wgmma with FP32 accumulators. The steps are
 FlashAttention-2's in the order `pallas_forward` takes them, each rounded
 where the policy says (`mosaic_attention` lists what this path honours).
@@ -19,14 +22,14 @@ tested here and compiled on a GPU:
 * Layout hints (`layout_cast`) are the identity in interpret mode
   (`mosaic_support.interpretable_layout_hints`).
 Each of the three has FlashAttention-3's form behind a switch
-(`Options.hopper_form`), lowered for sm_90 in a test and timed on a GPU.
+(`Options.hopper_form`), lowered for sm_90 in a test and timed on a GPU;
+jax 0.11's interpreter also runs the transposed view.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,17 +37,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stableattn.kernels.mosaic_forward_block import (
+  ForwardBlock,
+  added,
+  allowed,
+  copy_warpgroup,
+  fetch,
+  key_blocks,
+  sink_logits,
+)
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
   as_rows,
-  block_mask,
-  causal_block_bounds,
-  column_vector,
   row_vector,
   smem_tile,
   softcapped,
-  tile_values,
 )
 
 
@@ -91,98 +99,23 @@ def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
   return scaled + pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
 
-class _Block(NamedTuple):
-  """One thread block's operands, scratch buffers and place."""
-
-  plan: MosaicPlan
-  refs: dict  # global memory: q, kt, v, `input_names`, `output_names`
-  smem: dict  # shared memory: q, kt, v (two slots), p, o, lse, features
-  bars: tuple  # (q and ids, K^T slots, V slots)
-  batch: object
-  head: object
-  kv_head: object
-  q_start: object
-  split: object  # split-KV's split (0 without split-KV)
-
-
-def _fetch(block: _Block, step):
-  """Issues the TMA copies of key block `step` into its ring slot."""
-  slot = lax.rem(step, jnp.int32(2))
-  keys = pl.ds(step * block.plan.block_k, block.plan.block_k)
-  _, kt_bars, v_bars = block.bars
-  refs, smem, b, h = block.refs, block.smem, block.batch, block.kv_head
-  k_tile = (
-    refs["kt"].at[b, keys, h]
-    if block.plan.k_as_stored
-    else refs["kt"].at[b, h, :, keys]
-  )
-  plgpu.copy_gmem_to_smem(k_tile, smem["kt"].at[slot], kt_bars.at[slot])
-  plgpu.copy_gmem_to_smem(
-    refs["v"].at[b, keys, h], smem["v"].at[slot], v_bars.at[slot]
-  )
-
-
-def _key_vector(block: _Block, name: str, k_start):
-  """The key block's entries of a per-key operand ([B, S] in global
-  memory: token ids or positions), by TMA, one per tile column."""
-  bar = block.bars[0].at[1]
-  keys = pl.ds(k_start, block.plan.block_k)
-  plgpu.copy_gmem_to_smem(
-    block.refs[name].at[block.batch, keys], block.smem[name], bar
-  )
-  plgpu.barrier_wait(bar)
-  return column_vector(block.smem[name], block.plan.interpret)
-
-
-def _allowed(block: _Block, k_start, q_ids):
-  """The tile's mask; the key block's token ids and positions come by
-  TMA where in use."""
-  kv_ids = kv_pos = None
-  if q_ids is not None:
-    kv_ids = _key_vector(block, "kv_ids", k_start)
-  if block.plan.key_positions:
-    kv_pos = _key_vector(block, "kv_pos", k_start)
-  return block_mask(
-    block.plan, block.q_start, k_start, q_ids, kv_ids, kv_pos=kv_pos
-  )
-
-
-def _added(block: _Block, s, k_start):
-  """S plus the additive tile (bias, -inf where a dense mask blocks) in
-  the forward's base, by TMA; S itself without one."""
-  plan = block.plan
-  if plan.additive is None:
-    return s
-  bar = block.bars[0].at[1]
-  example, head = plan.additive_index(block.batch, block.head)
-  rows = pl.ds(block.q_start, ROWS)
-  keys = pl.ds(k_start, plan.block_k)
-  plgpu.copy_gmem_to_smem(
-    block.refs["additive"].at[example, head, rows, keys],
-    block.smem["additive"],
-    bar,
-  )
-  plgpu.barrier_wait(bar)
-  tile = tile_values(block.smem["additive"], plan.interpret)
-  return s + tile * jnp.float32(plan.to_base)
-
-
-def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
+def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
   """FlashAttention-2's update for key block j (`pallas_forward`'s)."""
   plan, smem = block.plan, block.smem
   exp = jnp.exp2 if plan.exp2 else jnp.exp
   acc, m, l_sum = carry
   slot = lax.rem(j, jnp.int32(2))
+  if not plan.warp_specialized:  # else the copy warpgroup fills the ring
 
-  @pl.when(j + 1 < end)
-  def _():
-    _fetch(block, j + 1)
+    @pl.when(j + 1 < end)
+    def _():
+      fetch(block, j + 1)
 
   plgpu.barrier_wait(block.bars[1].at[slot])
   s = _scores((ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan)
-  s = _added(block, s, j * plan.block_k)
+  s = added(block, s, j * plan.block_k)
   if masked:
-    s = jnp.where(_allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
+    s = jnp.where(allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
   m_new = jnp.maximum(m, s.max(axis=1))
   # A row with no key so far keeps m = -inf; subtract 0 instead.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -194,10 +127,12 @@ def _step(block: _Block, end, q_ids, j, carry, *, masked: bool):
   l_new = alpha * l_sum + summed.sum(axis=1)
   plgpu.barrier_wait(block.bars[2].at[slot])
   acc = _rescaled_plus_pv(acc, alpha, p, smem["p"], smem["v"].at[slot], plan)
+  if plan.warp_specialized:
+    plgpu.barrier_arrive(block.bars[3].at[slot])  # the slot is free again
   return acc, m_new, l_new
 
 
-def _store(block: _Block, carry):
+def _store(block: ForwardBlock, carry):
   """O normalized once; lse = m + log l in natural log (+inf, and O = 0,
   where no key attends)."""
   plan, smem = block.plan, block.smem
@@ -258,21 +193,19 @@ def _initial_carry(value_dim: int, sink=None, first_split=None):
   )
 
 
-def _sink_logits(block: _Block, rows):
-  """The head's sink logit on each row, in the forward's base; None
-  without a sink."""
-  if not block.plan.sink:
-    return None
-  bar = block.bars[0].at[1]
-  plgpu.copy_gmem_to_smem(
-    block.refs["sink"].at[block.head, rows], block.smem["sink"], bar
-  )
-  plgpu.barrier_wait(bar)
-  sink = row_vector(block.smem["sink"], block.plan.interpret)
-  return sink * jnp.float32(block.plan.to_base)
+def _block_program(block: ForwardBlock):
+  if not block.plan.warp_specialized:
+    _compute(block)
+    return
+  # FlashAttention-3's producer and consumer: warpgroup 1 copies by TMA,
+  # warpgroup 0 computes.
+  warpgroup = lax.axis_index("wg")
+  pl.when(warpgroup == 1)(lambda: copy_warpgroup(block))
+  pl.when(warpgroup == 0)(lambda: _compute(block))
 
 
-def _block_program(block: _Block):
+def _compute(block: ForwardBlock):
+  """The FlashAttention-2 pass over the key blocks, and the store."""
   plan, smem = block.plan, block.smem
   q_bar = block.bars[0]
   rows = pl.ds(block.q_start, ROWS)
@@ -287,19 +220,13 @@ def _block_program(block: _Block):
     )
     plgpu.barrier_wait(q_bar.at[1])
     q_ids = row_vector(smem["q_ids"], plan.interpret)
-  sink = _sink_logits(block, rows)
-  first, full, end = causal_block_bounds(plan, block.q_start)
-  if plan.blocks_per_split is not None:
-    # This split's blocks only; the sink joins the first split's sum.
-    first = jnp.maximum(first, block.split * plan.blocks_per_split)
-    end = jnp.maximum(
-      jnp.minimum(end, (block.split + 1) * plan.blocks_per_split), first
-    )
-    full = jnp.clip(full, first, end)
+  sink = sink_logits(block, rows)
+  first, full, end = key_blocks(block)
+  if not plan.warp_specialized:
 
-  @pl.when(end > first)
-  def _():
-    _fetch(block, first)
+    @pl.when(end > first)
+    def _():
+      fetch(block, first)
 
   plgpu.barrier_wait(q_bar.at[0])
   step = functools.partial(_step, block, end, q_ids)
@@ -364,7 +291,7 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
   names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:])
 
   def scoped(*buffers):
-    block = _Block(
+    block = ForwardBlock(
       plan,
       global_refs,
       dict(zip(names, buffers[: len(names)])),
@@ -403,6 +330,9 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
+    # The compute warpgroup's releases of the ring's slots.
+    *((plgpu.Barrier(num_barriers=2),) if plan.warp_specialized else ()),
+    **({"collective_axes": "wg"} if plan.warp_specialized else {}),
   )
 
 
@@ -428,6 +358,9 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
     out_type=tuple(types[name] for name in output_names(plan)),
     grid=(batch, heads, q_len // ROWS * plan.splits),
     grid_names=("batch", "heads", "q"),
+    **(
+      {"num_threads": 2, "thread_name": "wg"} if plan.warp_specialized else {}
+    ),
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_forward",
   )

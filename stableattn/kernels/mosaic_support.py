@@ -88,6 +88,12 @@ class MosaicPlan:
   switches: tuple[str, ...] = ()
 
   @property
+  def warp_specialized(self) -> bool:
+    """A copy warpgroup fills the K/V ring while the compute warpgroup
+    computes (FlashAttention-3's producer and consumer)."""
+    return "warp_specialized" in self.switches
+
+  @property
   def k_as_stored(self) -> bool:
     """K enters as stored, [B, S, Hkv, D], and wgmma reads it through a
     transposed shared-memory view (else K^T comes from global memory)."""

@@ -210,10 +210,8 @@ def check_options_for(implementation: str, options: Options) -> None:
   _check_choice("implementation", implementation, IMPLEMENTATIONS)
   if implementation == "mosaic_gpu":
     _mosaic().check_tiles(options)
-  if options.hopper_form != "interpreter" and implementation not in (
-    "mosaic_gpu",
-    "flash",
-  ):
+  hopper = ("mosaic_gpu", "flash")
+  if options.hopper_form != "interpreter" and implementation not in hopper:
     raise ValueError(
       f"hopper_form={options.hopper_form!r} is the Hopper path's option "
       "(implementation='mosaic_gpu', or 'flash' where it takes that "

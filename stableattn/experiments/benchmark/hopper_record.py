@@ -1,4 +1,4 @@
-"""The Hopper path's rows of a GPU session (`gpu_stages.hopper_rows`) as
+"""The Hopper path's rows of a GPU session (`hopper_stage.hopper_rows`) as
 the table and goal lines docs/performance.md quotes."""
 
 from __future__ import annotations

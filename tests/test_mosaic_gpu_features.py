@@ -1,0 +1,92 @@
+"""The Hopper path's features beyond the first build: a bias (with its
+gradient), a dense mask, bottom-right causal over each example's
+lengths, split-KV decoding. Their values against the Triton path are
+`hopper_check`'s cases (tests/test_mosaic_gpu.py); here: they lower for
+sm_90, d(bias), and NaN in keys the mask hides."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mosaic_lowered_text
+
+import stableattn as sa
+from stableattn.experiments import hopper_check
+
+CASES = hopper_check.CASES
+_inputs = hopper_check.inputs
+
+
+def test_bias_mask_key_positions_and_split_kv_lower_to_mosaic_gpu_for_cuda():
+  """A bias (with its gradient), a dense mask and bottom-right causal over
+  each example's lengths build the three kernels; split-KV's forward
+  builds one."""
+  text = mosaic_lowered_text(
+    bias=np.zeros((1, 4, 200, 200), np.float32),
+    mask=np.ones((2, 1, 200, 200), bool),
+    causal=True,
+    causal_alignment="bottom_right",
+    query_seq_lengths=np.array([120, 200]),
+    key_value_seq_lengths=np.array([150, 200]),
+  )
+  assert text.count("custom_call @mosaic_gpu") == 3
+  text = mosaic_lowered_text(
+    num_splits=3, key_value_seq_lengths=np.array([150, 200])
+  )
+  assert text.count("custom_call @mosaic_gpu") == 3
+
+
+def test_the_bias_gradient_is_the_triton_paths():
+  """d(bias) is the dQ kernel's dS tile (zero on the blocks it skips),
+  summed over the batch the bias broadcasts across: the Triton path's
+  to a rounding, under causal masking and a dense mask."""
+  rng = np.random.default_rng(5)
+  q, k, v, d_out = (
+    jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    for s in ((2, 70, 2, 64), (2, 100, 1, 64), (2, 100, 1, 64), (2, 70, 2, 64))
+  )
+  bias = jnp.asarray(rng.standard_normal((1, 2, 70, 100)), jnp.float32)
+  mask = rng.random((2, 1, 70, 100)) < 0.7
+
+  def d_bias(implementation):
+    def loss(bias):
+      out = sa.attention(
+        q, k, v, implementation=implementation, precision="bf16-fa2",
+        bias=bias, mask=mask, causal=True,
+      )  # fmt: skip
+      return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
+
+    return np.asarray(jax.grad(loss)(bias), np.float64)
+
+  ours, triton = d_bias("mosaic_gpu"), d_bias("pallas")
+  assert np.all(np.isfinite(ours))
+  # Zero exactly where no pair of either example attends (above the
+  # diagonal, or masked in both), nonzero elsewhere.
+  attends = np.tril(np.ones((70, 100), bool)) & mask.any(axis=0)[0]
+  assert np.all(ours[0][:, ~attends] == 0)
+  assert np.mean(ours[0][:, attends] != 0) > 0.99
+  np.testing.assert_allclose(ours, triton, atol=2e-3 * np.abs(triton).max())
+
+
+@pytest.mark.slow
+def test_nan_in_keys_the_dense_mask_hides_never_reaches_a_result():
+  """Keys no query may attend (the mask hides the last ten) hold NaN: P
+  is 0 there, and the kernel never multiplies 0 by them."""
+  case = CASES["bias-mask"]
+  (q, k, v, _), features = _inputs(case)
+  mask = np.array(features["mask"])
+  mask[..., 100:] = False
+  features = {**features, "mask": mask}
+
+  def out(k, v):
+    return np.asarray(
+      sa.attention(
+        q, k, v, implementation="mosaic_gpu", precision=case[0], **features
+      ),
+      np.float64,
+    )
+
+  clean = out(k, v)
+  poisoned = out(k.at[:, 100:].set(jnp.nan), v.at[:, 100:].set(jnp.nan))
+  assert np.all(np.isfinite(clean))
+  np.testing.assert_array_equal(poisoned, clean)

@@ -1,0 +1,169 @@
+"""The Hopper path's FlashAttention-3 forms (`Options.hopper_form`):
+each lowers for sm_90; in interpret mode a form runs bit for bit with
+the interpreter's where jax's GPU interpreter can run it, and is refused
+naming what it lacks where not. And why FP8 is refused there: wgmma's
+e4m3 operands must be K-major."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mosaic_lowered_text
+
+import stableattn as sa
+from stableattn.contract.options import HOPPER_SWITCHES
+from stableattn.contract.options import hopper_switches as switches
+from stableattn.experiments import hopper_check
+from stableattn.harness.cuda_lowering import lowered_for_cuda
+from stableattn.kernels import mosaic_attention
+
+CASES = hopper_check.CASES
+_inputs = hopper_check.inputs
+
+
+@pytest.mark.parametrize(
+  "form",
+  [
+    "warp_specialized",
+    "k_as_stored",
+    "p_in_registers",
+    "accumulate_in_place",
+    "fa3",
+  ],
+)
+def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
+  form,
+):
+  """Each switch of FlashAttention-3's form (and all of them) builds the
+  forward for CUDA beside the unchanged backward. In interpret mode a
+  form the installed jax's interpreter runs equals the interpreter form
+  bit for bit; any other is refused in one line naming what it lacks."""
+  text = mosaic_lowered_text(causal=True, hopper_form=form)
+  assert text.count("custom_call @mosaic_gpu") == 3
+  case = CASES["causal-gqa"]
+  (q, k, v, _), features = _inputs(case)
+
+  def out(form):
+    return sa.attention(
+      q, k, v, implementation="mosaic_gpu", precision=case[0],
+      hopper_form=form, **features,
+    )  # fmt: skip
+
+  lacking = set(switches(form)) & set(mosaic_attention.interpreter_lacks())
+  if lacking:
+    with pytest.raises(ValueError, match=r"hopper_form=.*GPU interpreter"):
+      out(form)
+  else:
+    np.testing.assert_array_equal(out(form), out("interpreter"))
+
+
+def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths():
+  """FlashAttention-3's producer and consumer (a copy warpgroup filling
+  the K/V ring, slots released by barriers the compute warpgroup arrives
+  at) on both examples' key lengths: no race under the interpreter's
+  detector, and the interpreter form's values and gradients bit for
+  bit."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  case = CASES["key-lengths-d48"]
+  assert _inputs(case)[0][1].shape[0] == 2
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  ours = hopper_check.value_and_grads(
+    "mosaic_gpu", case, hopper_form="warp_specialized"
+  )
+  assert gpu_callbacks.get_races().races_found is False
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  for a, b in zip(ours, hopper_check.value_and_grads("mosaic_gpu", case)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_forms_differ_in_their_lowered_kernels():
+  """The switches change the program: each form's forward module differs
+  from the interpreter form's."""
+  base = mosaic_lowered_text(causal=True)
+  for form in HOPPER_SWITCHES:
+    assert mosaic_lowered_text(causal=True, hopper_form=form) != base, form
+
+
+def test_hopper_form_is_checked_and_belongs_to_the_hopper_path():
+  with pytest.raises(ValueError, match=r"unknown \['p_in_smem'\]; valid"):
+    sa.Options(hopper_form="p_in_smem")
+  assert sa.Options(hopper_form="p_in_registers+k_as_stored").hopper_form == (
+    "k_as_stored+p_in_registers"
+  )
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"the Hopper path's option"):
+    sa.attention(q, q, q, implementation="pallas", hopper_form="fa3")
+
+
+def _fp8_wgmma(b_transposed: bool, interpret: bool):
+  """One 64x64x64 wgmma of e4m3 operands, B as stored or read through a
+  transposed view: lowered for CUDA, or run in interpret mode."""
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from stableattn.kernels.mosaic_support import smem_tile
+
+  dtype = jnp.float8_e4m3fn
+  tile = plgpu.SMEM(
+    (64, 64),
+    dtype,
+    transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64)),
+  )
+
+  def body(a_ref, b_ref, o_ref, a_smem, b_smem, o_smem, bar):
+    for src, dst in ((a_ref, a_smem), (b_ref, b_smem)):
+      plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
+      plgpu.barrier_wait(bar.at[0])
+    b = plgpu.transpose_ref(b_smem, (1, 0)) if b_transposed else b_smem
+
+    def product(acc_ref):
+      plgpu.wgmma(acc_ref, a_smem, b)
+      return acc_ref[...]
+
+    o_smem[...] = pl.run_scoped(product, plgpu.ACC((64, 64), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    scratch_types=[
+      tile,
+      tile,
+      smem_tile((64, 64), jnp.float32),
+      plgpu.Barrier(num_barriers=1),
+    ],
+    interpret=InterpretGPUParams() if interpret else False,
+  )
+  x = jax.ShapeDtypeStruct((64, 64), dtype)
+  if interpret:
+    return kernel(jnp.ones((64, 64), dtype), jnp.ones((64, 64), dtype))
+  return lowered_for_cuda(kernel, x, x)
+
+
+def test_fp8_wgmma_needs_k_major_operands_the_interpreter_cannot_read():
+  """Why the FP8 presets are refused here (docs/performance.md): wgmma
+  takes e4m3 operands K-major only, so K and V would be read through
+  transposed views, which lower for sm_90 but which jax 0.10's GPU
+  interpreter cannot run (jax 0.11's can). A jax that changes either
+  fails this test."""
+  with pytest.raises(ValueError, match="Only f16 WGMMA supports transposes"):
+    _fp8_wgmma(b_transposed=False, interpret=False)
+  assert (
+    "mosaic_gpu" in _fp8_wgmma(b_transposed=True, interpret=False).as_text()
+  )
+  if jax.__version_info__ < (0, 11):
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    try:
+      with pytest.raises(Exception, match="'TransposeTransform' object has"):
+        _fp8_wgmma(b_transposed=True, interpret=True)
+    finally:
+      # A kernel that raised mid-interpretation leaves its barriers
+      # allocated: the next interpreted kernel would fail on them.
+      gpu_callbacks.reset_gpu_interpret_mode_state()
+  else:  # jax 0.11's interpreter reads the view: 64 ones summed, exactly
+    np.testing.assert_array_equal(_fp8_wgmma(True, interpret=True), 64.0)
