@@ -87,6 +87,43 @@ def test_price_points_measure_the_16_bit_pairs_by_length_then_fp32():
   assert [p[2:4] for p in points[-4:]] == [(2048, "fp32")] * 4
 
 
+def _check_hopper_rows(path):
+  """The hopper stage's rows off a GPU: our path timed in both modes, the
+  GPU-only peers as error rows, every FlashAttention-3 form and every
+  feature accounted for."""
+  hopper = [json.loads(x) for x in path.read_text().splitlines()]
+  timed = {(r["implementation"], r["mode"]) for r in hopper if "median_ms" in r}
+  assert {("mosaic_gpu", m) for m in gpu_stages.MODES} <= timed
+  # Off a GPU these cannot run: each is an error row, not a missing one.
+  failed = {r["implementation"] for r in hopper if "error" in r}
+  assert {"cudnn", "jax_mgpu"} <= failed
+  # FlashAttention-3's forms: interpret mode refuses those its
+  # interpreter cannot run, naming what it lacks, and times the others.
+  forms = [r for r in hopper if r["implementation"].startswith("mosaic_gpu ")]
+  assert {r["implementation"] for r in forms} == {
+    f"mosaic_gpu {f}" for f in ("fa3", *HOPPER_SWITCHES)
+  }
+  lacks = mosaic_attention.interpreter_lacks()
+  for r in forms:
+    form = r["implementation"].split(" ", 1)[1]
+    if set(hopper_switches(form)) & set(lacks):
+      assert "GPU interpreter" in r["error"], r
+    else:  # the warp-specialized forward runs in interpret mode
+      assert "median_ms" in r, r
+  # Every feature on both of our paths, in both modes.
+  featured = {
+    (r["feature"], r["implementation"], r["mode"])
+    for r in hopper
+    if "feature" in r and "median_ms" in r
+  }
+  assert featured == {
+    (f, name, m)
+    for f in hopper_stage.HOPPER_FEATURES
+    for name in ("mosaic_gpu", "pallas")
+    for m in gpu_stages.MODES
+  }
+
+
 @pytest.mark.slow
 def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
   record = tmp_path / "record"
@@ -124,39 +161,7 @@ def test_every_stage_of_the_session_runs_on_the_cpu_path(tmp_path):
     json.loads(x) for x in (record / "levers.jsonl").read_text().splitlines()
   ]
   assert {r["lever"] for r in levers} >= {"default", "causal", "jax_mha"}
-  hopper = [
-    json.loads(x) for x in (record / "hopper.jsonl").read_text().splitlines()
-  ]
-  timed = {(r["implementation"], r["mode"]) for r in hopper if "median_ms" in r}
-  assert {("mosaic_gpu", m) for m in gpu_stages.MODES} <= timed
-  # Off a GPU these cannot run: each is an error row, not a missing one.
-  failed = {r["implementation"] for r in hopper if "error" in r}
-  assert {"cudnn", "jax_mgpu"} <= failed
-  # FlashAttention-3's forms: interpret mode refuses those its
-  # interpreter cannot run, naming what it lacks, and times the others.
-  forms = [r for r in hopper if r["implementation"].startswith("mosaic_gpu ")]
-  assert {r["implementation"] for r in forms} == {
-    f"mosaic_gpu {f}" for f in ("fa3", *HOPPER_SWITCHES)
-  }
-  lacks = mosaic_attention.interpreter_lacks()
-  for r in forms:
-    form = r["implementation"].split(" ", 1)[1]
-    if set(hopper_switches(form)) & set(lacks):
-      assert "GPU interpreter" in r["error"], r
-    else:  # the warp-specialized forward runs in interpret mode
-      assert "median_ms" in r, r
-  # Every feature on both of our paths, in both modes.
-  featured = {
-    (r["feature"], r["implementation"], r["mode"])
-    for r in hopper
-    if "feature" in r and "median_ms" in r
-  }
-  assert featured == {
-    (f, name, m)
-    for f in hopper_stage.HOPPER_FEATURES
-    for name in ("mosaic_gpu", "pallas")
-    for m in gpu_stages.MODES
-  }
+  _check_hopper_rows(record / "hopper.jsonl")
   for name in ("xla", "mosaic_gpu", "pallas_stable_fp32", "pallas_stable_bf16"):
     rows = (record / "audit" / f"{name}.jsonl").read_text().splitlines()
     regimes = {json.loads(r).get("regime") for r in rows}
