@@ -31,6 +31,8 @@ CASES = {
   "fp16-causal-d128": ("fp16-fa2", 100, 100, 2, 1, 128, {"causal": True}),
   "exp2": ("bf16-fa2+exp2=on", 96, 96, 2, 2, 64, {}),
   "rounded-sum": ("bf16-fa2+softmax_sum=rounded_probs", 96, 96, 2, 2, 64, {}),
+  # The smallest head dim: 16 columns padded to wgmma's 64.
+  "causal-d16": ("bf16-fa2", 70, 90, 2, 1, 16, {"causal": True}),
   "key-lengths-d48": (
     "bf16-fa2", 96, 96, 2, 2, 48,
     {"key_value_seq_lengths": np.array([50, 96])},
