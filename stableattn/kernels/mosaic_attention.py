@@ -10,10 +10,13 @@ normalized once, at the end; the log-sum-exp in FP32; the softmax in base
 (`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (the
 Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
-causal, GQA, key lengths and segments, a local window, a softcap and a
-sink (with its gradient). Everything else is refused in one line naming
-the stage, feature or option (`refusals`, `tile_refusals`). On a CPU the
-kernels run in jax's GPU interpret mode.
+causal (top-left, or bottom-right with array lengths or each example's
+own), GQA, key lengths and segments, a local window, a softcap, a sink
+and a bias (each with its gradient), a dense mask, and split-KV
+decoding. Everything else is refused in one line naming the stage,
+feature or option (`refusals`, `tile_refusals`). On a CPU the kernels
+run in jax's GPU interpret mode; FlashAttention-3's form of the forward
+is behind `Options.hopper_form`'s switches.
 """
 
 from __future__ import annotations
