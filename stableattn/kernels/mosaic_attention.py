@@ -21,12 +21,10 @@ is behind `Options.hopper_form`'s switches.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from stableattn.contract.masking import (
   MaskOperands,
@@ -35,7 +33,6 @@ from stableattn.contract.masking import (
   without_unattended_keys,
 )
 from stableattn.contract.options import hopper_switches
-from stableattn.contract.tiling import round_up
 from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
   bias_gradient,
@@ -47,14 +44,18 @@ from stableattn.kernels.flash_attention import (
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_backward import mosaic_backward
 from stableattn.kernels.mosaic_forward import (
-  input_names,
   mosaic_forward,
   output_names,
 )
+from stableattn.kernels.mosaic_plan import (
+  key_block,
+  padded,
+  plan_of,
+  range_rows,
+  tiled_config,
+)
 from stableattn.kernels.mosaic_support import (
-  HEAD_DIM_MULTIPLE,
   ROWS,
-  MosaicPlan,
 )
 from stableattn.kernels.split_merge import merge_splits
 from stableattn.numerics.rounding import PolicyArithmetic
@@ -168,10 +169,10 @@ def refusals(cfg: KernelConfig) -> list[str]:
       if switch in lacks
     ]
   split_size = cfg.options.split_size
-  if split_size is not None and split_size % _block_k(cfg):
+  if split_size is not None and split_size % key_block(cfg):
     why.append(
       f"split_size={split_size}: a multiple of this path's key block "
-      f"({_block_k(cfg)})"
+      f"({key_block(cfg)})"
     )
   if cfg.blocks_per_split is not None and (
     policy.delta_source == "hi_lo" or policy.softmax_residuals == "max_sum"
@@ -225,109 +226,6 @@ def check_supported(cfg: KernelConfig) -> None:
     )
 
 
-def _block_k(cfg: KernelConfig) -> int:
-  return 128 if cfg.options.block_k >= 128 else 64
-
-
-def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
-  """Split-KV's key blocks per split at this path's key block (as
-  `KernelConfig.blocks_per_split` at the Triton path's)."""
-  options = cfg.options
-  if options.split_size is not None:
-    return max(options.split_size // block_k, 1)
-  if options.num_splits is not None:
-    blocks = round_up(cfg.kv_len, block_k) // block_k
-    return -(-blocks // options.num_splits)
-  return None
-
-
-def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
-  block_k = _block_k(cfg)
-  policy = cfg.policy
-  return MosaicPlan(
-    kv_len=cfg.kv_len,
-    q_len_padded=round_up(cfg.q_len, ROWS),
-    kv_len_padded=round_up(cfg.kv_len, block_k),
-    head_dim=round_up(cfg.head_dim, HEAD_DIM_MULTIPLE),
-    value_dim=round_up(cfg.value_dim, HEAD_DIM_MULTIPLE),
-    group=group,
-    block_k=block_k,
-    scale=cfg.mask.scale,
-    exp2=policy.exp2,
-    rounded_sum=policy.softmax_sum == "rounded_probs",
-    o_lo=policy.delta_source == "hi_lo",
-    max_sum=policy.softmax_residuals == "max_sum",
-    ds_hi_lo=policy.ds_for_dq == "hi_lo",
-    operand_dtype=np.dtype(policy.dtype("matmul_operands")),
-    output_dtype=np.dtype(policy.dtype("output")),
-    causal=cfg.mask.causal,
-    key_offset=cfg.mask.key_offset,
-    token_ids=cfg.mask.token_ids,
-    interpret=bool(cfg.interpret),
-    window=cfg.mask.window,
-    softcap=cfg.mask.softcap,
-    sink=cfg.mask.sink,
-    key_positions=cfg.mask.key_positions,
-    additive=_additive_broadcast(cfg.mask),
-    bias_grad=cfg.mask.bias is not None,
-    blocks_per_split=_blocks_per_split(cfg, block_k),
-    partials_dtype=np.dtype(policy.dtype("partials")),
-    switches=hopper_switches(cfg.options.hopper_form),
-  )
-
-
-def _additive_broadcast(spec) -> tuple[bool, bool] | None:
-  """(per example, per head) of the bias and dense mask together."""
-  shapes = [s for s in (spec.bias, spec.dense_mask) if s is not None]
-  if not shapes:
-    return None
-  return tuple(any(s[axis] for s in shapes) for axis in (0, 1))
-
-
-def tiled_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
-  """`cfg` at this path's tiles: its padded lengths are the plan's, so
-  the Triton path's padding of the feature operands and its delta kernel
-  serve this path too."""
-  options = dataclasses.replace(
-    cfg.options,
-    block_q=ROWS,
-    block_k=plan.block_k,
-    bwd_block_q=ROWS,
-    bwd_block_k=plan.block_k,
-  )
-  return dataclasses.replace(cfg, options=options)
-
-
-def _additive(ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
-  """The bias plus -inf where the dense mask blocks, FP32, at the padded
-  lengths (padded pairs are masked by index), or None without either."""
-  if plan.additive is None:
-    return None
-  blocks = None if ops.mask is None else ops.mask == 0
-  added = 0.0 if ops.bias is None else ops.bias.astype(jnp.float32)
-  if blocks is not None:
-    added = jnp.where(blocks, -jnp.inf, added)
-  pad = [(0, 0), (0, 0), (0, plan.q_len_padded - cfg.q_len)]
-  return jnp.pad(added, [*pad, (0, plan.kv_len_padded - cfg.kv_len)])
-
-
-def _padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
-  """Padded q, k, v and {name: operand} of `input_names`."""
-  tq, tk = plan.q_len_padded, plan.kv_len_padded
-  q_p = pad_to(q, tq, plan.head_dim)
-  k_p = pad_to(k, tk, plan.head_dim)
-  v_p = pad_to(v, tk, plan.value_dim)
-  ops_p = pad_operands(ops, tiled_config(cfg, plan))
-  features = dict(
-    q_ids=ops_p.q_ids,
-    kv_ids=ops_p.kv_ids,
-    kv_pos=ops_p.kv_pos,
-    additive=_additive(ops, cfg, plan),
-    sink=None if ops_p.sink is None else ops_p.sink.astype(jnp.float32),
-  )
-  return q_p, k_p, v_p, {n: features[n] for n in input_names(plan)}
-
-
 def _forward(q, k, v, ops, cfg: KernelConfig):
   plan = plan_of(cfg, q.shape[2] // k.shape[2])
   if plan.token_ids:
@@ -335,7 +233,7 @@ def _forward(q, k, v, ops, cfg: KernelConfig):
     k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
   if ops.mask is not None:
     k, v = without_unattended_keys(keys_some_query_attends(ops.mask != 0), k, v)
-  q_p, k_p, v_p, features = _padded(q, k, v, ops, cfg, plan)
+  q_p, k_p, v_p, features = padded(q, k, v, ops, cfg, plan)
   k_read = k_p if plan.k_as_stored else jnp.transpose(k_p, (0, 2, 3, 1))
   out_p, lse, *kept = mosaic_forward(
     q_p, k_read, v_p, tuple(features.values()), plan
@@ -389,6 +287,12 @@ def _bwd(cfg: KernelConfig, saved, d_out):
     delta_operands(out_p, extra), d_out_p, tiled_config(cfg, plan)
   )
   stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
+  if plan.block_ranges:
+    ops_p = pad_operands(ops, tiled_config(cfg, plan))
+    features = dict(
+      features,
+      query_ranges=range_rows(ops_p, cfg, plan, q_p.shape[0], ROWS)[1],
+    )
   dq, dk, dv, dbias = mosaic_backward(
     q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, features, plan
   )

@@ -33,6 +33,7 @@ from stableattn.kernels.mosaic_support import (
   causal_block_bounds,
   column_vector,
   query_block_bounds,
+  range_scratch,
   recomputed_probs,
   row_vector,
   smem_tile,
@@ -40,6 +41,7 @@ from stableattn.kernels.mosaic_support import (
   softcapped,
   stats_names,
   tile_values,
+  within_range,
 )
 
 
@@ -99,6 +101,8 @@ def _feature_scratch(plan: MosaicPlan, names, kv_rows: int, additive) -> dict:
     "kv_ids": plgpu.SMEM((kv_rows,), jnp.int32),
     "kv_pos": plgpu.SMEM((kv_rows,), jnp.int32),
     "additive": smem_tile(additive, jnp.float32),
+    "ranges": range_scratch(),
+    "query_ranges": range_scratch(),
   }
   return {n: scratch[n] for n in names}
 
@@ -198,6 +202,14 @@ def _dkdv_kernel(*refs, plan: MosaicPlan, features):
     first, end = query_block_bounds(
       plan, k_start, ROWS, plan.q_len_padded // ROWS
     )
+    if plan.block_ranges:
+      first, end = within_range(
+        (first, end),
+        g["query_ranges"],
+        (batch, lax.div(k_start, jnp.int32(ROWS))),
+        smem["query_ranges"],
+        bar,
+      )
     dk, dv = lax.fori_loop(first, end, step, init)
     smem["dk"][...] = dk
     smem["dv"][...] = dv
@@ -311,6 +323,14 @@ def _dq_kernel(*refs, plan: MosaicPlan, features):
     stats = [row_vector(smem[n], plan.interpret) for n in stats_names(plan)]
     delta = row_vector(smem["delta"], plan.interpret)
     first, _, end = causal_block_bounds(plan, q_start)
+    if plan.block_ranges:
+      first, end = within_range(
+        (first, end),
+        g["ranges"],
+        (batch, lax.div(q_start, jnp.int32(ROWS))),
+        smem["ranges"],
+        bar,
+      )
     if plan.bias_grad:
       _zero_bias_gradient(g, smem, (batch, head, q_start), (first, end), plan)
     at = (batch, head, kv_head, q_start, q_ids, stats, delta)
@@ -353,14 +373,20 @@ def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
   kv_len = k.shape[1]
   qt, dot = (jnp.transpose(x, (0, 2, 3, 1)) for x in (q, d_out))
   kt, vt = (jnp.transpose(x, (0, 2, 3, 1)) for x in (k, v))
-  features = {n: x for n, x in features.items() if n != "sink"}
   f32 = jnp.float32
-  # dK dV work on S^T tiles: the additive tile enters transposed too.
-  transposed = dict(features)
+  # dQ reads the key blocks of its query block ("ranges"), dK dV the
+  # query blocks of its key block ("query_ranges"), on S^T tiles: its
+  # additive tile enters transposed too.
+  transposed = {
+    n: x for n, x in features.items() if n not in ("sink", "ranges")
+  }
+  features = {
+    n: x for n, x in features.items() if n not in ("sink", "query_ranges")
+  }
   if "additive" in features:
     transposed["additive"] = jnp.swapaxes(features["additive"], 2, 3)
   dkdv = plgpu.kernel(
-    functools.partial(_dkdv_kernel, plan=plan, features=tuple(features)),
+    functools.partial(_dkdv_kernel, plan=plan, features=tuple(transposed)),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_len, heads, plan.head_dim), f32),
       jax.ShapeDtypeStruct((batch, kv_len, heads, plan.value_dim), f32),

@@ -50,6 +50,7 @@ from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
   as_rows,
+  range_scratch,
   row_vector,
   smem_tile,
   softcapped,
@@ -269,6 +270,8 @@ def input_names(plan: MosaicPlan) -> tuple[str, ...]:
     names += ("additive",)
   if plan.sink:
     names += ("sink",)
+  if plan.block_ranges:
+    names += ("ranges",)
   return names
 
 
@@ -288,7 +291,9 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     **dict(zip(inputs, refs)),
     **dict(zip(outputs, refs[len(inputs) :])),
   )
-  names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:])
+  # The copy warpgroup reads its block range into a buffer of its own.
+  copy_range = ("ranges_copy",) if plan.block_ranges else ()
+  names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:], *copy_range)
 
   def scoped(*buffers):
     block = ForwardBlock(
@@ -311,6 +316,7 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     "kv_pos": plgpu.SMEM((block_k,), jnp.int32),
     "additive": smem_tile((ROWS, block_k), jnp.float32),
     "sink": plgpu.SMEM((ROWS,), jnp.float32),
+    "ranges": range_scratch(),
   }
   pl.run_scoped(
     scoped,
@@ -327,11 +333,14 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     plgpu.SMEM((ROWS,), jnp.float32),
     *(feature_scratch[name] for name in inputs),
     *_residual_scratch(plan),
+    *(range_scratch() for _ in copy_range),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
     # The compute warpgroup's releases of the ring's slots.
     *((plgpu.Barrier(num_barriers=2),) if plan.warp_specialized else ()),
+    # Each warpgroup's read of its block range.
+    *((plgpu.Barrier(num_barriers=2),) if plan.block_ranges else ()),
     **({"collective_axes": "wg"} if plan.warp_specialized else {}),
   )
 

@@ -22,6 +22,7 @@ from stableattn.kernels.mosaic_support import (
   column_vector,
   row_vector,
   tile_values,
+  within_range,
 )
 
 
@@ -31,7 +32,8 @@ class ForwardBlock(NamedTuple):
   plan: MosaicPlan
   refs: dict  # global memory: q, kt, v, `input_names`, `output_names`
   smem: dict  # shared memory: q, kt, v (two slots), p, o, lse, features
-  bars: tuple  # (q and ids, K^T slots, V slots[, slots released])
+  # (q and ids, K^T slots, V slots[, slots released][, block ranges])
+  bars: tuple
   batch: object
   head: object
   kv_head: object
@@ -115,12 +117,22 @@ def sink_logits(block: ForwardBlock, rows):
   return sink * jnp.float32(block.plan.to_base)
 
 
-def key_blocks(block: ForwardBlock):
+def key_blocks(block: ForwardBlock, warpgroup: int = 0):
   """(first, full, end): the key blocks this thread block visits, those
-  in [first, full) without a mask (`causal_block_bounds`); with split-KV
-  those of its split."""
+  in [first, full) without a mask (`causal_block_bounds`, narrowed to
+  its block range where the plan has them); with split-KV those of its
+  split. `warpgroup` (0: compute, 1: copy) picks its own range buffer."""
   plan = block.plan
   first, full, end = causal_block_bounds(plan, block.q_start)
+  if plan.block_ranges:
+    name = ("ranges", "ranges_copy")[warpgroup]
+    first, full, end = within_range(
+      (first, full, end),
+      block.refs["ranges"],
+      (block.batch, lax.div(block.q_start, jnp.int32(ROWS))),
+      block.smem[name],
+      block.bars[-1].at[warpgroup],
+    )
   if plan.blocks_per_split is not None:
     first = jnp.maximum(first, block.split * plan.blocks_per_split)
     end = jnp.maximum(
@@ -135,7 +147,7 @@ def copy_warpgroup(block: ForwardBlock):
   soon as the compute warpgroup has released the slot's previous block
   (it arrives at the slot's `consumed` barrier after its P V), then waits
   for the last releases, so that no copy outlives the kernel."""
-  first, _, end = key_blocks(block)
+  first, _, end = key_blocks(block, warpgroup=1)
   consumed = block.bars[3]
 
   def issue(step, carry):

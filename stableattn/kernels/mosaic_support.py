@@ -83,6 +83,11 @@ class MosaicPlan:
   # the format each split's output is stored in before the merge.
   blocks_per_split: int | None = None
   partials_dtype: object = None
+  # Block ranges in (`masking.block_ranges`, RANGE_WIDTH int32 per row):
+  # which key blocks a query block visits (forward, dQ) and which query
+  # blocks a key block's (dK dV), from lengths, segments and per-example
+  # positions, which the static bounds cannot see.
+  block_ranges: bool = False
   # FlashAttention-3's form of the forward, switch by switch
   # (`options.HOPPER_SWITCHES`); () is the interpreter's.
   switches: tuple[str, ...] = ()
@@ -232,6 +237,29 @@ def block_mask(
   if q_ids is not None:
     allowed = allowed & (place_q(q_ids, shape) == place_k(kv_ids, shape))
   return allowed
+
+
+# A block range's row: (first, end) padded to the 128 bytes one
+# warpgroup's TMA copy moves at least.
+RANGE_WIDTH = 32
+
+
+def range_scratch():
+  return plgpu.SMEM((RANGE_WIDTH,), jnp.int32)
+
+
+def within_range(bounds, ranges_ref, index, smem, barrier):
+  """`bounds` ((first, end) or (first, full, end)) narrowed to the block
+  range at `index` of `ranges_ref` (global memory), read by TMA into
+  `smem`; every block outside it has no attending pair."""
+  plgpu.copy_gmem_to_smem(ranges_ref.at[index], smem, barrier)
+  plgpu.barrier_wait(barrier)
+  lo, hi = smem[0], smem[1]
+  first = jnp.maximum(bounds[0], lo)
+  end = jnp.maximum(jnp.minimum(bounds[-1], hi), first)
+  if len(bounds) == 2:
+    return first, end
+  return first, jnp.clip(bounds[1], first, end), end
 
 
 def stats_names(plan: MosaicPlan) -> tuple[str, ...]:

@@ -1,0 +1,160 @@
+"""The Hopper path's plan of one call (`MosaicPlan` from a kernel
+configuration) and its operands at the plan's padded sizes: q, k, v,
+the feature operands the kernels read, the additive tile of a bias and a
+dense mask, and the block ranges of lengths, segments and per-example
+positions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from stableattn.contract.masking import MaskOperands, block_ranges
+from stableattn.contract.options import hopper_switches
+from stableattn.contract.tiling import round_up
+from stableattn.kernels.flash_attention import pad_operands, pad_to
+from stableattn.kernels.kernel_config import KernelConfig
+from stableattn.kernels.mosaic_forward import input_names
+from stableattn.kernels.mosaic_support import (
+  HEAD_DIM_MULTIPLE,
+  RANGE_WIDTH,
+  ROWS,
+  MosaicPlan,
+)
+
+
+def key_block(cfg: KernelConfig) -> int:
+  """This path's key block: 128 where the options ask for 128 or more
+  keys, else 64."""
+  return 128 if cfg.options.block_k >= 128 else 64
+
+
+def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
+  """Split-KV's key blocks per split at this path's key block (as
+  `KernelConfig.blocks_per_split` at the Triton path's)."""
+  options = cfg.options
+  if options.split_size is not None:
+    return max(options.split_size // block_k, 1)
+  if options.num_splits is not None:
+    blocks = round_up(cfg.kv_len, block_k) // block_k
+    return -(-blocks // options.num_splits)
+  return None
+
+
+def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
+  block_k = key_block(cfg)
+  policy = cfg.policy
+  return MosaicPlan(
+    kv_len=cfg.kv_len,
+    q_len_padded=round_up(cfg.q_len, ROWS),
+    kv_len_padded=round_up(cfg.kv_len, block_k),
+    head_dim=round_up(cfg.head_dim, HEAD_DIM_MULTIPLE),
+    value_dim=round_up(cfg.value_dim, HEAD_DIM_MULTIPLE),
+    group=group,
+    block_k=block_k,
+    scale=cfg.mask.scale,
+    exp2=policy.exp2,
+    rounded_sum=policy.softmax_sum == "rounded_probs",
+    o_lo=policy.delta_source == "hi_lo",
+    max_sum=policy.softmax_residuals == "max_sum",
+    ds_hi_lo=policy.ds_for_dq == "hi_lo",
+    operand_dtype=np.dtype(policy.dtype("matmul_operands")),
+    output_dtype=np.dtype(policy.dtype("output")),
+    causal=cfg.mask.causal,
+    key_offset=cfg.mask.key_offset,
+    token_ids=cfg.mask.token_ids,
+    interpret=bool(cfg.interpret),
+    window=cfg.mask.window,
+    softcap=cfg.mask.softcap,
+    sink=cfg.mask.sink,
+    key_positions=cfg.mask.key_positions,
+    additive=_additive_broadcast(cfg.mask),
+    bias_grad=cfg.mask.bias is not None,
+    blocks_per_split=_blocks_per_split(cfg, block_k),
+    partials_dtype=np.dtype(policy.dtype("partials")),
+    switches=hopper_switches(cfg.options.hopper_form),
+    # Lengths, segments and per-example positions skip blocks by range;
+    # not in the warp-specialized forward, whose two warpgroups reading
+    # their ranges hung jax 0.10.2's interpreter (docs/performance.md).
+    block_ranges=(cfg.mask.token_ids or cfg.mask.key_positions)
+    and "warp_specialized" not in hopper_switches(cfg.options.hopper_form),
+  )
+
+
+def _additive_broadcast(spec) -> tuple[bool, bool] | None:
+  """(per example, per head) of the bias and dense mask together."""
+  shapes = [s for s in (spec.bias, spec.dense_mask) if s is not None]
+  if not shapes:
+    return None
+  return tuple(any(s[axis] for s in shapes) for axis in (0, 1))
+
+
+def tiled_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
+  """`cfg` at this path's tiles: its padded lengths are the plan's, so
+  the Triton path's padding of the feature operands and its delta kernel
+  serve this path too."""
+  options = dataclasses.replace(
+    cfg.options,
+    block_q=ROWS,
+    block_k=plan.block_k,
+    bwd_block_q=ROWS,
+    bwd_block_k=plan.block_k,
+  )
+  return dataclasses.replace(cfg, options=options)
+
+
+def additive_tile(ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
+  """The bias plus -inf where the dense mask blocks, FP32, at the padded
+  lengths (padded pairs are masked by index), or None without either."""
+  if plan.additive is None:
+    return None
+  blocks = None if ops.mask is None else ops.mask == 0
+  added = 0.0 if ops.bias is None else ops.bias.astype(jnp.float32)
+  if blocks is not None:
+    added = jnp.where(blocks, -jnp.inf, added)
+  pad = [(0, 0), (0, 0), (0, plan.q_len_padded - cfg.q_len)]
+  return jnp.pad(added, [*pad, (0, plan.kv_len_padded - cfg.kv_len)])
+
+
+def range_rows(ops_p: MaskOperands, cfg, plan: MosaicPlan, batch, keys: int):
+  """(key blocks per 64-row query block, query blocks per key block of
+  `keys` keys) from `masking.block_ranges` over the padded
+  operands, each [batch, blocks, RANGE_WIDTH] int32 (first, end, 0...)."""
+  key_blocks, query_blocks = block_ranges(
+    cfg.mask,
+    ops_p,
+    q_len_padded=plan.q_len_padded,
+    kv_len_padded=plan.kv_len_padded,
+    kv_len=cfg.kv_len,
+    bq=ROWS,
+    bk=keys,
+  )
+
+  def rows(r):
+    r = jnp.broadcast_to(r, (batch, *r.shape[1:]))
+    return jnp.pad(r, ((0, 0), (0, 0), (0, RANGE_WIDTH - 2)))
+
+  return rows(key_blocks), rows(query_blocks)
+
+
+def padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
+  """Padded q, k, v and {name: operand} of `input_names`."""
+  tq, tk = plan.q_len_padded, plan.kv_len_padded
+  q_p = pad_to(q, tq, plan.head_dim)
+  k_p = pad_to(k, tk, plan.head_dim)
+  v_p = pad_to(v, tk, plan.value_dim)
+  ops_p = pad_operands(ops, tiled_config(cfg, plan))
+  features = dict(
+    q_ids=ops_p.q_ids,
+    kv_ids=ops_p.kv_ids,
+    kv_pos=ops_p.kv_pos,
+    additive=additive_tile(ops, cfg, plan),
+    sink=None if ops_p.sink is None else ops_p.sink.astype(jnp.float32),
+  )
+  if plan.block_ranges:
+    features["ranges"] = range_rows(ops_p, cfg, plan, q.shape[0], plan.block_k)[
+      0
+    ]
+  return q_p, k_p, v_p, {n: features[n] for n in input_names(plan)}
