@@ -115,6 +115,17 @@ def _added(g, smem, s, index, plan: MosaicPlan):
   return s + tile_values(smem["additive"], plan.interpret)
 
 
+def _narrowed(bounds, g, smem, name: str, start):
+  """(first, end) narrowed to this block's range in `name` ("ranges":
+  key blocks of a query block; "query_ranges": query blocks of a key
+  block), where the plan reads ranges; `start` is the block's first
+  row."""
+  if name not in g:
+    return bounds
+  index = (lax.axis_index("batch"), lax.div(start, jnp.int32(ROWS)))
+  return within_range(bounds, g[name], index, smem[name], smem["bar"].at[0])
+
+
 def _row_scratch(plan: MosaicPlan) -> dict:
   """Shared memory for the softmax residuals' and delta's row vectors."""
   names = (*stats_names(plan), "delta")
@@ -202,14 +213,7 @@ def _dkdv_kernel(*refs, plan: MosaicPlan, features):
     first, end = query_block_bounds(
       plan, k_start, ROWS, plan.q_len_padded // ROWS
     )
-    if plan.block_ranges:
-      first, end = within_range(
-        (first, end),
-        g["query_ranges"],
-        (batch, lax.div(k_start, jnp.int32(ROWS))),
-        smem["query_ranges"],
-        bar,
-      )
+    first, end = _narrowed((first, end), g, smem, "query_ranges", k_start)
     dk, dv = lax.fori_loop(first, end, step, init)
     smem["dk"][...] = dk
     smem["dv"][...] = dv
@@ -323,14 +327,7 @@ def _dq_kernel(*refs, plan: MosaicPlan, features):
     stats = [row_vector(smem[n], plan.interpret) for n in stats_names(plan)]
     delta = row_vector(smem["delta"], plan.interpret)
     first, _, end = causal_block_bounds(plan, q_start)
-    if plan.block_ranges:
-      first, end = within_range(
-        (first, end),
-        g["ranges"],
-        (batch, lax.div(q_start, jnp.int32(ROWS))),
-        smem["ranges"],
-        bar,
-      )
+    first, end = _narrowed((first, end), g, smem, "ranges", q_start)
     if plan.bias_grad:
       _zero_bias_gradient(g, smem, (batch, head, q_start), (first, end), plan)
     at = (batch, head, kv_head, q_start, q_ids, stats, delta)
