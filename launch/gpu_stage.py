@@ -36,6 +36,16 @@ flags.DEFINE_list(
 flags.mark_flags_as_required(["stage", "out"])
 
 
+def _append_points(out, label: str, points, rows_of, sizes) -> None:
+  """Measures each point's rows and appends them as they come, so that a
+  stage cut off at its limit keeps what it measured."""
+  for point in points:
+    started = time.time()
+    rows = rows_of(sizes, *point)
+    gpu_stages.append_rows(out, rows)
+    print(f"{label} {point}: {len(rows)} rows in {time.time() - started:.1f} s")
+
+
 def main(argv):
   del argv
   f = flags.FLAGS
@@ -49,30 +59,17 @@ def main(argv):
       p for p in gpu_stages.STABLE_PAIRS if not f.bases or p[0] in f.bases
     ]
     modes = tuple(f.modes or gpu_stages.MODES)
-    for point in gpu_stages.price_points(sizes, pairs, modes):
-      started = time.time()
-      rows = gpu_stages.price_rows(sizes, *point)
-      gpu_stages.append_rows(out, rows)
-      print(f"price {point}: {len(rows)} rows in {time.time() - started:.1f} s")
+    points = gpu_stages.price_points(sizes, pairs, modes)
+    _append_points(out, "price", points, gpu_stages.price_rows, sizes)
   elif f.stage == "hopper":
     modes = tuple(f.modes or gpu_stages.MODES)
-    for point in hopper_stage.hopper_points(sizes, modes):
-      started = time.time()
-      rows = hopper_stage.hopper_rows(sizes, *point)
-      gpu_stages.append_rows(out, rows)
-      print(
-        f"hopper {point}: {len(rows)} rows in {time.time() - started:.1f} s"
-      )
+    points = hopper_stage.hopper_points(sizes, modes)
+    _append_points(out, "hopper", points, hopper_stage.hopper_rows, sizes)
     # Then each feature at the goals' length (after every length's core
     # comparison: a stage cut off keeps those).
-    for point in hopper_stage.hopper_feature_points(sizes, modes):
-      started = time.time()
-      rows = hopper_stage.hopper_feature_rows(sizes, *point)
-      gpu_stages.append_rows(out, rows)
-      print(
-        f"hopper feature {point}: {len(rows)} rows in "
-        f"{time.time() - started:.1f} s"
-      )
+    points = hopper_stage.hopper_feature_points(sizes, modes)
+    rows_of = hopper_stage.hopper_feature_rows
+    _append_points(out, "hopper feature", points, rows_of, sizes)
   elif f.stage == "levers":
     rows = gpu_stages.lever_rows(sizes, f.small)
     gpu_stages.append_rows(out, rows)

@@ -149,7 +149,7 @@ def test_lengths_and_segments_skip_key_blocks_by_range():
   plan = mp.plan_of(cfg, 1)
   assert plan.block_ranges
   ops_p = pad_operands(ops, mp.tiled_config(cfg, plan))
-  key_blocks, query_blocks = mp.range_rows(ops_p, cfg, plan, 1, 64)
+  key_blocks, query_blocks = mp.range_rows(ops_p, cfg, plan, 1)
   diagonal = [[[0, 1], [1, 2], [2, 3]]]
   np.testing.assert_array_equal(key_blocks[..., :2], diagonal)
   np.testing.assert_array_equal(query_blocks[..., :2], diagonal)

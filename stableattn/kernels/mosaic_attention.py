@@ -36,7 +36,6 @@ from stableattn.contract.options import hopper_switches
 from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
   bias_gradient,
-  pad_operands,
   pad_to,
   sink_gradient,
   zero_cotangent,
@@ -44,6 +43,7 @@ from stableattn.kernels.flash_attention import (
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_backward import mosaic_backward
 from stableattn.kernels.mosaic_forward import (
+  input_names,
   mosaic_forward,
   output_names,
 )
@@ -51,7 +51,6 @@ from stableattn.kernels.mosaic_plan import (
   key_block,
   padded,
   plan_of,
-  range_rows,
   tiled_config,
 )
 from stableattn.kernels.mosaic_support import (
@@ -235,9 +234,8 @@ def _forward(q, k, v, ops, cfg: KernelConfig):
     k, v = without_unattended_keys(keys_some_query_attends(ops.mask != 0), k, v)
   q_p, k_p, v_p, features = padded(q, k, v, ops, cfg, plan)
   k_read = k_p if plan.k_as_stored else jnp.transpose(k_p, (0, 2, 3, 1))
-  out_p, lse, *kept = mosaic_forward(
-    q_p, k_read, v_p, tuple(features.values()), plan
-  )
+  inputs = tuple(features[name] for name in input_names(plan))
+  out_p, lse, *kept = mosaic_forward(q_p, k_read, v_p, inputs, plan)
   extra = dict(zip(output_names(plan)[2:], kept))
   if plan.blocks_per_split is not None:
     out_p, lse = merge_splits(out_p, lse, cfg)
@@ -287,12 +285,6 @@ def _bwd(cfg: KernelConfig, saved, d_out):
     delta_operands(out_p, extra), d_out_p, tiled_config(cfg, plan)
   )
   stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
-  if plan.block_ranges:
-    ops_p = pad_operands(ops, tiled_config(cfg, plan))
-    features = dict(
-      features,
-      query_ranges=range_rows(ops_p, cfg, plan, q_p.shape[0], ROWS)[1],
-    )
   dq, dk, dv, dbias = mosaic_backward(
     q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, features, plan
   )

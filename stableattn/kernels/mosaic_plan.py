@@ -11,10 +11,14 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.contract.masking import MaskOperands, block_ranges
+from stableattn.contract.masking import MaskOperands
 from stableattn.contract.options import hopper_switches
 from stableattn.contract.tiling import round_up
-from stableattn.kernels.flash_attention import pad_operands, pad_to
+from stableattn.kernels.flash_attention import (
+  pad_operands,
+  pad_to,
+  tile_ranges,
+)
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_forward import input_names
 from stableattn.kernels.mosaic_support import (
@@ -118,19 +122,15 @@ def additive_tile(ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
   return jnp.pad(added, [*pad, (0, plan.kv_len_padded - cfg.kv_len)])
 
 
-def range_rows(ops_p: MaskOperands, cfg, plan: MosaicPlan, batch, keys: int):
-  """(key blocks per 64-row query block, query blocks per key block of
-  `keys` keys) from `masking.block_ranges` over the padded
-  operands, each [batch, blocks, RANGE_WIDTH] int32 (first, end, 0...)."""
-  key_blocks, query_blocks = block_ranges(
-    cfg.mask,
-    ops_p,
-    q_len_padded=plan.q_len_padded,
-    kv_len_padded=plan.kv_len_padded,
-    kv_len=cfg.kv_len,
-    bq=ROWS,
-    bk=keys,
-  )
+def range_rows(ops_p: MaskOperands, cfg: KernelConfig, plan: MosaicPlan, batch):
+  """(key blocks of each 64-row query block, for the forward and dQ;
+  query blocks of each 64-key block, for dK dV), the Triton path's
+  `tile_ranges` at this path's tiles, each [batch, blocks, RANGE_WIDTH]
+  int32 (first, end, then zeros)."""
+  tiled = tiled_config(cfg, plan)
+  key_blocks, query_blocks = tile_ranges(ops_p, tiled, ROWS, plan.block_k)
+  if plan.block_k != ROWS:  # dK dV's key blocks are ROWS keys
+    query_blocks = tile_ranges(ops_p, tiled, ROWS, ROWS)[1]
 
   def rows(r):
     r = jnp.broadcast_to(r, (batch, *r.shape[1:]))
@@ -140,7 +140,8 @@ def range_rows(ops_p: MaskOperands, cfg, plan: MosaicPlan, batch, keys: int):
 
 
 def padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
-  """Padded q, k, v and {name: operand} of `input_names`."""
+  """Padded q, k, v and {name: operand}: the forward's `input_names`,
+  and with block ranges also dK dV's "query_ranges"."""
   tq, tk = plan.q_len_padded, plan.kv_len_padded
   q_p = pad_to(q, tq, plan.head_dim)
   k_p = pad_to(k, tk, plan.head_dim)
@@ -153,8 +154,10 @@ def padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
     additive=additive_tile(ops, cfg, plan),
     sink=None if ops_p.sink is None else ops_p.sink.astype(jnp.float32),
   )
+  names = input_names(plan)
   if plan.block_ranges:
-    features["ranges"] = range_rows(ops_p, cfg, plan, q.shape[0], plan.block_k)[
-      0
-    ]
-  return q_p, k_p, v_p, {n: features[n] for n in input_names(plan)}
+    features["ranges"], features["query_ranges"] = range_rows(
+      ops_p, cfg, plan, q.shape[0]
+    )
+    names += ("query_ranges",)
+  return q_p, k_p, v_p, {n: features[n] for n in names}
