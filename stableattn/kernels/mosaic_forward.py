@@ -291,9 +291,7 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     **dict(zip(inputs, refs)),
     **dict(zip(outputs, refs[len(inputs) :])),
   )
-  # The copy warpgroup reads its block range into a buffer of its own.
-  copy_range = ("ranges_copy",) if plan.block_ranges else ()
-  names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:], *copy_range)
+  names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:])
 
   def scoped(*buffers):
     block = ForwardBlock(
@@ -333,14 +331,13 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     plgpu.SMEM((ROWS,), jnp.float32),
     *(feature_scratch[name] for name in inputs),
     *_residual_scratch(plan),
-    *(range_scratch() for _ in copy_range),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
     # The compute warpgroup's releases of the ring's slots.
     *((plgpu.Barrier(num_barriers=2),) if plan.warp_specialized else ()),
-    # Each warpgroup's read of its block range.
-    *((plgpu.Barrier(num_barriers=2),) if plan.block_ranges else ()),
+    # The read of the block's range.
+    *((plgpu.Barrier(num_barriers=1),) if plan.block_ranges else ()),
     **({"collective_axes": "wg"} if plan.warp_specialized else {}),
   )
 

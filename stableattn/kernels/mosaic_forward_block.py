@@ -117,21 +117,20 @@ def sink_logits(block: ForwardBlock, rows):
   return sink * jnp.float32(block.plan.to_base)
 
 
-def key_blocks(block: ForwardBlock, warpgroup: int = 0):
+def key_blocks(block: ForwardBlock):
   """(first, full, end): the key blocks this thread block visits, those
   in [first, full) without a mask (`causal_block_bounds`, narrowed to
-  its block range where the plan has them); with split-KV those of its
-  split. `warpgroup` (0: compute, 1: copy) picks its own range buffer."""
+  its block range where the plan reads ranges: never with the copy
+  warpgroup); with split-KV those of its split."""
   plan = block.plan
   first, full, end = causal_block_bounds(plan, block.q_start)
   if plan.block_ranges:
-    name = ("ranges", "ranges_copy")[warpgroup]
     first, full, end = within_range(
       (first, full, end),
       block.refs["ranges"],
       (block.batch, lax.div(block.q_start, jnp.int32(ROWS))),
-      block.smem[name],
-      block.bars[-1].at[warpgroup],
+      block.smem["ranges"],
+      block.bars[-1].at[0],
     )
   if plan.blocks_per_split is not None:
     first = jnp.maximum(first, block.split * plan.blocks_per_split)
@@ -147,7 +146,7 @@ def copy_warpgroup(block: ForwardBlock):
   soon as the compute warpgroup has released the slot's previous block
   (it arrives at the slot's `consumed` barrier after its P V), then waits
   for the last releases, so that no copy outlives the kernel."""
-  first, _, end = key_blocks(block, warpgroup=1)
+  first, _, end = key_blocks(block)
   consumed = block.bars[3]
 
   def issue(step, carry):
