@@ -21,6 +21,27 @@ def random_qkv(
   return q, k, v
 
 
+def offset_inputs(
+  seed=0, key_offset=30.0, value_offset=5.0, dtype=None, batch=1
+):
+  """q, k, v [B, 80, 2, 32] / [B, 72, 2, 32] with a shared key and value
+  component of `key_offset` (`value_offset`) x sigma sqrt(d): the geometry
+  of trained models' keys (a massive activation, a sink, per-channel
+  offsets)."""
+  rng = np.random.default_rng(seed)
+  d = 32
+  u = rng.standard_normal(d)
+  u /= np.linalg.norm(u)
+  q = rng.standard_normal((batch, 80, 2, d))
+  k = key_offset * np.sqrt(d) * u + rng.standard_normal((batch, 72, 2, d))
+  v = value_offset * np.sqrt(d) * u + rng.standard_normal((batch, 72, 2, d))
+  if dtype is None:
+    return q, k, v
+  import jax.numpy as jnp
+
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
 def value_and_grads(q, k, v, d_out, **attention_kwargs):
   """`sa.attention` output and its (dq, dk, dv) for cotangent d_out, in f64."""
   import jax

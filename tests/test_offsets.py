@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import offset_inputs
 
 import stableattn as sa
 from stableattn.auditing import offsets
@@ -16,25 +17,10 @@ from stableattn.ops.registry import resolve
 SHAPE = (1, 64, 2, 32)
 
 
-def _offset_inputs(seed=0, key_offset=30.0, value_offset=5.0, dtype=None):
-  """q, k, v [1, 80, 2, 32] / [1, 72, 2, 32] with a shared key and value
-  component of `key_offset` (`value_offset`) x sigma sqrt(d)."""
-  rng = np.random.default_rng(seed)
-  d = 32
-  u = rng.standard_normal(d)
-  u /= np.linalg.norm(u)
-  q = rng.standard_normal((1, 80, 2, d))
-  k = key_offset * np.sqrt(d) * u + rng.standard_normal((1, 72, 2, d))
-  v = value_offset * np.sqrt(d) * u + rng.standard_normal((1, 72, 2, d))
-  if dtype is None:
-    return q, k, v
-  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
 def _errors(precision, center_kv, features=None, dtype=jnp.bfloat16):
   """Mean |error| against FP64 of out, dq, dk, dv of our kernel."""
   features = features or {}
-  q, k, v = _offset_inputs(dtype=dtype)
+  q, k, v = offset_inputs(dtype=dtype)
   wide = [np.asarray(x, np.float64) for x in (q, k, v)]
   golden = sa.golden_attention(*wide, **features)
   d_out = np.random.default_rng(1).standard_normal(golden.shape)
@@ -88,7 +74,7 @@ def test_center_kv_leaves_zero_mean_inputs_bitwise_alone_and_empty_rows_zero():
   plain = sa.attention(q, k, v, key_value_seq_lengths=lengths)
   centred = sa.attention(q, k, v, key_value_seq_lengths=lengths, center_kv=True)
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(centred))
-  q, k, v = _offset_inputs(dtype=jnp.bfloat16)
+  q, k, v = offset_inputs(dtype=jnp.bfloat16)
   k2 = jnp.concatenate([k, k])
   v2 = jnp.concatenate([v, v])
   q2 = jnp.concatenate([q, q])
@@ -111,7 +97,7 @@ def test_center_kv_leaves_zero_mean_inputs_bitwise_alone_and_empty_rows_zero():
   ],
 )
 def test_center_kv_refuses_what_it_cannot_keep_exact(keywords, words):
-  q, k, v = _offset_inputs(dtype=jnp.bfloat16)
+  q, k, v = offset_inputs(dtype=jnp.bfloat16)
   keywords = {"precision": "bf16-fa2", **keywords}
   with pytest.raises(ValueError, match=words):
     sa.attention(q, k, v, center_kv=True, **keywords)
@@ -192,7 +178,7 @@ def test_key_offset_regime_fails_the_base_kernel_only(
 
 
 def test_offset_ratios_in_the_monitor():
-  q, k, v = _offset_inputs(key_offset=30.0, value_offset=5.0)
+  q, k, v = offset_inputs(key_offset=30.0, value_offset=5.0)
   k_ratio = np.asarray(offset_ratio(jnp.asarray(k), over_heads=False))
   # |mean| = 30 sqrt(d) (plus noise), spread sqrt(d).
   np.testing.assert_allclose(k_ratio, 30.0, rtol=0.05)
@@ -214,7 +200,7 @@ def test_center_kv_compiled_matches_interpret_accuracy(implementation):
   kernel's on the same offset inputs; out, dK, dV within 1.5x of
   interpret mode's."""
   features = {"causal": True}
-  q, k, v = _offset_inputs(dtype=jnp.bfloat16)
+  q, k, v = offset_inputs(dtype=jnp.bfloat16)
   wide = [np.asarray(x, np.float64) for x in (q, k, v)]
   golden = [sa.golden_attention(*wide, **features)]
   d_out = np.random.default_rng(1).standard_normal(golden[0].shape)

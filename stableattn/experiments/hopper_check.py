@@ -94,6 +94,38 @@ CASES = {
     "bf16-fa2+exp2=on", 96, 90, 2, 1, 64,
     {"causal": True, "sink": np.array([0.5, 4.0], np.float32)},
   ),
+  # Presets whose scores, statistics and accumulators are 16-bit: every
+  # stage rounded where the Triton path rounds it.
+  "bf16-every-stage": ("bf16", 96, 80, 2, 1, 64, {"causal": True}),
+  "fp16-every-stage-d128": ("fp16", 100, 100, 2, 1, 128, {"causal": True}),
+  "bf16-framework-ragged": ("bf16-framework", 70, 130, 4, 2, 64, {}),
+  "fp16-framework-softcap": (
+    "fp16-framework", 96, 110, 2, 1, 64, {"causal": True, "softcap": 2.0},
+  ),
+  # A bias and a sink rounded to 16-bit stages, in base 2.
+  "bf16-every-stage-bias-sink": (
+    "bf16+exp2=on", 96, 90, 2, 1, 64,
+    {
+      "causal": True,
+      "bias": _FEATURE_RNG.standard_normal((1, 2, 96, 90)).astype(np.float32),
+      "sink": np.array([0.5, 4.0], np.float32),
+    },
+  ),
+  # m and l kept apart (softmax_residuals=max_sum) over 16-bit
+  # statistics.
+  "bf16-every-stage-max-sum": (
+    "bf16+softmax_residuals=max_sum",
+    96, 80, 2, 1, 64, {"causal": True},
+  ),
+  # Decoding from an FP8 KV cache (read as BF16 before the kernel).
+  "fp8-kv-cache-decode": (
+    "bf16-fp8-kv-cache", 4, 300, 4, 1, 64,
+    {
+      "causal": True,
+      "causal_alignment": "bottom_right",
+      "key_value_seq_lengths": np.array([230, 300]),
+    },
+  ),
 }  # fmt: skip
 
 

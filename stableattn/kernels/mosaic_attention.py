@@ -2,11 +2,13 @@
 (Hopper), forward and backward, under the precision policy it can honour.
 
 What the path honours of a policy: 16-bit inputs and matmul operands
-(BF16 or FP16, one format), FP32 products (wgmma's accumulator), scores,
-softmax statistics, output accumulator, delta and gradient accumulators;
-P rounded to the operand format before P V (wgmma takes one format); O
-normalized once, at the end; the log-sum-exp in FP32; the softmax in base
-2 (`exp2`); and the stable presets' options: l summing the rounded P
+(BF16 or FP16, one format), FP32 products (wgmma's accumulator); the
+scores, softmax statistics, output accumulator, delta and gradient
+accumulators in FP32, BF16 or FP16, each rounded where the Triton path
+rounds it (`mosaic_block_math`); P rounded to the operand format before
+P V (wgmma takes one format); O normalized once, at the end; the softmax
+in base 2 (`exp2`); an FP8 KV cache (read before the kernel, as on the
+Triton path); and the stable presets' options: l summing the rounded P
 (`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (the
 Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
@@ -60,9 +62,12 @@ from stableattn.kernels.split_merge import merge_splits
 from stableattn.numerics.rounding import PolicyArithmetic
 
 OPERAND_FORMATS = ("bf16", "fp16")
-# Stages wgmma and this kernel compute in FP32 and nothing else.
-FP32_STAGES = (
-  "matmul_accum",
+# wgmma accumulates its products in FP32 and nothing else.
+PRODUCT_STAGES = ("matmul_accum",)
+# Formats the kernels round their FP32 values to, stage by stage
+# (`mosaic_block_math`): a cast round trip on a GPU.
+ROUNDED_FORMATS = ("fp32", "bf16", "fp16")
+ROUNDED_STAGES = (
   "scores",
   "softmax_stats",
   "out_accum",
@@ -79,7 +84,6 @@ OPTION_VALUES = {
   "mma_chunk": 0,
   "score_chunk": 0,
   "promote_every": 1,
-  "kv_cache": "none",
 }
 # The stable presets' options this path runs (`precision.STABLE_OPTIONS`);
 # sink_delta is refused with the sink itself.
@@ -113,7 +117,11 @@ def interpreter_lacks() -> dict[str, str]:
 
 def refusals(cfg: KernelConfig) -> list[str]:
   """Why the Mosaic GPU path cannot run `cfg`, one line per reason."""
-  policy, spec, options = cfg.policy, cfg.mask, cfg.options
+  return _policy_refusals(cfg.policy) + _call_refusals(cfg)
+
+
+def _policy_refusals(policy) -> list[str]:
+  """What of the precision policy alone this path cannot honour."""
   why = []
   if (
     policy.inputs not in OPERAND_FORMATS
@@ -130,9 +138,15 @@ def refusals(cfg: KernelConfig) -> list[str]:
       f"matmul_operands' format ({policy.matmul_operands})"
     )
   why += [
-    f"{stage}={getattr(policy, stage)}: computed in fp32 by this path"
-    for stage in FP32_STAGES
+    f"{stage}={getattr(policy, stage)}: wgmma accumulates in fp32"
+    for stage in PRODUCT_STAGES
     if getattr(policy, stage) != "fp32"
+  ]
+  why += [
+    f"{stage}={getattr(policy, stage)}: one of {list(ROUNDED_FORMATS)} on "
+    "this path (FP32 values rounded to the stage's format)"
+    for stage in ROUNDED_STAGES
+    if getattr(policy, stage) not in ROUNDED_FORMATS
   ]
   if policy.output not in (policy.inputs, "fp32"):
     why.append(f"output={policy.output}: stored in the inputs' format or fp32")
@@ -147,6 +161,14 @@ def refusals(cfg: KernelConfig) -> list[str]:
     for name, values in STABILITY_VALUES.items()
     if getattr(policy, name) not in values
   ]
+  return why
+
+
+def _call_refusals(cfg: KernelConfig) -> list[str]:
+  """What of the call's features and options, under its policy, this
+  path cannot run."""
+  policy, spec, options = cfg.policy, cfg.mask, cfg.options
+  why = []
   features = {
     "sink with sink_delta='probs' (the FP16 stable preset's)": (
       spec.sink and policy.sink_delta != "shared"
@@ -167,6 +189,15 @@ def refusals(cfg: KernelConfig) -> list[str]:
       for switch in hopper_switches(cfg.options.hopper_form)
       if switch in lacks
     ]
+  if (
+    "accumulate_in_place" in hopper_switches(options.hopper_form)
+    and policy.out_accum != "fp32"
+  ):
+    why.append(
+      f"hopper_form switch accumulate_in_place with out_accum="
+      f"{policy.out_accum}: wgmma adds P V into O unrounded, the policy "
+      "rounds P V first"
+    )
   split_size = cfg.options.split_size
   if split_size is not None and split_size % key_block(cfg):
     why.append(
@@ -281,9 +312,10 @@ def _bwd(cfg: KernelConfig, saved, d_out):
   (q_p, k_p, v_p, features, out_p, lse, extra), ops = saved
   plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
   d_out_p = pad_to(d_out.astype(out_p.dtype), plan.q_len_padded, plan.value_dim)
+  # In the policy's `delta` format; the kernels read it in FP32 (exact).
   delta = output_delta(
     delta_operands(out_p, extra), d_out_p, tiled_config(cfg, plan)
-  )
+  ).astype(jnp.float32)
   stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
   dq, dk, dv, dbias = mosaic_backward(
     q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, features, plan

@@ -7,11 +7,13 @@ Q, come out in the layout wgmma takes. dQ: one block per 64 query rows
 walks the key blocks. delta = rowsum(dO O) comes in from the Triton
 path's delta (`backward_delta.output_delta`), so both paths share it.
 
-The steps and their roundings are `pallas_backward`'s: P = exp(S - lse)
-in FP32, dP = dO V^T, dS = P (dP - delta); dV takes P rounded to the
-probs format, dK and dQ take dS rounded to it, each product times the
-scale. Operands every product needs transposed come transposed from
-global memory (Q^T, dO^T, K^T, V^T), as in the forward.
+The steps and their roundings are `pallas_backward`'s
+(`mosaic_block_math`): P = exp(S - lse), dP = dO V^T, dS = P (dP -
+delta), each in `softmax_stats`; dV takes P rounded to the probs format,
+dK and dQ take dS rounded to it, each product times the scale, and the
+accumulators round to `grad_accum` after every block. Operands every
+product needs transposed come transposed from global memory (Q^T, dO^T,
+K^T, V^T), as in the forward.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stableattn.kernels.mosaic_block_math import (
+  accumulated,
+  block_scores,
+  gradient_stored,
+  low_part,
+  plus_additive,
+  recomputed_probs,
+  score_gradients,
+)
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
@@ -34,11 +45,8 @@ from stableattn.kernels.mosaic_support import (
   column_vector,
   query_block_bounds,
   range_scratch,
-  recomputed_probs,
   row_vector,
   smem_tile,
-  softcap_slope,
-  softcapped,
   stats_names,
   tile_values,
   within_range,
@@ -112,7 +120,8 @@ def _added(g, smem, s, index, plan: MosaicPlan):
   if plan.additive is None:
     return s
   _copy(g["additive"].at[index], smem["additive"], smem["bar"].at[0])
-  return s + tile_values(smem["additive"], plan.interpret)
+  tile = tile_values(smem["additive"], plan.interpret)
+  return plus_additive(s, tile, plan, base2=False)
 
 
 def _narrowed(bounds, g, smem, name: str, start):
@@ -146,8 +155,8 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
     *((n, (batch, head, rows)) for n in (*stats_names(plan), "delta")),
   ):
     _copy(g[name].at[index], smem[name], bar)
-  s_t, tanh_t = softcapped(
-    _product((ROWS, ROWS), smem["k"], smem["qt"]), plan, plan.scale
+  s_t, tanh_t = block_scores(
+    _product((ROWS, ROWS), smem["k"], smem["qt"]), plan, base2=False
   )
   if plan.additive is not None:
     example, bias_head = plan.additive_index(batch, head)
@@ -166,14 +175,15 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   )
   s_t = jnp.where(allowed, s_t, -jnp.inf)
   stats = [column_vector(smem[n], plan.interpret) for n in stats_names(plan)]
-  p_t = recomputed_probs(s_t, stats, as_columns)
+  p_t = recomputed_probs(s_t, stats, as_columns, plan)
   dp_t = _product((ROWS, ROWS), smem["v"], smem["dot"])
   delta = column_vector(smem["delta"], plan.interpret)
-  ds_t = softcap_slope(p_t * (dp_t - as_columns(delta, dp_t.shape)), tanh_t)
+  ds_t, _ = score_gradients(p_t, dp_t, delta, tanh_t, as_columns, plan)
   dims = plan.head_dim, plan.value_dim
-  dv = dv + _product((ROWS, dims[1]), _staged(p_t, smem["ds"]), smem["do"])
+  dv_step = _product((ROWS, dims[1]), _staged(p_t, smem["ds"]), smem["do"])
   dk_step = _product((ROWS, dims[0]), _staged(ds_t, smem["ds"]), smem["q"])
-  return dk + dk_step * jnp.float32(plan.scale), dv
+  dk_step = dk_step * jnp.float32(plan.scale)
+  return accumulated(dk, dk_step, plan), accumulated(dv, dv_step, plan)
 
 
 def _operands(refs, names, outputs: int, block_axis: str, plan: MosaicPlan):
@@ -254,7 +264,9 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
   _copy(g["vt"].at[batch, kv_head, :, keys], smem["vt"], bar)
   _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
   tile = (ROWS, plan.block_k)
-  s, tanh = softcapped(_product(tile, smem["q"], smem["kt"]), plan, plan.scale)
+  s, tanh = block_scores(
+    _product(tile, smem["q"], smem["kt"]), plan, base2=False
+  )
   if plan.additive is not None:
     example, bias_head = plan.additive_index(batch, head)
     s = _added(g, smem, s, (example, bias_head, rows, keys), plan)
@@ -266,24 +278,23 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
     plan, q_start, j * plan.block_k, q_ids, kv_ids, kv_pos=kv_pos
   )
   s = jnp.where(allowed, s, -jnp.inf)
-  p = recomputed_probs(s, stats, as_rows)
+  p = recomputed_probs(s, stats, as_rows, plan)
   dp = _product(tile, smem["do"], smem["vt"])
-  d_scores = p * (dp - as_rows(delta, dp.shape))
+  ds, d_scores = score_gradients(p, dp, delta, tanh, as_rows, plan)
   if plan.bias_grad:
-    smem["dbias"][...] = d_scores
+    smem["dbias"][...] = gradient_stored(d_scores, plan)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(
       smem["dbias"], g["dbias"].at[batch, head, rows, keys]
     )
     plgpu.wait_smem_to_gmem(0)
-  ds = softcap_slope(d_scores, tanh)
   scale = jnp.float32(plan.scale)
   out = (ROWS, plan.head_dim)
   step = _product(out, _staged(ds, smem["ds"]), smem["k"]) * scale
   if plan.ds_hi_lo:
-    low = ds - ds.astype(plan.operand_dtype).astype(jnp.float32)
-    step = step + _product(out, _staged(low, smem["ds"]), smem["k"]) * scale
-  return dq + step
+    low = _staged(low_part(ds, plan), smem["ds"])
+    step = step + _product(out, low, smem["k"]) * scale
+  return accumulated(dq, step, plan)
 
 
 def _zero_bias_gradient(g, smem, at, blocks, plan: MosaicPlan):

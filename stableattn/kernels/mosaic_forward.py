@@ -29,7 +29,6 @@ jax 0.11's interpreter also runs the transposed view.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stableattn.kernels.mosaic_block_math import (
+  block_scores,
+  log_sum_exp,
+  normalized,
+  online_softmax,
+  plus_pv,
+  rescaled,
+)
 from stableattn.kernels.mosaic_forward_block import (
   ForwardBlock,
   added,
@@ -49,18 +56,17 @@ from stableattn.kernels.mosaic_forward_block import (
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
-  as_rows,
   range_scratch,
   row_vector,
   smem_tile,
-  softcapped,
 )
 
 
 def _scores(acc_shape, q_smem, k_smem, plan: MosaicPlan):
   """S = (Q K^T) * scale (softcapped if set), the product in FP32 (wgmma's
-  accumulator), in the forward's base. `k_smem` holds K^T, or K itself
-  read through a transposed view (`plan.k_as_stored`)."""
+  accumulator), in the forward's base and `softmax_stats`. `k_smem`
+  holds K^T, or K itself read through a transposed view
+  (`plan.k_as_stored`)."""
   kt = plgpu.transpose_ref(k_smem, (1, 0)) if plan.k_as_stored else k_smem
 
   def product(acc_ref):
@@ -68,11 +74,12 @@ def _scores(acc_shape, q_smem, k_smem, plan: MosaicPlan):
     return acc_ref[...]
 
   s = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
-  return softcapped(s, plan, plan.score_scale)[0]
+  return block_scores(s, plan, base2=plan.exp2)[0]
 
 
 def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
-  """alpha * O + P V, P rounded to the operands' format. The interpreter's
+  """alpha * O + P V in `out_accum` (alpha already rounded to it), P
+  rounded to the operands' format. The interpreter's
   form: P through shared memory, P V into a fresh accumulator added to
   the rescaled O; FlashAttention-3's switches: P from registers
   (`p_in_registers`), P V accumulated into the rescaled O in place
@@ -84,7 +91,7 @@ def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
     p_smem[...] = p16
     plgpu.commit_smem()
     operand = p_smem
-  scaled = as_rows(alpha, acc.shape) * acc
+  scaled = rescaled(acc, alpha, plan)
   if "accumulate_in_place" in plan.switches:
 
     def accumulate(acc_ref):
@@ -97,13 +104,13 @@ def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
     return acc_ref[...]
 
   shape = (ROWS, plan.value_dim)
-  return scaled + pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+  pv = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+  return plus_pv(scaled, pv, plan)
 
 
 def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
   """FlashAttention-2's update for key block j (`pallas_forward`'s)."""
   plan, smem = block.plan, block.smem
-  exp = jnp.exp2 if plan.exp2 else jnp.exp
   acc, m, l_sum = carry
   slot = lax.rem(j, jnp.int32(2))
   if not plan.warp_specialized:  # else the copy warpgroup fills the ring
@@ -117,15 +124,7 @@ def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
   s = added(block, s, j * plan.block_k)
   if masked:
     s = jnp.where(allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
-  m_new = jnp.maximum(m, s.max(axis=1))
-  # A row with no key so far keeps m = -inf; subtract 0 instead.
-  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-  alpha = exp(m - m_use)
-  p = exp(s - as_rows(m_use, s.shape))
-  summed = p
-  if plan.rounded_sum:
-    summed = p.astype(plan.operand_dtype).astype(jnp.float32)
-  l_new = alpha * l_sum + summed.sum(axis=1)
+  p, alpha, m_new, l_new = online_softmax(s, m, l_sum, plan)
   plgpu.barrier_wait(block.bars[2].at[slot])
   acc = _rescaled_plus_pv(acc, alpha, p, smem["p"], smem["v"].at[slot], plan)
   if plan.warp_specialized:
@@ -140,12 +139,9 @@ def _store(block: ForwardBlock, carry):
   acc, m, l_sum = carry
   empty = l_sum == 0.0
   l_safe = jnp.where(empty, 1.0, l_sum)
-  o = acc * as_rows(1.0 / l_safe, acc.shape)
+  o = normalized(acc, l_safe, plan)
   smem["o"][...] = o.astype(smem["o"].dtype)
-  if plan.exp2:
-    lse = (m + jnp.log2(l_safe)) * jnp.float32(math.log(2.0))
-  else:
-    lse = m + jnp.log(l_safe)
+  lse = log_sum_exp(m, l_safe, plan)
   # An empty split's lse is -inf: the merge gives it weight 0.
   no_key = -jnp.inf if plan.blocks_per_split is not None else jnp.inf
   smem["lse"][...] = jnp.where(empty, no_key, lse)

@@ -14,6 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stableattn.kernels.mosaic_block_math import plus_additive, sink_in_base
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
@@ -100,7 +101,7 @@ def added(block: ForwardBlock, s, k_start):
   )
   plgpu.barrier_wait(bar)
   tile = tile_values(block.smem["additive"], plan.interpret)
-  return s + tile * jnp.float32(plan.to_base)
+  return plus_additive(s, tile, plan, base2=plan.exp2)
 
 
 def sink_logits(block: ForwardBlock, rows):
@@ -114,7 +115,7 @@ def sink_logits(block: ForwardBlock, rows):
   )
   plgpu.barrier_wait(bar)
   sink = row_vector(block.smem["sink"], block.plan.interpret)
-  return sink * jnp.float32(block.plan.to_base)
+  return sink_in_base(sink, block.plan)
 
 
 def key_blocks(block: ForwardBlock):

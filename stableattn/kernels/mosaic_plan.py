@@ -70,6 +70,7 @@ def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
     key_offset=cfg.mask.key_offset,
     token_ids=cfg.mask.token_ids,
     interpret=bool(cfg.interpret),
+    policy=policy,
     window=cfg.mask.window,
     softcap=cfg.mask.softcap,
     sink=cfg.mask.sink,

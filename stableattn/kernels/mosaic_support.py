@@ -4,7 +4,6 @@ tiles, masks built in registers, and the interpret-mode hooks."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +12,9 @@ from jax._src.interpreters import mlir
 from jax._src.pallas.mosaic_gpu.core import layout_cast_p
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from stableattn.numerics.precision import Precision
+from stableattn.numerics.rounding import PolicyArithmetic
 
 # One warpgroup's wgmma tile: 64 rows (of queries, or of keys in dK dV).
 ROWS = 64
@@ -68,6 +70,9 @@ class MosaicPlan:
   key_offset: int  # key j's position is j - key_offset
   token_ids: bool
   interpret: bool
+  # The precision policy whose stages the kernels round to
+  # (`mosaic_block_math`).
+  policy: Precision
   # (left, right) of a local window (a side None is unbounded), or None.
   window: tuple[int | None, int | None] | None = None
   softcap: float | None = None  # S = softcap * tanh(Q K^T scale / softcap)
@@ -130,14 +135,10 @@ class MosaicPlan:
     return self.key_positions and (self.causal or self.window is not None)
 
   @property
-  def to_base(self) -> float:
-    """A natural-log logit's factor into the forward's softmax base."""
-    return math.log2(math.e) if self.exp2 else 1.0
-
-  @property
-  def score_scale(self) -> float:
-    """The forward's one constant multiplier of Q K^T."""
-    return self.scale * self.to_base
+  def arithmetic(self) -> PolicyArithmetic:
+    """The policy's roundings: a cast round trip in a compiled kernel,
+    XLA's rounding in interpret mode (`rounding.round_to`)."""
+    return PolicyArithmetic(self.policy, casts_round=not self.interpret)
 
   @property
   def interpret_params(self):
@@ -267,16 +268,6 @@ def stats_names(plan: MosaicPlan) -> tuple[str, ...]:
   return ("m", "l") if plan.max_sum else ("lse",)
 
 
-def recomputed_probs(s, stats, broadcast):
-  """P = exp(s - lse), or exp(s - m) * (1 / l) with the row max and sum
-  kept apart (`block_math.recomputed_probs`); `broadcast(vector, shape)`
-  places a per-query vector on the tile."""
-  if len(stats) == 1:
-    return jnp.exp(s - broadcast(stats[0], s.shape))
-  m, l_sum = stats
-  return jnp.exp(s - broadcast(m, s.shape)) * broadcast(1.0 / l_sum, s.shape)
-
-
 def _nonnegative_div(x, d: int):
   return lax.div(jnp.maximum(x, 0), jnp.int32(d))
 
@@ -342,22 +333,3 @@ def query_block_bounds(plan: MosaicPlan, k_start, block_k: int, q_blocks: int):
       last < 0, 0, jnp.minimum(end, _nonnegative_div(last, ROWS) + 1)
     )
   return jnp.minimum(first, end), end
-
-
-def softcapped(product, plan: MosaicPlan, scale: float):
-  """(S, tanh or None) from Q K^T in FP32: product * scale, or softcap *
-  tanh(product * scale_natural / softcap) with the forward's base folded
-  into the cap (`masking.scores`); `scale` is the one multiplier without
-  a softcap (the forward's carries log2(e) under exp2)."""
-  if plan.softcap is None:
-    return product * jnp.float32(scale), None
-  tanh = jnp.tanh(product * jnp.float32(plan.scale / plan.softcap))
-  cap = plan.softcap * (scale / plan.scale)
-  return tanh * jnp.float32(cap), tanh
-
-
-def softcap_slope(ds, tanh):
-  """dS times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2."""
-  if tanh is None:
-    return ds
-  return ds * (1.0 - tanh * tanh)

@@ -1,0 +1,133 @@
+"""The Hopper path's per-tile arithmetic under the precision policy.
+
+These are `block_math`'s steps, and `pallas_forward`'s and
+`pallas_backward`'s, in the same order and with the same roundings, on
+tiles in wgmma's register layout: a per-row vector reaches a tile by
+`as_rows` or `as_columns` (Mosaic GPU broadcasts by layout, not by
+indexing). Each result is rounded to the stage named beside it by the
+plan's `PolicyArithmetic`: a cast round trip in a compiled kernel, XLA's
+rounding in interpret mode. At an FP32 stage the rounding is the
+identity, so the FlashAttention-2 presets' kernels are unchanged; the
+BF16 and FP16 presets round scores, statistics, the output accumulator
+and the gradient accumulators to 16 bits, as they do on the Triton path.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from stableattn.contract.masking import logits_in_base, scores
+from stableattn.contract.masking import softcap_slope as tanh_slope
+from stableattn.kernels.block_math import stats_exp, stored_lse, summed_probs
+from stableattn.kernels.mosaic_support import MosaicPlan, as_rows
+
+
+def _rounder(plan: MosaicPlan, stage: str):
+  ar = plan.arithmetic
+  return lambda x: ar.round(x, stage)
+
+
+def block_scores(product, plan: MosaicPlan, *, base2: bool):
+  """(S, tanh of the softcap or None) from Q K^T in FP32: the scaled (or
+  softcapped) product in `scores` (`masking.scores`), held in
+  `softmax_stats`; with `base2` in base 2, the forward's softmax under
+  the policy option `exp2`."""
+  s, tanh = scores(product, plan, plan.arithmetic, base2)
+  return _rounder(plan, "softmax_stats")(s), tanh
+
+
+def plus_additive(s, tile, plan: MosaicPlan, *, base2: bool):
+  """S plus the additive tile (the bias, rounded to `scores`, and -inf
+  where a dense mask blocks) in the scores' base, in `softmax_stats`."""
+  ar = plan.arithmetic
+  added = s + logits_in_base(tile, ar, base2, "scores")
+  return ar.round(added, "softmax_stats")
+
+
+def sink_in_base(sink, plan: MosaicPlan):
+  """The sink's logit on each row, in `softmax_stats` and the forward's
+  base (`pallas_forward._initial_state`)."""
+  return logits_in_base(sink, plan.arithmetic, plan.exp2, "softmax_stats")
+
+
+def online_softmax(s, m, l_sum, plan: MosaicPlan):
+  """FlashAttention-2's statistics after one tile of scores S (base 2
+  under `exp2`): (P, the rescale factor alpha in `out_accum`, new m, new
+  l), rounded as `pallas_forward._fa2_update` rounds them."""
+  ar, stats = plan.arithmetic, _rounder(plan, "softmax_stats")
+  m_new = jnp.maximum(m, s.max(axis=1))
+  # A row with no key so far keeps m = -inf; subtract 0 instead.
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = stats_exp(stats(m - m_use), ar, plan.exp2)
+  p = stats_exp(stats(s - as_rows(m_use, s.shape)), ar, plan.exp2)
+  l_new = stats(stats(alpha * l_sum) + summed_probs(p, ar))
+  return p, ar.round(alpha, "out_accum"), m_new, l_new
+
+
+def rescaled(acc, alpha, plan: MosaicPlan):
+  """alpha * O in `out_accum`."""
+  return _rounder(plan, "out_accum")(as_rows(alpha, acc.shape) * acc)
+
+
+def plus_pv(scaled, pv, plan: MosaicPlan):
+  """alpha O + P V in `out_accum`, P V rounded to it first."""
+  accum = _rounder(plan, "out_accum")
+  return accum(scaled + accum(pv))
+
+
+def normalized(acc, l_safe, plan: MosaicPlan):
+  """O = acc * (1 / l), the reciprocal in `softmax_stats`, then both in
+  `out_accum` (`pallas_forward._store`)."""
+  ar = plan.arithmetic
+  inverse = ar.round(ar.round(1.0 / l_safe, "softmax_stats"), "out_accum")
+  return ar.round(acc * as_rows(inverse, acc.shape), "out_accum")
+
+
+def log_sum_exp(m, l_safe, plan: MosaicPlan):
+  """m + log l in natural log and `softmax_stats` (`block_math.stored_lse`)."""
+  lse = stored_lse(m, l_safe, plan.arithmetic, plan.exp2)
+  return _rounder(plan, "softmax_stats")(lse)
+
+
+def recomputed_probs(s, stats_rows, broadcast, plan: MosaicPlan):
+  """P from natural-log scores and the forward's residuals: (lse,) gives
+  exp(s - lse), (m, l) gives exp(s - m) * (1 / l) (`block_math.
+  recomputed_probs`); `broadcast(vector, shape)` places a per-query
+  vector on the tile. In `softmax_stats`."""
+  ar, stats = plan.arithmetic, _rounder(plan, "softmax_stats")
+  if len(stats_rows) == 1:
+    (lse,) = stats_rows
+    return stats_exp(stats(s - broadcast(stats(lse), s.shape)), ar)
+  m, l_sum = (stats(x) for x in stats_rows)
+  inverse = stats(1.0 / l_sum)
+  p = stats_exp(stats(s - broadcast(m, s.shape)), ar)
+  return stats(p * broadcast(inverse, s.shape))
+
+
+def score_gradients(p, dp, delta, tanh, broadcast, plan: MosaicPlan):
+  """(dS, dS of the scores before the softcap: the bias's gradient) from
+  P, dP = dO V^T in FP32 and delta, in `softmax_stats`
+  (`pallas_backward._probs_and_dscores`)."""
+  ar, stats = plan.arithmetic, _rounder(plan, "softmax_stats")
+  dp = stats(dp)
+  ds = stats(p * stats(dp - broadcast(stats(delta), dp.shape)))
+  if tanh is None:
+    return ds, ds
+  return stats(ds * tanh_slope(tanh, ar)), ds
+
+
+def low_part(ds, plan: MosaicPlan):
+  """dS - round(dS) rounded to `probs`: dS_lo of ds_for_dq=hi_lo."""
+  probs = _rounder(plan, "probs")
+  return probs(ds - probs(ds))
+
+
+def accumulated(total, step, plan: MosaicPlan):
+  """A gradient accumulator plus one block's step, both in `grad_accum`."""
+  grad = _rounder(plan, "grad_accum")
+  return grad(total + grad(step))
+
+
+def gradient_stored(x, plan: MosaicPlan):
+  """x rounded to `grad_accum` (d(bias)'s tile before it is stored)."""
+  return _rounder(plan, "grad_accum")(x)
