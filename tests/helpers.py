@@ -21,6 +21,32 @@ def random_qkv(
   return q, k, v
 
 
+def random_features(rng, batch, q_len, kv_len):
+  """Random causal/window/lengths/segments settings for `sa.Features`
+  on [batch, q_len] queries and [batch, kv_len] keys."""
+  from stableattn.contract import masking
+
+  kw = {}
+  if rng.random() < 0.5:
+    kw["causal"] = True
+  if rng.random() < 0.5:
+    kw["local_window_size"] = (
+      int(rng.integers(0, 20)) if rng.random() < 0.8 else None,
+      int(rng.integers(0, 20)) if rng.random() < 0.8 else None,
+    )
+  kw["causal_alignment"] = str(rng.choice(masking.ALIGNMENTS))
+  if rng.random() < 0.5:
+    kw["query_seq_lengths"] = rng.integers(0, q_len + 1, batch)
+  if rng.random() < 0.5:
+    kw["key_value_seq_lengths"] = rng.integers(0, kv_len + 1, batch)
+  if rng.random() < 0.5:
+    kw["segment_ids"] = (
+      np.sort(rng.integers(0, 3, (batch, q_len)), axis=1),
+      rng.integers(0, 3, (batch, kv_len)),  # unsorted: the hull is used
+    )
+  return kw
+
+
 def offset_inputs(
   seed=0, key_offset=30.0, value_offset=5.0, dtype=None, batch=1
 ):

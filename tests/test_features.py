@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import random_qkv, sampled
+from helpers import random_features, random_qkv, sampled
 
 import stableattn as sa
 from stableattn.contract import masking
@@ -205,7 +205,8 @@ EMPTY_ROWS = dict(
       for implementation in ("pallas", "reference")
       for precision in ("bf16", "fp32")
     ),
-    ("mosaic_gpu", "bf16-fa2"),  # its own tiles; 16-bit operands only
+    # Its own tiles; 16-bit operands only.
+    *(("mosaic_gpu", precision) for precision in ("bf16-fa2", "bf16")),
   ],
 )
 def test_rows_no_key_attends_give_zero_and_zero_gradient(
@@ -270,35 +271,12 @@ def test_empty_rows_with_a_sink_attend_only_the_sink():
   assert np.isposinf(np.asarray(lse)[0]).all()  # FlashAttention's +inf
 
 
-def _random_features(rng):
-  """Random causal/window/lengths/segments settings for `sa.Features`."""
-  kw = {}
-  if rng.random() < 0.5:
-    kw["causal"] = True
-  if rng.random() < 0.5:
-    kw["local_window_size"] = (
-      int(rng.integers(0, 20)) if rng.random() < 0.8 else None,
-      int(rng.integers(0, 20)) if rng.random() < 0.8 else None,
-    )
-  kw["causal_alignment"] = str(rng.choice(masking.ALIGNMENTS))
-  if rng.random() < 0.5:
-    kw["query_seq_lengths"] = rng.integers(0, Q_LEN + 1, BATCH)
-  if rng.random() < 0.5:
-    kw["key_value_seq_lengths"] = rng.integers(0, KV_LEN + 1, BATCH)
-  if rng.random() < 0.5:
-    kw["segment_ids"] = (
-      np.sort(rng.integers(0, 3, (BATCH, Q_LEN)), axis=1),
-      rng.integers(0, 3, (BATCH, KV_LEN)),  # unsorted: the hull is used
-    )
-  return kw
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_skipped_blocks_hold_no_attending_pair(seed):
   """Every block outside a block range is empty in the dense mask, so
   skipping it cannot change a result."""
   rng = np.random.default_rng(seed)
-  spec, ops = sa.Features(**_random_features(rng)).split(
+  spec, ops = sa.Features(**random_features(rng, BATCH, Q_LEN, KV_LEN)).split(
     (BATCH, Q_LEN, HEADS, HEAD_DIM), (BATCH, KV_LEN, KV_HEADS, HEAD_DIM)
   )
   if not spec.skips_blocks:
