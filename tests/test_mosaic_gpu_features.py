@@ -244,3 +244,79 @@ def test_random_features_and_shapes_match_the_triton_path(
     assert differ <= max(1, int(signal.sum()) // 50), (name, differ, features)
     largest = float(np.abs(a - b)[signal].max(initial=0.0))
     assert largest <= 2.0**-8 * scale, (name, largest, features)
+
+
+def _mla_decode_shapes(batch=2, keys=300):
+  """Absorbed MLA decoding: one query of 16 heads over one latent head."""
+  q = jax.ShapeDtypeStruct((batch, 1, 16, 576), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((batch, keys, 1, 576), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((batch, keys, 1, 512), jnp.bfloat16)
+  return q, k, v
+
+
+def _lowered_forward(**features):
+  from stableattn.harness.cuda_lowering import lowered_for_cuda
+
+  def forward(q, k, v):
+    return sa.attention(
+      q, k, v, implementation="mosaic_gpu", interpret=False, **features
+    )
+
+  return lowered_for_cuda(jax.jit(forward), *_mla_decode_shapes())
+
+
+def test_mla_576_512_lowers_in_value_parts_and_refuses_its_gradient():
+  """The forward builds for sm_90 (two value parts of 256 columns, one
+  ring slot: Mosaic GPU's lowering checks the 227 KB); the gradient is
+  refused in one line that names the Triton path."""
+  lengths = np.array([230, 300], np.int32)
+  text = _lowered_forward(key_value_seq_lengths=lengths).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _mla_decode_shapes(1, 64))
+
+  def loss(q):
+    out = sa.attention(q, k, v, implementation="mosaic_gpu")
+    return jnp.sum(out.astype(jnp.float32))
+
+  with pytest.raises(
+    ValueError, match=r"no gradient at head dims 576/512.*'pallas'"
+  ):
+    jax.grad(loss)(q)
+
+
+def test_a_forward_over_shared_memory_is_refused_with_its_bytes():
+  bias = np.zeros((1, 16, 1, 300), np.float32)
+  with pytest.raises(
+    ValueError, match=r"needs 240,688 bytes of shared memory.*232,448"
+  ):
+    _lowered_forward(bias=bias)
+
+
+def test_the_shared_memory_count_is_mosaic_gpus_own(monkeypatch, request):
+  """With the budget lifted the plan keeps two ring slots, which Mosaic
+  GPU's lowering refuses, naming its count: the plan's, byte for byte."""
+  import re
+
+  from stableattn.kernels import mosaic_attention, mosaic_plan
+  from stableattn.kernels.mosaic_forward_block import shared_bytes
+
+  for module in (mosaic_attention, mosaic_plan):
+    monkeypatch.setattr(module, "SHARED_MEMORY_BYTES", 10**9)
+  # Traces at either budget must not outlive their budget.
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+  lengths = np.array([230, 300], np.int32)
+  q, k, v = _mla_decode_shapes()
+  spec, _ = sa.Features(key_value_seq_lengths=lengths).split(q.shape, k.shape)
+  cfg = sa.ops.dispatch.kernel_config(
+    sa.Options(interpret=False), q.shape, k.shape, spec, 512, triton=False
+  )
+  plan = mosaic_plan.plan_of(cfg, 16)
+  assert (plan.ring_slots, plan.value_parts) == (2, 2)
+  with pytest.raises(ValueError, match="exceeds available shared memory"):
+    try:
+      _lowered_forward(key_value_seq_lengths=lengths)
+    except ValueError as error:
+      counted = re.search(r"smem_bytes=(\d+)", str(error))
+      assert counted and int(counted.group(1)) == shared_bytes(plan)
+      raise

@@ -26,7 +26,8 @@ from stableattn.auditing.inputs import (
 from stableattn.contract.golden import golden_attention, golden_attention_vjp
 from stableattn.contract.options import Options
 from stableattn.numerics.precision import Precision
-from stableattn.ops.dispatch import attention, gpu_unsupported_reason
+from stableattn.ops.dispatch import attention
+from stableattn.ops.triton_limits import gpu_unsupported_reason
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,8 +14,10 @@ Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
 causal (top-left, or bottom-right with array lengths or each example's
 own), GQA, key lengths and segments, a local window, a softcap, a sink
-and a bias (each with its gradient), a dense mask, and split-KV
-decoding. Everything else is refused in one line naming the stage,
+and a bias (each with its gradient), a dense mask, split-KV decoding,
+and head dims up to 256 with gradients, absorbed MLA's 576/512 forward
+only (a value head dim over 256 in parts, `mosaic_plan.value_parts`).
+Everything else is refused in one line naming the stage,
 feature or option (`refusals`, `tile_refusals`). On a CPU the kernels
 run in jax's GPU interpret mode; FlashAttention-3's form of the forward
 is behind `Options.hopper_form`'s switches.
@@ -44,10 +46,11 @@ from stableattn.kernels.flash_attention import (
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_backward import mosaic_backward
-from stableattn.kernels.mosaic_forward import (
+from stableattn.kernels.mosaic_forward import mosaic_forward
+from stableattn.kernels.mosaic_forward_block import (
   input_names,
-  mosaic_forward,
   output_names,
+  shared_bytes,
 )
 from stableattn.kernels.mosaic_plan import (
   key_block,
@@ -55,9 +58,7 @@ from stableattn.kernels.mosaic_plan import (
   plan_of,
   tiled_config,
 )
-from stableattn.kernels.mosaic_support import (
-  ROWS,
-)
+from stableattn.kernels.mosaic_support import ROWS, SHARED_MEMORY_BYTES
 from stableattn.kernels.split_merge import merge_splits
 from stableattn.numerics.rounding import PolicyArithmetic
 
@@ -93,7 +94,9 @@ STABILITY_VALUES = {
   "softmax_residuals": ("lse", "max_sum"),
   "ds_for_dq": ("rounded", "hi_lo"),
 }
-MAX_HEAD_DIM = 256  # wgmma's widest N (P V's value head dim)
+# The backward's head dims at most: its dK and dV accumulators (64 rows
+# each) in one warpgroup's registers, and wgmma's widest N.
+MAX_GRADIENT_HEAD_DIM = 256
 
 
 def interpreter_lacks() -> dict[str, str]:
@@ -212,8 +215,20 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
       "softmax_residuals=max_sum): the splits are merged by lse only, as "
       "on the Triton path"
     )
-  if max(cfg.head_dim, cfg.value_dim) > MAX_HEAD_DIM:
-    why.append(f"head dim {max(cfg.head_dim, cfg.value_dim)} > {MAX_HEAD_DIM}")
+  plan = plan_of(cfg, 1)
+  needs = shared_bytes(plan)
+  if needs > SHARED_MEMORY_BYTES:
+    why.append(
+      f"head dims {cfg.head_dim}/{cfg.value_dim} with these features: the "
+      f"forward needs {needs:,} bytes of shared memory at 64-key blocks "
+      f"and one ring slot; an H100's block has {SHARED_MEMORY_BYTES:,}"
+    )
+  if plan.warp_specialized and plan.ring_slots == 1:
+    why.append(
+      "hopper_form switch warp_specialized with one ring slot (these head "
+      "dims fill shared memory): the copy warpgroup would wait on every "
+      "block"
+    )
   return why
 
 
@@ -311,6 +326,16 @@ def _fwd(q, k, v, ops, cfg):
 def _bwd(cfg: KernelConfig, saved, d_out):
   (q_p, k_p, v_p, features, out_p, lse, extra), ops = saved
   plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
+  widest = max(cfg.head_dim, cfg.value_dim)
+  if widest > MAX_GRADIENT_HEAD_DIM:
+    raise ValueError(
+      f"implementation='mosaic_gpu' has no gradient at head dims "
+      f"{cfg.head_dim}/{cfg.value_dim} (at most {MAX_GRADIENT_HEAD_DIM}): "
+      "a 64-key block's dK and dV accumulators would not fit one "
+      "warpgroup's registers (absorbed MLA is a decoding form, and "
+      "FlashMLA has no backward either); differentiate with "
+      "implementation='pallas'"
+    )
   d_out_p = pad_to(d_out.astype(out_p.dtype), plan.q_len_padded, plan.value_dim)
   # In the policy's `delta` format; the kernels read it in FP32 (exact).
   delta = output_delta(

@@ -1,9 +1,11 @@
 """The flash forward as a Pallas Mosaic GPU kernel (Hopper, sm_90).
 
-One thread block per (batch, query head, 64-row query block), one
-warpgroup: Q arrives by TMA once; each key block's K^T and V arrive by
-TMA into a two-slot shared-memory ring, the next block's copy issued
-before this block's arithmetic, so the copy engine overlaps the softmax.
+One thread block per (batch, query head, 64-row query block, value
+part), one warpgroup: Q arrives by TMA once; each key block's K^T and V
+arrive by TMA into a two-slot shared-memory ring, the next block's copy
+issued before this block's arithmetic, so the copy engine overlaps the
+softmax (one slot where two do not fit, as at MLA's 576/512: the next
+copy follows P V).
 With the `warp_specialized` switch a second warpgroup issues the copies
 (FlashAttention-3's producer), refilling a slot once the compute
 warpgroup has arrived at the slot's release barrier.
@@ -47,18 +49,20 @@ from stableattn.kernels.mosaic_block_math import (
 from stableattn.kernels.mosaic_forward_block import (
   ForwardBlock,
   added,
+  allocated,
   allowed,
   copy_warpgroup,
   fetch,
+  input_names,
   key_blocks,
+  output_names,
+  scratch_layout,
   sink_logits,
 )
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
-  range_scratch,
   row_vector,
-  smem_tile,
 )
 
 
@@ -112,8 +116,11 @@ def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
   """FlashAttention-2's update for key block j (`pallas_forward`'s)."""
   plan, smem = block.plan, block.smem
   acc, m, l_sum = carry
-  slot = lax.rem(j, jnp.int32(2))
-  if not plan.warp_specialized:  # else the copy warpgroup fills the ring
+  slot = lax.rem(j, jnp.int32(plan.ring_slots))
+  # The compute warpgroup fills the ring unless a copy warpgroup does;
+  # with two slots the next block's copy overlaps this block's work.
+  fills = not plan.warp_specialized
+  if fills and plan.ring_slots == 2:
 
     @pl.when(j + 1 < end)
     def _():
@@ -129,6 +136,12 @@ def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
   acc = _rescaled_plus_pv(acc, alpha, p, smem["p"], smem["v"].at[slot], plan)
   if plan.warp_specialized:
     plgpu.barrier_arrive(block.bars[3].at[slot])  # the slot is free again
+  elif plan.ring_slots == 1:  # the one slot is free once P V has read it
+
+    @pl.when(j + 1 < end)
+    def _():
+      fetch(block, j + 1)
+
   return acc, m_new, l_new
 
 
@@ -157,9 +170,9 @@ def _store(block: ForwardBlock, carry):
   for name in block.refs["outputs"]:
     tile = name in ("o", "o_lo")
     index = (
-      (block.batch, rows, block.head)
+      (block.batch, rows, block.out_head)
       if tile
-      else (block.batch, block.head, rows)
+      else (block.batch, block.out_head, rows)
     )
     if plan.blocks_per_split is not None:
       index = (index[0], block.split, *index[1:])
@@ -237,44 +250,12 @@ def _compute(block: ForwardBlock):
   _store(block, carry)
 
 
-def output_names(plan: MosaicPlan) -> tuple[str, ...]:
-  """What the forward writes: O, the lse, and the residuals the policy's
-  stability options keep (`residuals.residual_names`)."""
-  names = ("o", "lse")
-  if plan.o_lo:
-    names += ("o_lo",)
-  if plan.max_sum:
-    names += ("m", "l")
-  return names
-
-
-def _residual_scratch(plan: MosaicPlan):
-  tiles = {
-    "o_lo": smem_tile((ROWS, plan.value_dim), plan.output_dtype),
-    "m": plgpu.SMEM((ROWS,), jnp.float32),
-    "l": plgpu.SMEM((ROWS,), jnp.float32),
-  }
-  return [tiles[name] for name in output_names(plan)[2:]]
-
-
-def input_names(plan: MosaicPlan) -> tuple[str, ...]:
-  """The feature operands the forward reads after q, K^T and v."""
-  names = ("q_ids", "kv_ids") if plan.token_ids else ()
-  if plan.key_positions:
-    names += ("kv_pos",)
-  if plan.additive is not None:
-    names += ("additive",)
-  if plan.sink:
-    names += ("sink",)
-  if plan.block_ranges:
-    names += ("ranges",)
-  return names
-
-
 def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
   outputs = output_names(plan)
   inputs = input_names(plan)
   batch, head, place = (lax.axis_index(n) for n in ("batch", "heads", "q"))
+  parts = jnp.int32(plan.value_parts)
+  place, part = lax.div(place, parts), lax.rem(place, parts)
   q_block, split = place, jnp.int32(0)
   if plan.blocks_per_split is not None:
     splits = jnp.int32(plan.splits)
@@ -300,33 +281,13 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
       lax.div(head, jnp.int32(plan.group)),
       q_block * ROWS,
       split,
+      part,
     )
     _block_program(block)
 
-  dtype, block_k = plan.operand_dtype, plan.block_k
-  feature_scratch = {
-    "q_ids": plgpu.SMEM((ROWS,), jnp.int32),
-    "kv_ids": plgpu.SMEM((block_k,), jnp.int32),
-    "kv_pos": plgpu.SMEM((block_k,), jnp.int32),
-    "additive": smem_tile((ROWS, block_k), jnp.float32),
-    "sink": plgpu.SMEM((ROWS,), jnp.float32),
-    "ranges": range_scratch(),
-  }
   pl.run_scoped(
     scoped,
-    smem_tile((ROWS, plan.head_dim), dtype),
-    smem_tile(
-      (2, block_k, plan.head_dim)
-      if plan.k_as_stored
-      else (2, plan.head_dim, block_k),
-      dtype,
-    ),
-    smem_tile((2, block_k, plan.value_dim), dtype),
-    smem_tile((ROWS, block_k), dtype),
-    smem_tile((ROWS, plan.value_dim), plan.o_dtype),
-    plgpu.SMEM((ROWS,), jnp.float32),
-    *(feature_scratch[name] for name in inputs),
-    *_residual_scratch(plan),
+    *(allocated(entry) for entry in scratch_layout(plan)),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
@@ -346,19 +307,26 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
   and `extra`, the operands `input_names`
   lists: token ids (q_ids [B, T], kv_ids [B, S]), key positions kv_pos
   [B, S], the additive tile [B|1, H|1, T, S] FP32 and the sink's rows
-  [H, T] FP32."""
+  [H, T] FP32. Dv is `plan.value_parts` parts of `plan.value_dim`."""
   batch, q_len, heads, _ = q.shape
+  parts = plan.value_parts
+  # Each value part is a head of its own: V [B, S, Hkv * parts, Dv /
+  # parts], the outputs [..., H * parts, ...], part p of head h at h *
+  # parts + p.
+  v = v.reshape(*v.shape[:2], v.shape[2] * parts, plan.value_dim)
   # With split-KV each output has a splits axis after the batch's.
   splits = () if plan.blocks_per_split is None else (plan.splits,)
   tile = jax.ShapeDtypeStruct(
-    (batch, *splits, q_len, heads, plan.value_dim), plan.o_dtype
+    (batch, *splits, q_len, heads * parts, plan.value_dim), plan.o_dtype
   )
-  rows = jax.ShapeDtypeStruct((batch, *splits, heads, q_len), jnp.float32)
+  rows = jax.ShapeDtypeStruct(
+    (batch, *splits, heads * parts, q_len), jnp.float32
+  )
   types = {"o": tile, "o_lo": tile, "lse": rows, "m": rows, "l": rows}
   kernel = plgpu.kernel(
     functools.partial(_kernel, plan=plan),
     out_type=tuple(types[name] for name in output_names(plan)),
-    grid=(batch, heads, q_len // ROWS * plan.splits),
+    grid=(batch, heads, q_len // ROWS * plan.splits * parts),
     grid_names=("batch", "heads", "q"),
     **(
       {"num_threads": 2, "thread_name": "wg"} if plan.warp_specialized else {}
@@ -366,4 +334,13 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_forward",
   )
-  return kernel(q, kt, v, *extra)
+  outputs = kernel(q, kt, v, *extra)
+  if parts == 1:
+    return outputs
+  # Every part computes the same row statistics: part 0's are kept.
+  return tuple(
+    x.reshape(*x.shape[:-2], heads, parts * plan.value_dim)
+    if name in ("o", "o_lo")
+    else x[..., ::parts, :]
+    for name, x in zip(output_names(plan), outputs)
+  )

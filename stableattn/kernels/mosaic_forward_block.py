@@ -16,12 +16,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stableattn.kernels.mosaic_block_math import plus_additive, sink_in_base
 from stableattn.kernels.mosaic_support import (
+  BARRIER_BYTES,
+  RANGE_WIDTH,
+  REDUCTION_SCRATCH_BYTES,
   ROWS,
   MosaicPlan,
   block_mask,
+  buffer_bytes,
   causal_block_bounds,
   column_vector,
   row_vector,
+  smem_tile,
   tile_values,
   within_range,
 )
@@ -40,22 +45,31 @@ class ForwardBlock(NamedTuple):
   kv_head: object
   q_start: object
   split: object  # split-KV's split (0 without split-KV)
+  part: object  # the value columns' part (`plan.value_parts`; else 0)
+
+  @property
+  def out_head(self):
+    """The head the outputs are stored at: the query head's part."""
+    return self.head * self.plan.value_parts + self.part
 
 
 def fetch(block: ForwardBlock, step):
   """Issues the TMA copies of key block `step` into its ring slot."""
-  slot = lax.rem(step, jnp.int32(2))
-  keys = pl.ds(step * block.plan.block_k, block.plan.block_k)
+  plan = block.plan
+  slot = lax.rem(step, jnp.int32(plan.ring_slots))
+  keys = pl.ds(step * plan.block_k, plan.block_k)
   kt_bars, v_bars = block.bars[1:3]
   refs, smem, b, h = block.refs, block.smem, block.batch, block.kv_head
+  # V's heads hold each key/value head's value parts in turn.
+  v_head = h * plan.value_parts + block.part
   k_tile = (
     refs["kt"].at[b, keys, h]
-    if block.plan.k_as_stored
+    if plan.k_as_stored
     else refs["kt"].at[b, h, :, keys]
   )
   plgpu.copy_gmem_to_smem(k_tile, smem["kt"].at[slot], kt_bars.at[slot])
   plgpu.copy_gmem_to_smem(
-    refs["v"].at[b, keys, h], smem["v"].at[slot], v_bars.at[slot]
+    refs["v"].at[b, keys, v_head], smem["v"].at[slot], v_bars.at[slot]
   )
 
 
@@ -143,19 +157,18 @@ def key_blocks(block: ForwardBlock):
 
 
 def copy_warpgroup(block: ForwardBlock):
-  """The producer: each key block's K and V into the two-slot ring as
+  """The producer: each key block's K and V into the ring as
   soon as the compute warpgroup has released the slot's previous block
   (it arrives at the slot's `consumed` barrier after its P V), then waits
   for the last releases, so that no copy outlives the kernel."""
   first, _, end = key_blocks(block)
   consumed = block.bars[3]
+  slots = jnp.int32(block.plan.ring_slots)
 
   def issue(step, carry):
-    slot = lax.rem(step, jnp.int32(2))
-
-    @pl.when(step >= first + 2)
+    @pl.when(step >= first + slots)
     def _():
-      plgpu.barrier_wait(consumed.at[slot])
+      plgpu.barrier_wait(consumed.at[lax.rem(step, slots)])
 
     fetch(block, step)
     return carry
@@ -163,7 +176,83 @@ def copy_warpgroup(block: ForwardBlock):
   lax.fori_loop(first, end, issue, jnp.int32(0))
 
   def drain(step, carry):
-    plgpu.barrier_wait(consumed.at[lax.rem(step, jnp.int32(2))])
+    plgpu.barrier_wait(consumed.at[lax.rem(step, slots)])
     return carry
 
-  lax.fori_loop(jnp.maximum(first, end - 2), end, drain, jnp.int32(0))
+  lax.fori_loop(jnp.maximum(first, end - slots), end, drain, jnp.int32(0))
+
+
+def output_names(plan: MosaicPlan) -> tuple[str, ...]:
+  """What the forward writes: O, the lse, and the residuals the policy's
+  stability options keep (`residuals.residual_names`)."""
+  names = ("o", "lse")
+  if plan.o_lo:
+    names += ("o_lo",)
+  if plan.max_sum:
+    names += ("m", "l")
+  return names
+
+
+def input_names(plan: MosaicPlan) -> tuple[str, ...]:
+  """The feature operands the forward reads after q, K^T and v."""
+  names = ("q_ids", "kv_ids") if plan.token_ids else ()
+  if plan.key_positions:
+    names += ("kv_pos",)
+  if plan.additive is not None:
+    names += ("additive",)
+  if plan.sink:
+    names += ("sink",)
+  if plan.block_ranges:
+    names += ("ranges",)
+  return names
+
+
+def scratch_layout(plan: MosaicPlan) -> list[tuple[str, tuple, object]]:
+  """The forward's shared-memory buffers in allocation order, each
+  (kind, shape, dtype): "tile" (swizzled for TMA and wgmma) or
+  "vector". Q, the K/V ring, P, O, the lse, the feature operands
+  (`input_names`), the residuals (`output_names`)."""
+  dtype, block_k, slots = plan.operand_dtype, plan.block_k, plan.ring_slots
+  f32, i32 = jnp.float32, jnp.int32
+  k_slots = (
+    (slots, block_k, plan.head_dim)
+    if plan.k_as_stored
+    else (slots, plan.head_dim, block_k)
+  )
+  extra = {
+    "q_ids": ("vector", (ROWS,), i32),
+    "kv_ids": ("vector", (block_k,), i32),
+    "kv_pos": ("vector", (block_k,), i32),
+    "additive": ("tile", (ROWS, block_k), f32),
+    "sink": ("vector", (ROWS,), f32),
+    "ranges": ("vector", (RANGE_WIDTH,), i32),
+    "o_lo": ("tile", (ROWS, plan.value_dim), plan.output_dtype),
+    "m": ("vector", (ROWS,), f32),
+    "l": ("vector", (ROWS,), f32),
+  }
+  return [
+    ("tile", (ROWS, plan.head_dim), dtype),
+    ("tile", k_slots, dtype),
+    ("tile", (slots, block_k, plan.value_dim), dtype),
+    ("tile", (ROWS, block_k), dtype),
+    ("tile", (ROWS, plan.value_dim), plan.o_dtype),
+    ("vector", (ROWS,), f32),
+    *(extra[name] for name in input_names(plan)),
+    *(extra[name] for name in output_names(plan)[2:]),
+  ]
+
+
+def allocated(entry):
+  kind, shape, dtype = entry
+  if kind == "tile":
+    return smem_tile(shape, dtype)
+  return plgpu.SMEM(shape, dtype)
+
+
+def shared_bytes(plan: MosaicPlan) -> int:
+  """The forward's shared memory per thread block, in bytes, as Mosaic
+  GPU's lowering counts it (checked against it in a test)."""
+  barriers = 6 + 2 * plan.warp_specialized + plan.block_ranges
+  buffers = sum(buffer_bytes(shape, dtype) for _, shape, dtype in
+                scratch_layout(plan))  # fmt: skip
+  return buffers + REDUCTION_SCRATCH_BYTES + BARRIER_BYTES * barriers

@@ -20,19 +20,20 @@ from stableattn.kernels.flash_attention import (
   tile_ranges,
 )
 from stableattn.kernels.kernel_config import KernelConfig
-from stableattn.kernels.mosaic_forward import input_names
+from stableattn.kernels.mosaic_forward_block import input_names, shared_bytes
 from stableattn.kernels.mosaic_support import (
   HEAD_DIM_MULTIPLE,
   RANGE_WIDTH,
   ROWS,
+  SHARED_MEMORY_BYTES,
   MosaicPlan,
 )
 
 
 def key_block(cfg: KernelConfig) -> int:
   """This path's key block: 128 where the options ask for 128 or more
-  keys, else 64."""
-  return 128 if cfg.options.block_k >= 128 else 64
+  keys and the forward fits in shared memory, else 64."""
+  return plan_of(cfg, 1).block_k
 
 
 def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
@@ -47,15 +48,44 @@ def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
   return None
 
 
+# A thread block's value columns at most: wgmma's widest N, and the 128
+# registers per thread of a 64 x 256 FP32 accumulator in one warpgroup.
+VALUE_PART_MAX = 256
+
+
+def value_parts(value_dim: int) -> tuple[int, int]:
+  """(parts, columns per part) of a value head dim: one part up to 256
+  columns, else equal parts, each a multiple of 64 (MLA's 512: 2 x 256)."""
+  padded = round_up(value_dim, HEAD_DIM_MULTIPLE)
+  parts = -(-padded // VALUE_PART_MAX)
+  return parts, round_up(-(-padded // parts), HEAD_DIM_MULTIPLE)
+
+
 def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
-  block_k = key_block(cfg)
+  """The call's plan, at the widest key block and deepest K/V ring whose
+  forward fits in an H100's shared memory (the options' key block, then
+  64 keys; two ring slots, then one); where none fits, the smallest, which
+  `mosaic_attention.refusals` refuses with its bytes."""
+  requested = 128 if cfg.options.block_k >= 128 else 64
+  for block_k in dict.fromkeys((requested, 64)):
+    for slots in (2, 1):
+      plan = _plan_at(cfg, group, block_k, slots)
+      if shared_bytes(plan) <= SHARED_MEMORY_BYTES:
+        return plan
+  return plan
+
+
+def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
   policy = cfg.policy
+  parts, part_width = value_parts(cfg.value_dim)
   return MosaicPlan(
     kv_len=cfg.kv_len,
     q_len_padded=round_up(cfg.q_len, ROWS),
     kv_len_padded=round_up(cfg.kv_len, block_k),
     head_dim=round_up(cfg.head_dim, HEAD_DIM_MULTIPLE),
-    value_dim=round_up(cfg.value_dim, HEAD_DIM_MULTIPLE),
+    value_dim=part_width,
+    value_parts=parts,
+    ring_slots=slots,
     group=group,
     block_k=block_k,
     scale=cfg.mask.scale,
@@ -146,7 +176,7 @@ def padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
   tq, tk = plan.q_len_padded, plan.kv_len_padded
   q_p = pad_to(q, tq, plan.head_dim)
   k_p = pad_to(k, tk, plan.head_dim)
-  v_p = pad_to(v, tk, plan.value_dim)
+  v_p = pad_to(v, tk, plan.padded_value_dim)
   ops_p = pad_operands(ops, tiled_config(cfg, plan))
   features = dict(
     q_ids=ops_p.q_ids,

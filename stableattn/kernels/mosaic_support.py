@@ -4,6 +4,7 @@ tiles, masks built in registers, and the interpret-mode hooks."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,14 @@ class MosaicPlan:
   # The precision policy whose stages the kernels round to
   # (`mosaic_block_math`).
   policy: Precision
+  # The forward's value head dim in this many column parts of
+  # `value_dim` each, one thread block per part (wgmma's N is at most
+  # 256, and one warpgroup's registers hold a 64 x 256 FP32 accumulator):
+  # each part recomputes S, as FlashMLA's two warpgroups share it.
+  value_parts: int = 1
+  # Slots of the forward's K/V ring: 2 (the next block's copy overlaps
+  # this block's arithmetic), or 1 where two do not fit in shared memory.
+  ring_slots: int = 2
   # (left, right) of a local window (a side None is unbounded), or None.
   window: tuple[int | None, int | None] | None = None
   softcap: float | None = None  # S = softcap * tanh(Q K^T scale / softcap)
@@ -108,6 +117,11 @@ class MosaicPlan:
     """K enters as stored, [B, S, Hkv, D], and wgmma reads it through a
     transposed shared-memory view (else K^T comes from global memory)."""
     return "k_as_stored" in self.switches
+
+  @property
+  def padded_value_dim(self) -> int:
+    """V's head dim as padded: every part's columns."""
+    return self.value_dim * self.value_parts
 
   @property
   def splits(self) -> int:
@@ -147,6 +161,25 @@ class MosaicPlan:
     # Every interpreted run is raced, and reads uninitialized shared
     # memory as NaN.
     return InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+
+
+# The most shared memory one thread block may take on an H100 or H200
+# (227 KB, opted in; CUDA C Programming Guide, compute capability 9.0):
+# what Mosaic GPU's lowering checks a kernel against without a GPU.
+SHARED_MEMORY_BYTES = 232_448
+# Mosaic GPU aligns every shared-memory buffer to this many bytes, and
+# reserves a scratch for cross-warp reductions (jax 0.10-0.11:
+# `SMEM_ALIGNMENT`, `CompilerParams.reduction_scratch_bytes`); a barrier
+# takes 8 bytes.
+BUFFER_ALIGNMENT = 1024
+REDUCTION_SCRATCH_BYTES = 2048
+BARRIER_BYTES = 8
+
+
+def buffer_bytes(shape, dtype) -> int:
+  """A shared-memory buffer's bytes as Mosaic GPU allocates them."""
+  size = math.prod(shape) * np.dtype(dtype).itemsize
+  return -(-size // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
 
 
 def smem_tile(shape, dtype):

@@ -29,7 +29,6 @@ from stableattn.kernels.flash_attention import (
   flash_attention_and_lse,
   flash_attention_with_lse,
   flash_attention_with_statistics,
-  padded_head_dim,
   quantized_flash_attention,
 )
 from stableattn.kernels.kernel_config import KernelConfig
@@ -37,6 +36,10 @@ from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
 from stableattn.ops.flash_choice import flash_path
+from stableattn.ops.triton_limits import (
+  gpu_unsupported_reason,
+  shared_memory_reason,
+)
 
 IMPLEMENTATIONS = ("pallas", "reference", "xla", "mosaic_gpu", "flash")
 # Our flash kernels: Pallas Triton, and Pallas Mosaic GPU for Hopper;
@@ -70,63 +73,19 @@ def xla_unsupported_reason(policy: Precision) -> str | None:
   return None
 
 
-def gpu_unsupported_reason(policy: Precision) -> str | None:
-  """Why the compiled GPU (Triton) kernel cannot run `policy`, or None.
-
-  Half-precision arithmetic compiles: each op runs in FP32 and its result
-  is rounded by a cast, which is a real rounding in a Triton kernel.
-  """
-  if policy.uses_fp64:
-    return (
-      f"Precision {policy.name!r} has FP64 stages, which the GPU (Triton) "
-      "kernel does not support; use interpret=True for FP64."
-    )
-  return None
-
-
-# Largest shared memory one Triton program may use on an H100/H200 (227 KiB).
-GPU_SHARED_MEMORY_BYTES = 232448
-
-
-def shared_memory_reason(policy: Precision, head_dim: int, tiles) -> str | None:
-  """Why these tiles cannot fit in a GPU's shared memory, or None.
-
-  The backward kernels hold about four tiles of the largest block size
-  (rows of Q, dO, K, V at the padded head dim) in matmul-operand format.
-  On an H100 this estimate matched Triton's request exactly where it
-  failed (FP32 operands, head dim 128, a 128-row tile: 262144 bytes) and
-  stayed below the limit for every configuration that compiled.
-  """
-  operand_bytes = policy.dtype("matmul_operands").itemsize
-  head_dim_padded = padded_head_dim(head_dim, interpret=False)
-  need = 4 * max(tiles) * head_dim_padded * operand_bytes
-  if need <= GPU_SHARED_MEMORY_BYTES:
-    return None
-  return (
-    f"Tiles {tuple(tiles)} at head dim {head_dim} with "
-    f"{policy.matmul_operands} matmul operands need about {need} bytes of "
-    f"GPU shared memory; a Triton program gets at most "
-    f"{GPU_SHARED_MEMORY_BYTES} on an H100/H200. Use tiles of at most "
-    f"{_largest_fitting_tile(head_dim_padded, operand_bytes)} (block_q, "
-    "block_k, bwd_block_q, bwd_block_k), or interpret=True."
-  )
-
-
-def _largest_fitting_tile(head_dim_padded: int, operand_bytes: int) -> int:
-  tile = 16
-  while 4 * 2 * tile * head_dim_padded * operand_bytes <= (
-    GPU_SHARED_MEMORY_BYTES
-  ):
-    tile *= 2
-  return tile
-
-
 def kernel_config(
-  options: Options, q_shape, kv_shape, mask: MaskSpec, head_dim_v=None
+  options: Options,
+  q_shape,
+  kv_shape,
+  mask: MaskSpec,
+  head_dim_v=None,
+  triton: bool = True,
 ) -> KernelConfig:
   """`options` resolved against the shapes: the kernel's static
   configuration (tiles clamped to the lengths and checked for a GPU).
-  `head_dim_v`: v's head dim where it differs from q's and k's (MLA)."""
+  `head_dim_v`: v's head dim where it differs from q's and k's (MLA).
+  `triton`: check the tiles against a Triton program's shared memory
+  (the Hopper path plans its own, `mosaic_plan.plan_of`)."""
   interpret = resolve_interpret(options.interpret)
   for_gpu = not interpret
   q_len, kv_len = q_shape[1], kv_shape[1]
@@ -158,11 +117,13 @@ def kernel_config(
       f"{block_k}: a split is a run of whole key blocks."
     )
   if for_gpu:
-    reason = gpu_unsupported_reason(policy) or shared_memory_reason(
-      policy,
-      max(q_shape[3], head_dim_v or 0),
-      (block_q, block_k, bwd_block_q, bwd_block_k),
-    )
+    reason = gpu_unsupported_reason(policy)
+    if triton and not reason:
+      reason = shared_memory_reason(
+        policy,
+        max(q_shape[3], head_dim_v or 0),
+        (block_q, block_k, bwd_block_q, bwd_block_k),
+      )
     if reason:
       raise ValueError(reason)
   resolved = dataclasses.replace(
@@ -297,11 +258,14 @@ def attention(
   require_x64_if_needed(options.precision)
   q, k, v = validate_inputs(q, k, v)
   spec, ops = features.split(q.shape, k.shape)
-  cfg = kernel_config(options, q.shape, k.shape, spec, v.shape[3])
+  shapes = (q.shape, k.shape, spec, v.shape[3])
+  cfg = kernel_config(options, *shapes, triton=implementation == "pallas")
   if implementation == "flash":
     implementation = flash_path(cfg, options)
     if return_statistics:  # the Triton path's alone
       implementation = "pallas"
+    if implementation == "pallas":  # its tiles must fit a Triton program
+      cfg = kernel_config(options, *shapes)
   _check_implementation_options(implementation, cfg, return_lse)
   check_flag("return_statistics", return_statistics)
   if cfg.options.center_kv:
