@@ -40,6 +40,36 @@ def _f64(x):
   return np.asarray(jnp.asarray(x).astype(jnp.float64))
 
 
+# The presets the Hopper path runs: every one with 16-bit operands.
+HOPPER_PRESETS = [
+  p
+  for p in NON_FP64
+  if sa.Precision.from_name(p).matmul_operands in ("bf16", "fp16")
+]
+
+
+def _split_error_and_limit(preset, index, implementation, tiles):
+  """FlashAttention-3's KV-cache test on one preset: (error of split-KV
+  decoding against FP64, 2x the same-policy baseline's + 1e-5); the two
+  split schedules alternate with `index`."""
+  q, k, v = _decode_inputs(index)
+  schedule = {"num_splits": 3} if index % 2 else {"split_size": 64}
+  policy = sa.Precision.from_name(preset)
+  if policy.softmax_stats != "fp32":
+    policy = policy.with_stage(softmax_stats="fp32")
+  golden = sa.golden_attention(q, k, v, **DECODE)
+  split = sa.attention(
+    q, k, v, implementation=implementation, precision=policy, **tiles,
+    **schedule, **DECODE,
+  )  # fmt: skip
+  baseline = sa.attention(
+    q, k, v, implementation="reference", precision=policy, **DECODE
+  )
+  error = float(np.max(np.abs(_f64(split) - golden)))
+  limit = 2 * float(np.max(np.abs(_f64(baseline) - golden))) + 1e-5
+  return error, limit
+
+
 @pytest.mark.parametrize("preset", sampled(NON_FP64, 3))
 def test_split_kv_passes_flashattention_kv_cache_rule(preset):
   """FlashAttention-3's KV-cache test: error against FP64 at most twice the
@@ -51,18 +81,16 @@ def test_split_kv_passes_flashattention_kv_cache_rule(preset):
   every real split-KV kernel.
   """
   index = NON_FP64.index(preset)
-  q, k, v = _decode_inputs(index)
-  schedule = {"num_splits": 3} if index % 2 else {"split_size": 64}
-  policy = sa.Precision.from_name(preset)
-  if policy.softmax_stats != "fp32":
-    policy = policy.with_stage(softmax_stats="fp32")
-  golden = sa.golden_attention(q, k, v, **DECODE)
-  split = sa.attention(q, k, v, precision=policy, **TILES, **schedule, **DECODE)
-  baseline = sa.attention(
-    q, k, v, implementation="reference", precision=policy, **DECODE
-  )
-  error = float(np.max(np.abs(_f64(split) - golden)))
-  limit = 2 * float(np.max(np.abs(_f64(baseline) - golden))) + 1e-5
+  error, limit = _split_error_and_limit(preset, index, "pallas", TILES)
+  assert np.isfinite(error) and error <= limit, (preset, error, limit)
+
+
+@pytest.mark.parametrize("preset", sampled(HOPPER_PRESETS, 1))
+def test_hopper_split_kv_passes_flashattention_kv_cache_rule(preset):
+  """The same rule on the Hopper path, for every preset it runs (its
+  own tiles; split_size a multiple of its 64-key block)."""
+  index = HOPPER_PRESETS.index(preset)
+  error, limit = _split_error_and_limit(preset, index, "mosaic_gpu", {})
   assert np.isfinite(error) and error <= limit, (preset, error, limit)
 
 

@@ -83,7 +83,9 @@ def test_pallas_mla_forward_and_backward_match_the_emulator(preset, causal):
     check_against_emulator(w, np.asarray(g, np.float64), preset, name)
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "reference"])
+@pytest.mark.parametrize(
+  "implementation", ["pallas", "mosaic_gpu", "reference"]
+)
 def test_deepseek_head_dims_meet_flashattentions_rule(implementation):
   """192/128 at BF16, forward and backward, against FP64 beside eager
   attention's error under the same inputs."""
@@ -114,6 +116,33 @@ def test_deepseek_head_dims_meet_flashattentions_rule(implementation):
       golden[i], ours[i], eager[i], "bf16", gradient=i > 0
     )
     assert verdict.passed, (name, verdict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas", "mosaic_gpu"])
+def test_absorbed_mla_decoding_meets_flashattentions_rule(implementation):
+  """576/512, one query of 16 heads over one latent head and a cache of
+  each example's own length, at BF16: the output against FP64 beside
+  eager attention's (the Hopper path in two value parts of 256)."""
+  rng = np.random.default_rng(4)
+  shapes = ((2, 1, 16, 576), (2, 200, 1, 576), (2, 200, 1, 512))
+  args = [jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes]
+  rounded = [np.asarray(x, np.float64) for x in args]
+  lengths = np.array([150, 200], np.int32)
+  golden = sa.golden_attention(*rounded, key_value_seq_lengths=lengths)
+
+  def run(implementation, precision):
+    out = sa.attention(
+      *args, implementation=implementation, precision=precision,
+      key_value_seq_lengths=lengths,
+    )  # fmt: skip
+    return np.asarray(out, np.float64)
+
+  eager = run("reference", "bf16-framework")
+  verdict = flashattention_rule(
+    golden, run(implementation, "bf16-fa2"), eager, "bf16", gradient=False
+  )
+  assert verdict.passed, verdict
 
 
 def test_where_mla_cannot_run_it_is_refused_in_one_line():

@@ -207,14 +207,6 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
       f"split_size={split_size}: a multiple of this path's key block "
       f"({key_block(cfg)})"
     )
-  if cfg.blocks_per_split is not None and (
-    policy.delta_source == "hi_lo" or policy.softmax_residuals == "max_sum"
-  ):
-    why.append(
-      "split-KV with a stable preset's residuals (delta_source=hi_lo, "
-      "softmax_residuals=max_sum): the splits are merged by lse only, as "
-      "on the Triton path"
-    )
   plan = plan_of(cfg, 1)
   needs = shared_bytes(plan)
   if needs > SHARED_MEMORY_BYTES:
@@ -310,6 +302,7 @@ def mosaic_flash_attention_and_lse(q, k, v, ops, cfg: KernelConfig):
 
 
 def _and_lse_fwd(q, k, v, ops, cfg):
+  _check_differentiable(cfg)
   out, residuals = _forward(q, k, v, ops, cfg)
   return (out, residuals[-2][:, :, : cfg.q_len]), (residuals, ops)
 
@@ -318,7 +311,25 @@ def _and_lse_bwd(cfg: KernelConfig, saved, cotangents):
   return _bwd(cfg, saved, cotangents[0])
 
 
+def _check_differentiable(cfg: KernelConfig) -> None:
+  """Split-KV merges its splits by lse alone (`merge_splits`), so a
+  stable preset's residuals (m and l apart, O's rounding residual) do
+  not exist for the backward: refused as on the Triton path
+  (`residuals.residual_specs`); the forward runs."""
+  policy = cfg.policy
+  stable = policy.delta_source == "hi_lo" or policy.softmax_residuals == (
+    "max_sum"
+  )
+  if stable and (cfg.options.num_splits or cfg.options.split_size):
+    raise ValueError(
+      f"precision {policy.name!r} keeps residuals for a stable backward, "
+      "which split-KV (num_splits, split_size) does not produce: drop the "
+      "split options or the stability options."
+    )
+
+
 def _fwd(q, k, v, ops, cfg):
+  _check_differentiable(cfg)
   out, residuals = _forward(q, k, v, ops, cfg)
   return out, (residuals, ops)
 

@@ -77,6 +77,7 @@ def plan_of(cfg: KernelConfig, group: int) -> MosaicPlan:
 
 def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
   policy = cfg.policy
+  split = _blocks_per_split(cfg, block_k) is not None
   parts, part_width = value_parts(cfg.value_dim)
   return MosaicPlan(
     kv_len=cfg.kv_len,
@@ -91,8 +92,9 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     scale=cfg.mask.scale,
     exp2=policy.exp2,
     rounded_sum=policy.softmax_sum == "rounded_probs",
-    o_lo=policy.delta_source == "hi_lo",
-    max_sum=policy.softmax_residuals == "max_sum",
+    # Split-KV's merge keeps neither residual (the backward refuses it).
+    o_lo=policy.delta_source == "hi_lo" and not split,
+    max_sum=policy.softmax_residuals == "max_sum" and not split,
     ds_hi_lo=policy.ds_for_dq == "hi_lo",
     operand_dtype=np.dtype(policy.dtype("matmul_operands")),
     output_dtype=np.dtype(policy.dtype("output")),
