@@ -399,7 +399,8 @@ def test_flash_is_the_triton_path_in_interpret_mode_bit_for_bit():
     ({"causal": True, "local_window_size": (32, 0)}, "mosaic_gpu"),
     ({"precision": "fp32"}, "pallas"),  # wgmma takes 16-bit operands here
     ({"bias": np.zeros((1, 1, 128, 128), np.float32)}, "mosaic_gpu"),
-    ({"precision": "bf16-fa2-stable", "num_splits": 2}, "pallas"),
+    ({"precision": "bf16", "num_splits": 2}, "mosaic_gpu"),  # every stage
+    ({"precision": "bf16-fa2+key_order=reversed"}, "pallas"),
     ({"block_q": 128}, "pallas"),  # not one warpgroup's rows
   ],
   ids=str,

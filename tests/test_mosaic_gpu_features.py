@@ -292,30 +292,50 @@ def test_a_forward_over_shared_memory_is_refused_with_its_bytes():
     _lowered_forward(bias=bias)
 
 
-def test_the_shared_memory_count_is_mosaic_gpus_own(monkeypatch, request):
-  """With the budget lifted the plan keeps two ring slots, which Mosaic
-  GPU's lowering refuses, naming its count: the plan's, byte for byte."""
+@pytest.mark.parametrize(
+  "dims, keywords",
+  [
+    ((576, 512), {"key_value_seq_lengths": np.array([230, 300], np.int32)}),
+    # Two compute warpgroups: each its own Q, P, O; one ring.
+    ((256, 256), {"hopper_form": "two_consumers", "block_k": 128}),
+  ],
+  ids=["mla-lengths", "two-consumers-d256"],
+)
+def test_the_shared_memory_count_is_mosaic_gpus_own(
+  monkeypatch, request, dims, keywords
+):
+  """With the budget lifted a plan that does not fit is kept, which
+  Mosaic GPU's lowering refuses, naming its count: the plan's, byte for
+  byte."""
   import re
 
+  from stableattn.harness.cuda_lowering import lowered_for_cuda
   from stableattn.kernels import mosaic_attention, mosaic_plan
   from stableattn.kernels.mosaic_forward_block import shared_bytes
+  from stableattn.ops import dispatch
 
   for module in (mosaic_attention, mosaic_plan):
     monkeypatch.setattr(module, "SHARED_MEMORY_BYTES", 10**9)
   # Traces at either budget must not outlive their budget.
   jax.clear_caches()
   request.addfinalizer(jax.clear_caches)
-  lengths = np.array([230, 300], np.int32)
-  q, k, v = _mla_decode_shapes()
-  spec, _ = sa.Features(key_value_seq_lengths=lengths).split(q.shape, k.shape)
-  cfg = sa.ops.dispatch.kernel_config(
-    sa.Options(interpret=False), q.shape, k.shape, spec, 512, triton=False
-  )
+  d, dv = dims
+  q = jax.ShapeDtypeStruct((2, 128, 16, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 300, 1, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, 300, 1, dv), jnp.bfloat16)
+  kwargs = dict(interpret=False, **keywords)
+  options, features = dispatch.split_keywords(None, None, kwargs)
+  spec, _ = features.split(q.shape, k.shape)
+  cfg = dispatch.kernel_config(options, q.shape, k.shape, spec, dv, False)
   plan = mosaic_plan.plan_of(cfg, 16)
-  assert (plan.ring_slots, plan.value_parts) == (2, 2)
+  assert plan.ring_slots == 2 and shared_bytes(plan) > 232_448
+
+  def forward(q, k, v):
+    return sa.attention(q, k, v, implementation="mosaic_gpu", **kwargs)
+
   with pytest.raises(ValueError, match="exceeds available shared memory"):
     try:
-      _lowered_forward(key_value_seq_lengths=lengths)
+      lowered_for_cuda(jax.jit(forward), q, k, v)
     except ValueError as error:
       counted = re.search(r"smem_bytes=(\d+)", str(error))
       assert counted and int(counted.group(1)) == shared_bytes(plan)

@@ -25,6 +25,7 @@ _inputs = hopper_check.inputs
   "form",
   [
     "warp_specialized",
+    "two_consumers",
     "k_as_stored",
     "p_in_registers",
     "accumulate_in_place",
@@ -57,23 +58,50 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
     np.testing.assert_array_equal(out(form), out("interpreter"))
 
 
-def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths():
-  """FlashAttention-3's producer and consumer (a copy warpgroup filling
-  the K/V ring, slots released by barriers the compute warpgroup arrives
-  at) on both examples' key lengths: no race under the interpreter's
-  detector, and the interpreter form's values and gradients bit for
-  bit."""
+@pytest.mark.parametrize(
+  "form, case_name",
+  [
+    ("warp_specialized", "key-lengths-d48"),
+    # two_consumers: on a GPU (below); jax's interpreter stalls on it.
+  ],
+)
+def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths(
+  form, case_name
+):
+  """FlashAttention-3's producer and consumers (a copy warpgroup filling
+  the K/V ring, slots released by barriers every compute warpgroup
+  arrives at; with `two_consumers`, two of them on 64 rows each, meeting
+  at a rendezvous barrier one step apart: the ping-pong) on both
+  examples' key lengths: no race under the interpreter's detector, and
+  the interpreter form's values and gradients bit for bit."""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-  case = CASES["key-lengths-d48"]
+  case = CASES[case_name]
   assert _inputs(case)[0][1].shape[0] == 2
   gpu_callbacks.reset_gpu_interpret_mode_state()
-  ours = hopper_check.value_and_grads(
-    "mosaic_gpu", case, hopper_form="warp_specialized"
-  )
+  ours = hopper_check.value_and_grads("mosaic_gpu", case, hopper_form=form)
   assert gpu_callbacks.get_races().races_found is False
   gpu_callbacks.reset_gpu_interpret_mode_state()
   for a, b in zip(ours, hopper_check.value_and_grads("mosaic_gpu", case)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_name", ["key-lengths-d48", "causal-gqa"])
+def test_two_consumers_compiled_is_the_one_warpgroup_kernel_bit_for_bit(
+  case_name,
+):
+  """FlashAttention-3's two compute warpgroups in ping-pong, compiled:
+  each row's arithmetic is the one-warpgroup kernel's, so values and
+  gradients are bit for bit. Causal: the first warpgroup's 64 rows need
+  fewer key blocks than the second's, so it waits for, meets at and
+  releases the rest."""
+  case = CASES[case_name]
+  ours = hopper_check.value_and_grads(
+    "mosaic_gpu", case, hopper_form="two_consumers", interpret=False
+  )
+  base = hopper_check.value_and_grads("mosaic_gpu", case, interpret=False)
+  for a, b in zip(ours, base):
     np.testing.assert_array_equal(a, b)
 
 

@@ -24,6 +24,7 @@ SCHEMES = ("fa2", "fa1")
 # runs (`kernels.mosaic_forward`).
 HOPPER_SWITCHES = (
   "warp_specialized",
+  "two_consumers",
   "k_as_stored",
   "p_in_registers",
   "accumulate_in_place",

@@ -105,10 +105,17 @@ def interpreter_lacks() -> dict[str, str]:
   of them lower for sm_90. Measured: jax 0.10.2's interpreter has no
   rule for a transposed shared-memory view ("'TransposeTransform' object
   has no attribute 'indices'"), jax 0.11.2's runs it (bit for bit with
-  K^T from global memory); neither takes wgmma's A from registers
+  K^T from global memory); two compute warpgroups beside the copy one
+  stall it; neither takes wgmma's A from registers
   ("Expected shape (5,) but got (64, 64)") or accumulates in place (0.10:
   "Higher-order primitive run_state"; 0.11: no CPU rule for 'wgmma')."""
   lacks = {
+    # Measured on a 2-core CPU: bit for bit with the one-warpgroup kernel
+    # and race-free where it finishes, but 1 run in 10 stalled there, and
+    # every run on one core (as did warp_specialized's two warpgroups,
+    # while one warpgroup runs): warpgroups blocked in barrier waits.
+    "two_consumers": "three warpgroups without stalling (1 run in 10 "
+    "stalled on 2 cores, every run on 1)",
     "p_in_registers": "wgmma's A operand from registers",
     "accumulate_in_place": "wgmma accumulating into a running accumulator "
     "(pl.run_state)",

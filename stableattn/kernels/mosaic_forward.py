@@ -47,6 +47,7 @@ from stableattn.kernels.mosaic_block_math import (
   rescaled,
 )
 from stableattn.kernels.mosaic_forward_block import (
+  SHARED_BUFFERS,
   ForwardBlock,
   added,
   allocated,
@@ -58,6 +59,7 @@ from stableattn.kernels.mosaic_forward_block import (
   output_names,
   scratch_layout,
   sink_logits,
+  visited,
 )
 from stableattn.kernels.mosaic_support import (
   ROWS,
@@ -126,6 +128,8 @@ def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
     def _():
       fetch(block, j + 1)
 
+  if plan.consumers > 1:
+    _rendezvous(block)
   plgpu.barrier_wait(block.bars[1].at[slot])
   s = _scores((ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan)
   s = added(block, s, j * plan.block_k)
@@ -203,19 +207,44 @@ def _initial_carry(value_dim: int, sink=None, first_split=None):
   )
 
 
-def _block_program(block: ForwardBlock):
-  if not block.plan.warp_specialized:
-    _compute(block)
+def _rendezvous(block: ForwardBlock):
+  """Both compute warpgroups meet here (FlashAttention-3's ping-pong:
+  the second starts one rendezvous behind, so one's wgmma runs while the
+  other's softmax does)."""
+  plgpu.barrier_arrive(block.bars[-1])
+  plgpu.barrier_wait(block.bars[-1])
+
+
+def _passed(block: ForwardBlock, j, carry):
+  """Key block j, which another compute warpgroup needs and this one
+  does not: waited for, met at, released."""
+  slot = lax.rem(j, jnp.int32(block.plan.ring_slots))
+  _rendezvous(block)
+  plgpu.barrier_wait(block.bars[1].at[slot])
+  plgpu.barrier_wait(block.bars[2].at[slot])
+  plgpu.barrier_arrive(block.bars[3].at[slot])
+  return carry
+
+
+def _block_program(blocks):
+  plan = blocks[0].plan
+  if not plan.warp_specialized:
+    _compute(blocks[0])
     return
-  # FlashAttention-3's producer and consumer: warpgroup 1 copies by TMA,
-  # warpgroup 0 computes.
+  # FlashAttention-3's producer and consumers: the last warpgroup copies
+  # by TMA, the others compute.
   warpgroup = lax.axis_index("wg")
-  pl.when(warpgroup == 1)(lambda: copy_warpgroup(block))
-  pl.when(warpgroup == 0)(lambda: _compute(block))
+  pl.when(warpgroup == plan.consumers)(lambda: copy_warpgroup(blocks))
+  union = visited(blocks) if plan.consumers > 1 else None
+  for block in blocks:
+    compute = functools.partial(_compute, block, union)
+    pl.when(warpgroup == block.consumer)(compute)
 
 
-def _compute(block: ForwardBlock):
-  """The FlashAttention-2 pass over the key blocks, and the store."""
+def _compute(block: ForwardBlock, union=None):
+  """The FlashAttention-2 pass over the key blocks, and the store; with
+  two compute warpgroups, every block of `union` (the ring's) is waited
+  for and released, and those outside this warpgroup's bounds skipped."""
   plan, smem = block.plan, block.smem
   q_bar = block.bars[0]
   rows = pl.ds(block.q_start, ROWS)
@@ -242,11 +271,20 @@ def _compute(block: ForwardBlock):
   step = functools.partial(_step, block, end, q_ids)
   first_split = None if plan.blocks_per_split is None else block.split == 0
   carry = _initial_carry(plan.value_dim, sink, first_split)
+  passed = functools.partial(_passed, block)
+  if union is not None:
+    if block.consumer == 1:
+      _rendezvous(block)
+    lax.fori_loop(union[0], first, passed, jnp.int32(0))
   # Blocks every pair of which attends, then those that need the mask.
   carry = lax.fori_loop(
     first, full, functools.partial(step, masked=False), carry
   )
   carry = lax.fori_loop(full, end, functools.partial(step, masked=True), carry)
+  if union is not None:
+    lax.fori_loop(end, union[1], passed, jnp.int32(0))
+    if block.consumer == 0:
+      _rendezvous(block)
   _store(block, carry)
 
 
@@ -268,33 +306,52 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     **dict(zip(inputs, refs)),
     **dict(zip(outputs, refs[len(inputs) :])),
   )
-  names = ("q", "kt", "v", "p", "o", "lse", *inputs, *outputs[2:])
+  layout = scratch_layout(plan)
+  shared = [name for name in layout if name in SHARED_BUFFERS]
+  own = [name for name in layout if name not in SHARED_BUFFERS]
+  consumers = plan.consumers
 
   def scoped(*buffers):
-    block = ForwardBlock(
-      plan,
-      global_refs,
-      dict(zip(names, buffers[: len(names)])),
-      buffers[len(names) :],
-      batch,
-      head,
-      lax.div(head, jnp.int32(plan.group)),
-      q_block * ROWS,
-      split,
-      part,
-    )
-    _block_program(block)
+    taken = iter(buffers)
+    ring = {name: next(taken) for name in shared}
+    owns = [{name: next(taken) for name in own} for _ in range(consumers)]
+    q_bars = [next(taken) for _ in range(consumers)]
+    bars = tuple(taken)  # K's, V's, [releases], [range's], [rendezvous]
+    blocks = [
+      ForwardBlock(
+        plan,
+        global_refs,
+        {**ring, **owns[c]},
+        (q_bars[c], *bars),
+        batch,
+        head,
+        lax.div(head, jnp.int32(plan.group)),
+        q_block * plan.block_rows + c * ROWS,
+        split,
+        part,
+        c,
+      )
+      for c in range(consumers)
+    ]
+    _block_program(blocks)
 
   pl.run_scoped(
     scoped,
-    *(allocated(entry) for entry in scratch_layout(plan)),
+    *(allocated(layout[name]) for name in shared),
+    *(allocated(layout[name]) for _ in range(consumers) for name in own),
+    *(plgpu.Barrier(num_barriers=2) for _ in range(consumers)),
     plgpu.Barrier(num_barriers=2),
     plgpu.Barrier(num_barriers=2),
-    plgpu.Barrier(num_barriers=2),
-    # The compute warpgroup's releases of the ring's slots.
-    *((plgpu.Barrier(num_barriers=2),) if plan.warp_specialized else ()),
+    # The compute warpgroups' releases of the ring's slots.
+    *(
+      (plgpu.Barrier(num_arrivals=consumers, num_barriers=2),)
+      if plan.warp_specialized
+      else ()
+    ),
     # The read of the block's range.
     *((plgpu.Barrier(num_barriers=1),) if plan.block_ranges else ()),
+    # The compute warpgroups' rendezvous.
+    *((plgpu.Barrier(num_arrivals=2),) if consumers > 1 else ()),
     **({"collective_axes": "wg"} if plan.warp_specialized else {}),
   )
 
@@ -326,10 +383,12 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
   kernel = plgpu.kernel(
     functools.partial(_kernel, plan=plan),
     out_type=tuple(types[name] for name in output_names(plan)),
-    grid=(batch, heads, q_len // ROWS * plan.splits * parts),
+    grid=(batch, heads, q_len // plan.block_rows * plan.splits * parts),
     grid_names=("batch", "heads", "q"),
     **(
-      {"num_threads": 2, "thread_name": "wg"} if plan.warp_specialized else {}
+      {"num_threads": plan.consumers + 1, "thread_name": "wg"}
+      if plan.warp_specialized
+      else {}
     ),
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_forward",

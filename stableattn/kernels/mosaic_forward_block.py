@@ -7,6 +7,7 @@ tile, the sink)."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ class ForwardBlock(NamedTuple):
   q_start: object
   split: object  # split-KV's split (0 without split-KV)
   part: object  # the value columns' part (`plan.value_parts`; else 0)
+  consumer: int = 0  # the compute warpgroup (`plan.consumers`)
 
   @property
   def out_head(self):
@@ -156,12 +158,22 @@ def key_blocks(block: ForwardBlock):
   return first, full, end
 
 
-def copy_warpgroup(block: ForwardBlock):
-  """The producer: each key block's K and V into the ring as
-  soon as the compute warpgroup has released the slot's previous block
-  (it arrives at the slot's `consumed` barrier after its P V), then waits
-  for the last releases, so that no copy outlives the kernel."""
-  first, _, end = key_blocks(block)
+def visited(blocks) -> tuple:
+  """(first, end): the key blocks any of the thread block's compute
+  warpgroups visits, which the copy warpgroup fills the ring with."""
+  bounds = [key_blocks(block) for block in blocks]
+  first = functools.reduce(jnp.minimum, [b[0] for b in bounds])
+  end = functools.reduce(jnp.maximum, [b[2] for b in bounds])
+  return first, jnp.maximum(end, first)
+
+
+def copy_warpgroup(blocks):
+  """The producer: each key block's K and V into the ring as soon as
+  every compute warpgroup has released the slot's previous block (each
+  arrives at the slot's `consumed` barrier after its P V), then waits for
+  the last releases, so that no copy outlives the kernel."""
+  block = blocks[0]  # the ring and its barriers are every consumer's
+  first, end = visited(blocks)
   consumed = block.bars[3]
   slots = jnp.int32(block.plan.ring_slots)
 
@@ -207,11 +219,16 @@ def input_names(plan: MosaicPlan) -> tuple[str, ...]:
   return names
 
 
-def scratch_layout(plan: MosaicPlan) -> list[tuple[str, tuple, object]]:
-  """The forward's shared-memory buffers in allocation order, each
-  (kind, shape, dtype): "tile" (swizzled for TMA and wgmma) or
+# The forward's buffers every compute warpgroup shares: the K/V ring.
+SHARED_BUFFERS = ("kt", "v")
+
+
+def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
+  """The forward's shared-memory buffers by name, in allocation order,
+  each (kind, shape, dtype): "tile" (swizzled for TMA and wgmma) or
   "vector". Q, the K/V ring, P, O, the lse, the feature operands
-  (`input_names`), the residuals (`output_names`)."""
+  (`input_names`), the residuals (`output_names`); each but the ring is
+  one compute warpgroup's (`SHARED_BUFFERS`)."""
   dtype, block_k, slots = plan.operand_dtype, plan.block_k, plan.ring_slots
   f32, i32 = jnp.float32, jnp.int32
   k_slots = (
@@ -230,16 +247,16 @@ def scratch_layout(plan: MosaicPlan) -> list[tuple[str, tuple, object]]:
     "m": ("vector", (ROWS,), f32),
     "l": ("vector", (ROWS,), f32),
   }
-  return [
-    ("tile", (ROWS, plan.head_dim), dtype),
-    ("tile", k_slots, dtype),
-    ("tile", (slots, block_k, plan.value_dim), dtype),
-    ("tile", (ROWS, block_k), dtype),
-    ("tile", (ROWS, plan.value_dim), plan.o_dtype),
-    ("vector", (ROWS,), f32),
-    *(extra[name] for name in input_names(plan)),
-    *(extra[name] for name in output_names(plan)[2:]),
-  ]
+  names = (*input_names(plan), *output_names(plan)[2:])
+  return {
+    "q": ("tile", (ROWS, plan.head_dim), dtype),
+    "kt": ("tile", k_slots, dtype),
+    "v": ("tile", (slots, block_k, plan.value_dim), dtype),
+    "p": ("tile", (ROWS, block_k), dtype),
+    "o": ("tile", (ROWS, plan.value_dim), plan.o_dtype),
+    "lse": ("vector", (ROWS,), f32),
+    **{name: extra[name] for name in names},
+  }
 
 
 def allocated(entry):
@@ -249,10 +266,26 @@ def allocated(entry):
   return plgpu.SMEM(shape, dtype)
 
 
+def barrier_count(plan: MosaicPlan) -> int:
+  """The forward's barriers: each compute warpgroup's Q and feature
+  copies (two), K's and V's per ring slot (two each, as allocated), the
+  ring's releases with a copy warpgroup, the range's read, and the
+  compute warpgroups' rendezvous."""
+  return (
+    2 * plan.consumers
+    + 4
+    + 2 * plan.warp_specialized
+    + plan.block_ranges
+    + (plan.consumers > 1)
+  )
+
+
 def shared_bytes(plan: MosaicPlan) -> int:
   """The forward's shared memory per thread block, in bytes, as Mosaic
   GPU's lowering counts it (checked against it in a test)."""
-  barriers = 6 + 2 * plan.warp_specialized + plan.block_ranges
-  buffers = sum(buffer_bytes(shape, dtype) for _, shape, dtype in
-                scratch_layout(plan))  # fmt: skip
-  return buffers + REDUCTION_SCRATCH_BYTES + BARRIER_BYTES * barriers
+  buffers = sum(
+    buffer_bytes(shape, dtype)
+    * (1 if name in SHARED_BUFFERS else plan.consumers)
+    for name, (_, shape, dtype) in scratch_layout(plan).items()
+  )
+  return buffers + REDUCTION_SCRATCH_BYTES + BARRIER_BYTES * barrier_count(plan)

@@ -81,7 +81,7 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
   parts, part_width = value_parts(cfg.value_dim)
   return MosaicPlan(
     kv_len=cfg.kv_len,
-    q_len_padded=round_up(cfg.q_len, ROWS),
+    q_len_padded=round_up(cfg.q_len, ROWS * _consumers(cfg)),
     kv_len_padded=round_up(cfg.kv_len, block_k),
     head_dim=round_up(cfg.head_dim, HEAD_DIM_MULTIPLE),
     value_dim=part_width,
@@ -116,8 +116,13 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     # not in the warp-specialized forward, whose two warpgroups reading
     # their ranges hung jax 0.10.2's interpreter (docs/performance.md).
     block_ranges=(cfg.mask.token_ids or cfg.mask.key_positions)
-    and "warp_specialized" not in hopper_switches(cfg.options.hopper_form),
+    and not {"warp_specialized", "two_consumers"}
+    & set(hopper_switches(cfg.options.hopper_form)),
   )
+
+
+def _consumers(cfg: KernelConfig) -> int:
+  return 2 if "two_consumers" in hopper_switches(cfg.options.hopper_form) else 1
 
 
 def _additive_broadcast(spec) -> tuple[bool, bool] | None:
@@ -134,9 +139,9 @@ def tiled_config(cfg: KernelConfig, plan: MosaicPlan) -> KernelConfig:
   serve this path too."""
   options = dataclasses.replace(
     cfg.options,
-    block_q=ROWS,
+    block_q=plan.block_rows,
     block_k=plan.block_k,
-    bwd_block_q=ROWS,
+    bwd_block_q=plan.block_rows,
     bwd_block_k=plan.block_k,
   )
   return dataclasses.replace(cfg, options=options)

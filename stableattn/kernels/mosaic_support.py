@@ -107,10 +107,22 @@ class MosaicPlan:
   switches: tuple[str, ...] = ()
 
   @property
+  def consumers(self) -> int:
+    """Compute warpgroups per thread block, each on its own 64 query rows
+    over the same K/V ring: 2 with the `two_consumers` switch
+    (FlashAttention-3's ping-pong), else 1."""
+    return 2 if "two_consumers" in self.switches else 1
+
+  @property
   def warp_specialized(self) -> bool:
-    """A copy warpgroup fills the K/V ring while the compute warpgroup
-    computes (FlashAttention-3's producer and consumer)."""
-    return "warp_specialized" in self.switches
+    """A copy warpgroup fills the K/V ring while the compute warpgroups
+    compute (FlashAttention-3's producer and consumers)."""
+    return "warp_specialized" in self.switches or self.consumers > 1
+
+  @property
+  def block_rows(self) -> int:
+    """Query rows per thread block."""
+    return ROWS * self.consumers
 
   @property
   def k_as_stored(self) -> bool:
