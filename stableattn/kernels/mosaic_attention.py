@@ -222,12 +222,6 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
       f"forward needs {needs:,} bytes of shared memory at 64-key blocks "
       f"and one ring slot; an H100's block has {SHARED_MEMORY_BYTES:,}"
     )
-  if plan.warp_specialized and plan.ring_slots == 1:
-    why.append(
-      "hopper_form switch warp_specialized with one ring slot (these head "
-      "dims fill shared memory): the copy warpgroup would wait on every "
-      "block"
-    )
   return why
 
 

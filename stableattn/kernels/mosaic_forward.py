@@ -8,7 +8,10 @@ softmax (one slot where two do not fit, as at MLA's 576/512: the next
 copy follows P V).
 With the `warp_specialized` switch a second warpgroup issues the copies
 (FlashAttention-3's producer), refilling a slot once the compute
-warpgroup has arrived at the slot's release barrier.
+warpgroup has arrived at the slot's release barrier; with
+`two_consumers` a block takes 128 rows, two compute warpgroups 64 each
+over the one ring, meeting one step apart (FlashAttention-3's
+ping-pong).
 S = Q K^T and O += P V are wgmma with FP32 accumulators. The steps are
 FlashAttention-2's in the order `pallas_forward` takes them, each rounded
 where the policy says (`mosaic_attention` lists what this path honours).

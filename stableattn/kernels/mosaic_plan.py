@@ -91,7 +91,6 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     block_k=block_k,
     scale=cfg.mask.scale,
     exp2=policy.exp2,
-    rounded_sum=policy.softmax_sum == "rounded_probs",
     # Split-KV's merge keeps neither residual (the backward refuses it).
     o_lo=policy.delta_source == "hi_lo" and not split,
     max_sum=policy.softmax_residuals == "max_sum" and not split,

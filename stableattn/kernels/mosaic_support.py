@@ -61,7 +61,6 @@ class MosaicPlan:
   block_k: int
   scale: float  # the score scale, natural base
   exp2: bool  # the forward's softmax in base 2 (log2(e) in the scale)
-  rounded_sum: bool  # l sums P rounded to the probs format
   o_lo: bool  # the forward also writes O - round(O) (delta_source=hi_lo)
   max_sum: bool  # m and l kept apart (softmax_residuals=max_sum)
   ds_hi_lo: bool  # dQ takes dS as dS_hi + dS_lo (ds_for_dq=hi_lo)
