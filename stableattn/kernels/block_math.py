@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from stableattn.contract.masking import logits_in_base, scores
+from stableattn.contract.masking import logits_in_base, scores, softcap_slope
 from stableattn.numerics.formats import format_name
 from stableattn.numerics.rounding import PolicyArithmetic
 
@@ -196,23 +196,49 @@ def stored_lse(m, l_sum, ar: PolicyArithmetic, base2: bool = False):
   return stats(lse2 * jnp.asarray(math.log(2.0), lse2.dtype))
 
 
-def recomputed_probs(s_BqxBk, stats_Bq, ar: PolicyArithmetic):
+def _per_row(vector_Bq, shape):
+  """A per-row vector placed on a tile of `shape` (by broadcasting)."""
+  return vector_Bq[:, None]
+
+
+def recomputed_probs(s_BqxBk, stats_Bq, ar: PolicyArithmetic, per_row=_per_row):
   """P from the scores and the forward's softmax residuals: (lse,) gives
   exp(s - lse); (m, l) gives exp(s - m) * (1 / l) (the policy option
   softmax_residuals=max_sum), as the forward normalized it. In
-  `softmax_stats`."""
+  `softmax_stats`. `per_row(vector, shape)` places a per-query vector on
+  the tile (the Hopper path's broadcasts by register layout, and on its
+  transposed tiles along columns)."""
 
   def stats(x):
     return ar.round(x, "softmax_stats")
 
+  shape = s_BqxBk.shape
   if len(stats_Bq) == 1:
     (lse_Bq,) = stats_Bq
-    return stats_exp(stats(s_BqxBk - stats(lse_Bq)[:, None]), ar)
+    return stats_exp(stats(s_BqxBk - per_row(stats(lse_Bq), shape)), ar)
   m_Bq, l_Bq = (stats(x) for x in stats_Bq)
   inverse_Bq = stats(1.0 / l_Bq)
-  return stats(
-    stats_exp(stats(s_BqxBk - m_Bq[:, None]), ar) * inverse_Bq[:, None]
-  )
+  p_BqxBk = stats_exp(stats(s_BqxBk - per_row(m_Bq, shape)), ar)
+  return stats(p_BqxBk * per_row(inverse_Bq, shape))
+
+
+def score_gradients(
+  p_BqxBk, dp_BqxBk, delta_Bq, tanh_BqxBk, ar: PolicyArithmetic,
+  per_row=_per_row,
+):  # fmt: skip
+  """(dS, dS of the scores before the softcap: the bias's gradient) from
+  P, dP = dO V^T as the matmul gave it, and delta: dS = P (dP - delta),
+  times the softcap's slope, each in `softmax_stats`."""
+
+  def stats(x):
+    return ar.round(x, "softmax_stats")
+
+  dp_BqxBk = stats(dp_BqxBk)
+  delta_tile = per_row(stats(delta_Bq), dp_BqxBk.shape)
+  ds_BqxBk = stats(p_BqxBk * stats(dp_BqxBk - delta_tile))
+  if tanh_BqxBk is None:
+    return ds_BqxBk, ds_BqxBk
+  return stats(ds_BqxBk * softcap_slope(tanh_BqxBk, ar)), ds_BqxBk
 
 
 def row_sum(x_BqxBk, ar: PolicyArithmetic):

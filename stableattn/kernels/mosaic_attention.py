@@ -53,12 +53,12 @@ from stableattn.kernels.mosaic_forward_block import (
   shared_bytes,
 )
 from stableattn.kernels.mosaic_plan import (
-  key_block,
   padded,
   plan_of,
   tiled_config,
 )
 from stableattn.kernels.mosaic_support import ROWS, SHARED_MEMORY_BYTES
+from stableattn.kernels.residuals import check_split_residuals, residual_names
 from stableattn.kernels.split_merge import merge_splits
 from stableattn.numerics.rounding import PolicyArithmetic
 
@@ -208,13 +208,13 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
       f"{policy.out_accum}: wgmma adds P V into O unrounded, the policy "
       "rounds P V first"
     )
+  plan = plan_of(cfg, 1)
   split_size = cfg.options.split_size
-  if split_size is not None and split_size % key_block(cfg):
+  if split_size is not None and split_size % plan.block_k:
     why.append(
       f"split_size={split_size}: a multiple of this path's key block "
-      f"({key_block(cfg)})"
+      f"({plan.block_k})"
     )
-  plan = plan_of(cfg, 1)
   needs = shared_bytes(plan)
   if needs > SHARED_MEMORY_BYTES:
     why.append(
@@ -313,19 +313,19 @@ def _and_lse_bwd(cfg: KernelConfig, saved, cotangents):
 
 
 def _check_differentiable(cfg: KernelConfig) -> None:
-  """Split-KV merges its splits by lse alone (`merge_splits`), so a
-  stable preset's residuals (m and l apart, O's rounding residual) do
-  not exist for the backward: refused as on the Triton path
-  (`residuals.residual_specs`); the forward runs."""
-  policy = cfg.policy
-  stable = policy.delta_source == "hi_lo" or policy.softmax_residuals == (
-    "max_sum"
-  )
-  if stable and (cfg.options.num_splits or cfg.options.split_size):
+  """What this path's backward cannot take, refused in the forward rule
+  (the forward alone runs): a stable preset's residuals under split-KV,
+  as on the Triton path (`residuals.check_split_residuals`), and head
+  dims over `MAX_GRADIENT_HEAD_DIM`."""
+  check_split_residuals(cfg, residual_names(cfg.policy))
+  if max(cfg.head_dim, cfg.value_dim) > MAX_GRADIENT_HEAD_DIM:
     raise ValueError(
-      f"precision {policy.name!r} keeps residuals for a stable backward, "
-      "which split-KV (num_splits, split_size) does not produce: drop the "
-      "split options or the stability options."
+      f"implementation='mosaic_gpu' has no gradient at head dims "
+      f"{cfg.head_dim}/{cfg.value_dim} (at most {MAX_GRADIENT_HEAD_DIM}): "
+      "a 64-key block's dK and dV accumulators would not fit one "
+      "warpgroup's registers (absorbed MLA is a decoding form, and "
+      "FlashMLA has no backward either); differentiate with "
+      "implementation='pallas'"
     )
 
 
@@ -338,16 +338,6 @@ def _fwd(q, k, v, ops, cfg):
 def _bwd(cfg: KernelConfig, saved, d_out):
   (q_p, k_p, v_p, features, out_p, lse, extra), ops = saved
   plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
-  widest = max(cfg.head_dim, cfg.value_dim)
-  if widest > MAX_GRADIENT_HEAD_DIM:
-    raise ValueError(
-      f"implementation='mosaic_gpu' has no gradient at head dims "
-      f"{cfg.head_dim}/{cfg.value_dim} (at most {MAX_GRADIENT_HEAD_DIM}): "
-      "a 64-key block's dK and dV accumulators would not fit one "
-      "warpgroup's registers (absorbed MLA is a decoding form, and "
-      "FlashMLA has no backward either); differentiate with "
-      "implementation='pallas'"
-    )
   d_out_p = pad_to(d_out.astype(out_p.dtype), plan.q_len_padded, plan.value_dim)
   # In the policy's `delta` format; the kernels read it in FP32 (exact).
   delta = output_delta(

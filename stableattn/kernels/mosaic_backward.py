@@ -26,14 +26,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from stableattn.kernels.block_math import recomputed_probs, score_gradients
 from stableattn.kernels.mosaic_block_math import (
   accumulated,
   block_scores,
   gradient_stored,
   low_part,
   plus_additive,
-  recomputed_probs,
-  score_gradients,
 )
 from stableattn.kernels.mosaic_support import (
   ROWS,
@@ -175,10 +174,12 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   )
   s_t = jnp.where(allowed, s_t, -jnp.inf)
   stats = [column_vector(smem[n], plan.interpret) for n in stats_names(plan)]
-  p_t = recomputed_probs(s_t, stats, as_columns, plan)
+  p_t = recomputed_probs(s_t, stats, plan.arithmetic, as_columns)
   dp_t = _product((ROWS, ROWS), smem["v"], smem["dot"])
   delta = column_vector(smem["delta"], plan.interpret)
-  ds_t, _ = score_gradients(p_t, dp_t, delta, tanh_t, as_columns, plan)
+  ds_t, _ = score_gradients(
+    p_t, dp_t, delta, tanh_t, plan.arithmetic, as_columns
+  )
   dims = plan.head_dim, plan.value_dim
   dv_step = _product((ROWS, dims[1]), _staged(p_t, smem["ds"]), smem["do"])
   dk_step = _product((ROWS, dims[0]), _staged(ds_t, smem["ds"]), smem["q"])
@@ -278,9 +279,9 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
     plan, q_start, j * plan.block_k, q_ids, kv_ids, kv_pos=kv_pos
   )
   s = jnp.where(allowed, s, -jnp.inf)
-  p = recomputed_probs(s, stats, as_rows, plan)
+  p = recomputed_probs(s, stats, plan.arithmetic, as_rows)
   dp = _product(tile, smem["do"], smem["vt"])
-  ds, d_scores = score_gradients(p, dp, delta, tanh, as_rows, plan)
+  ds, d_scores = score_gradients(p, dp, delta, tanh, plan.arithmetic, as_rows)
   if plan.bias_grad:
     smem["dbias"][...] = gradient_stored(d_scores, plan)
     plgpu.commit_smem()

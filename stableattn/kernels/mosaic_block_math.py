@@ -10,6 +10,9 @@ rounding in interpret mode. At an FP32 stage the rounding is the
 identity, so the FlashAttention-2 presets' kernels are unchanged; the
 BF16 and FP16 presets round scores, statistics, the output accumulator
 and the gradient accumulators to 16 bits, as they do on the Triton path.
+The backward's P and dS are `block_math`'s own (`recomputed_probs`,
+`score_gradients`), given `as_rows` or `as_columns` to place a row's
+statistics.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from stableattn.contract.masking import logits_in_base, scores
-from stableattn.contract.masking import softcap_slope as tanh_slope
 from stableattn.kernels.block_math import stats_exp, stored_lse, summed_probs
 from stableattn.kernels.mosaic_support import MosaicPlan, as_rows
 
@@ -87,33 +89,6 @@ def log_sum_exp(m, l_safe, plan: MosaicPlan):
   """m + log l in natural log and `softmax_stats` (`block_math.stored_lse`)."""
   lse = stored_lse(m, l_safe, plan.arithmetic, plan.exp2)
   return _rounder(plan, "softmax_stats")(lse)
-
-
-def recomputed_probs(s, stats_rows, broadcast, plan: MosaicPlan):
-  """P from natural-log scores and the forward's residuals: (lse,) gives
-  exp(s - lse), (m, l) gives exp(s - m) * (1 / l) (`block_math.
-  recomputed_probs`); `broadcast(vector, shape)` places a per-query
-  vector on the tile. In `softmax_stats`."""
-  ar, stats = plan.arithmetic, _rounder(plan, "softmax_stats")
-  if len(stats_rows) == 1:
-    (lse,) = stats_rows
-    return stats_exp(stats(s - broadcast(stats(lse), s.shape)), ar)
-  m, l_sum = (stats(x) for x in stats_rows)
-  inverse = stats(1.0 / l_sum)
-  p = stats_exp(stats(s - broadcast(m, s.shape)), ar)
-  return stats(p * broadcast(inverse, s.shape))
-
-
-def score_gradients(p, dp, delta, tanh, broadcast, plan: MosaicPlan):
-  """(dS, dS of the scores before the softcap: the bias's gradient) from
-  P, dP = dO V^T in FP32 and delta, in `softmax_stats`
-  (`pallas_backward._probs_and_dscores`)."""
-  ar, stats = plan.arithmetic, _rounder(plan, "softmax_stats")
-  dp = stats(dp)
-  ds = stats(p * stats(dp - broadcast(stats(delta), dp.shape)))
-  if tanh is None:
-    return ds, ds
-  return stats(ds * tanh_slope(tanh, ar)), ds
 
 
 def low_part(ds, plan: MosaicPlan):

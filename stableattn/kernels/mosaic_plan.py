@@ -30,12 +30,6 @@ from stableattn.kernels.mosaic_support import (
 )
 
 
-def key_block(cfg: KernelConfig) -> int:
-  """This path's key block: 128 where the options ask for 128 or more
-  keys and the forward fits in shared memory, else 64."""
-  return plan_of(cfg, 1).block_k
-
-
 def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
   """Split-KV's key blocks per split at this path's key block (as
   `KernelConfig.blocks_per_split` at the Triton path's)."""

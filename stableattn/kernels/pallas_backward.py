@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from stableattn.contract.masking import MaskOperands, softcap_slope
+from stableattn.contract.masking import MaskOperands
 from stableattn.kernels.backward_delta import (
   delta_operands,
   output_delta,
@@ -48,6 +48,7 @@ from stableattn.kernels.block_math import (
   block_scores,
   recomputed_probs,
   scaled_dot,
+  score_gradients,
   unattended_keys_zeroed,
 )
 from stableattn.kernels.kernel_config import KernelConfig
@@ -67,19 +68,14 @@ def _probs_and_dscores(
   added after the softcap).
   """
   ar = cfg.arithmetic
-
-  def stats(x):
-    return ar.round(x, "softmax_stats")
-
   s_BqxBk, tanh_BqxBk = block_scores(
     q_BqxD, k_BkxD, ar=ar, spec=cfg.mask, mask=mask, bias=bias
   )
   p_BqxBk = recomputed_probs(s_BqxBk, stats_Bq, ar)
-  dp_BqxBk = stats(ar.dot(do_BqxD, v_BkxD, NT_DIMS))
-  ds_BqxBk = stats(p_BqxBk * stats(dp_BqxBk - stats(delta_Bq)[:, None]))
-  ds_logits_BqxBk = ds_BqxBk
-  if tanh_BqxBk is not None:
-    ds_BqxBk = stats(ds_BqxBk * softcap_slope(tanh_BqxBk, ar))
+  dp_BqxBk = ar.dot(do_BqxD, v_BkxD, NT_DIMS)
+  ds_BqxBk, ds_logits_BqxBk = score_gradients(
+    p_BqxBk, dp_BqxBk, delta_Bq, tanh_BqxBk, ar
+  )
   return ar.round(p_BqxBk, "probs"), ds_BqxBk, ds_logits_BqxBk
 
 

@@ -61,6 +61,18 @@ def store_residuals(refs: dict, ar, acc_BqxD, stats_Bq) -> None:
     refs["o_lo"][...] = ar.stored(acc_BqxD - o_hi, "output")
 
 
+def check_split_residuals(cfg: KernelConfig, extra) -> None:
+  """Split-KV merges its splits by lse alone (`merge_splits`), so the
+  residuals `extra` a stable backward needs do not exist: refused (the
+  forward alone runs)."""
+  if extra and cfg.blocks_per_split is not None:
+    raise ValueError(
+      f"precision {cfg.policy.name!r} keeps residuals for a stable "
+      "backward, which split-KV (num_splits, split_size) does not "
+      "produce: drop the split options or the stability options."
+    )
+
+
 def residual_specs(cfg: KernelConfig, o_shape, specs, extra):
   """BlockSpecs and shapes of the extra residuals `extra`: rows like the
   lse (m, l), tiles like O (o_fp32, o_lo). `o_shape`: O's padded shape;
@@ -73,12 +85,7 @@ def residual_specs(cfg: KernelConfig, o_shape, specs, extra):
       "split options, or take the statistics from q and k "
       "(stableattn.numerics.monitor.attention_statistics)."
     )
-  if extra and cfg.blocks_per_split is not None:
-    raise ValueError(
-      f"precision {cfg.policy.name!r} keeps residuals for a stable "
-      "backward, which split-KV (num_splits, split_size) does not "
-      "produce: drop the split options or the stability options."
-    )
+  check_split_residuals(cfg, extra)
   o_spec, lse_spec = specs
   batch, q_len_padded, heads, _ = o_shape
   dtype = cfg.policy.dtype
