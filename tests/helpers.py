@@ -168,9 +168,10 @@ def results_page(*, folded: bool) -> str:
   return " ".join(text.split()) if folded else text
 
 
-def mosaic_lowered_text(precision="bf16-fa2", **features):
+def mosaic_lowered_text(precision="bf16-fa2", gradients=True, **features):
   """The Hopper path's forward and backward (value and gradients of a
-  sum of squares) lowered for CUDA, at ragged GQA shapes, as text."""
+  sum of squares; the forward alone without `gradients`) lowered for
+  CUDA, at ragged GQA shapes, as text."""
   import jax
   import jax.numpy as jnp
 
@@ -194,5 +195,5 @@ def mosaic_lowered_text(precision="bf16-fa2", **features):
     )
     return jnp.sum(out.astype(jnp.float32) ** 2)
 
-  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  return lowered_for_cuda(fn, q, kv, kv).as_text()
+  fn = jax.value_and_grad(loss, argnums=(0, 1, 2)) if gradients else loss
+  return lowered_for_cuda(jax.jit(fn), q, kv, kv).as_text()

@@ -120,8 +120,9 @@ def _check_hopper_rows(path):
     (f, name, m)
     for f in hopper_stage.HOPPER_FEATURES
     for name in ("mosaic_gpu", "pallas")
-    for m in gpu_stages.MODES
+    for m in hopper_stage.feature_modes(f)
   }
+  assert hopper_stage.feature_modes("fp8-fa3") == ("forward",)
 
 
 @pytest.mark.slow

@@ -173,11 +173,11 @@ def _fp8_wgmma(b_transposed: bool, interpret: bool):
 
 
 def test_fp8_wgmma_needs_k_major_operands_the_interpreter_cannot_read():
-  """Why the FP8 presets are refused here (docs/performance.md): wgmma
-  takes e4m3 operands K-major only, so K and V would be read through
-  transposed views, which lower for sm_90 but which jax 0.10's GPU
-  interpreter cannot run (jax 0.11's can). A jax that changes either
-  fails this test."""
+  """Why a compiled FP8 plan reads K and V through transposed views and
+  jax 0.10's interpreter runs the other form (docs/performance.md):
+  wgmma takes e4m3 operands K-major only when compiled, and those views
+  lower for sm_90, but jax 0.10's GPU interpreter cannot run them (jax
+  0.11's can). A jax that changes either fails this test."""
   with pytest.raises(ValueError, match="Only f16 WGMMA supports transposes"):
     _fp8_wgmma(b_transposed=False, interpret=False)
   assert (
@@ -195,3 +195,5 @@ def test_fp8_wgmma_needs_k_major_operands_the_interpreter_cannot_read():
       gpu_callbacks.reset_gpu_interpret_mode_state()
   else:  # jax 0.11's interpreter reads the view: 64 ones summed, exactly
     np.testing.assert_array_equal(_fp8_wgmma(True, interpret=True), 64.0)
+  # Both interpreters read e4m3 N-major, the form the FP8 plans take there.
+  np.testing.assert_array_equal(_fp8_wgmma(False, interpret=True), 64.0)

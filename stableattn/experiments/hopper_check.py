@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from stableattn.kernels.mosaic_attention import MAX_GRADIENT_HEAD_DIM
+from stableattn.numerics.formats import to_dtype
+from stableattn.numerics.precision import Precision
 from stableattn.ops.dispatch import attention
 
 TENSORS = ("out", "dq", "dk", "dv")
@@ -136,6 +138,29 @@ CASES = {
       "key_value_seq_lengths": np.array([230, 300]),
     },
   ),
+  # FP8 operands with FlashAttention-3's and SageAttention's scales
+  # (forward only): per tensor with FP16 scores and statistics, per tile
+  # with the Hadamard rotation, per token and per channel with P * 448.
+  "fp8-baseline-lengths": (
+    "fp8-baseline", 96, 130, 4, 2, 64,
+    {"causal": True, "key_value_seq_lengths": np.array([90, 130])},
+  ),
+  "fp8-fa3-bias-mask": (
+    "fp8-fa3", 96, 110, 2, 1, 64,
+    {
+      "bias": _FEATURE_RNG.standard_normal((1, 2, 96, 110)).astype(np.float32),
+      "mask": _FEATURE_RNG.random((2, 1, 96, 110)) < 0.7,
+    },
+  ),
+  "fp8-sage-split-kv-decode": (
+    "fp8-sage", 4, 300, 4, 1, 64,
+    {
+      "num_splits": 3,
+      "causal": True,
+      "causal_alignment": "bottom_right",
+      "key_value_seq_lengths": np.array([230, 300]),
+    },
+  ),
 }  # fmt: skip
 
 
@@ -150,15 +175,16 @@ def inputs(case):
     (2, kv_len, kv_heads, value_dim),
     (2, q_len, heads, value_dim),
   )
-  dtype = jnp.float16 if precision.startswith("fp16") else jnp.bfloat16
+  dtype = to_dtype(Precision.from_name(precision).inputs)
   return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes], features
 
 
 def differentiable(case) -> bool:
   """Whether the Hopper path has the case's gradient: head dims up to
-  256 (`mosaic_attention.MAX_GRADIENT_HEAD_DIM`)."""
+  256 (`mosaic_attention.MAX_GRADIENT_HEAD_DIM`), operands of 16 bits."""
   dims = case[5] if isinstance(case[5], tuple) else (case[5],)
-  return max(dims) <= MAX_GRADIENT_HEAD_DIM
+  quantizes = Precision.from_name(case[0]).quantizes
+  return max(dims) <= MAX_GRADIENT_HEAD_DIM and not quantizes
 
 
 def value_and_grads(implementation: str, case, **options) -> list[np.ndarray]:

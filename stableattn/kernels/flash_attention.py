@@ -95,9 +95,13 @@ def tile_ranges(
   )
 
 
-def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
+def pad_scales(
+  scales: QuantScales | None, cfg: KernelConfig, value_dim_padded=None
+):
   """Row scales at the padded lengths: padding rows repeat the last row's
-  scale, so a tile's V scale stays one value (padded rows are zeros)."""
+  scale, so a tile's V scale stays one value (padded rows are zeros).
+  Per-channel V scales at `value_dim_padded` (the Triton path's padded
+  value head dim by default)."""
   if scales is None:
     return None
   q_len_padded, kv_len_padded = cfg.padded_lengths
@@ -107,7 +111,9 @@ def _pad_scales(scales: QuantScales | None, cfg: KernelConfig):
 
   if v_per_channel(cfg.policy):
     # Per-channel V scales: padded head columns are zeros; any scale does.
-    v_scales = pad(scales.v, padded_head_dim(cfg.value_dim, cfg.interpret))
+    if value_dim_padded is None:
+      value_dim_padded = padded_head_dim(cfg.value_dim, cfg.interpret)
+    v_scales = pad(scales.v, value_dim_padded)
   else:
     v_scales = pad(scales.v, kv_len_padded)
   return QuantScales(
@@ -142,7 +148,7 @@ def _forward(
     ops_p,
     key_ranges,
     cfg,
-    _pad_scales(scales, cfg),
+    pad_scales(scales, cfg),
     residuals=residuals,
     monitor=monitor,
   )
@@ -232,7 +238,7 @@ def _quantized_fwd(q, k, v, ops, scales, cfg):
 def _quantized_bwd(cfg, saved, d_out):
   (q_p, k_p, v_p, ops_p, out_p, lse, extra), ops, scales = saved
   policy, dequantized = straight_through(
-    cfg.policy, (q_p, k_p, v_p), _pad_scales(scales, cfg)
+    cfg.policy, (q_p, k_p, v_p), pad_scales(scales, cfg)
   )
   residuals = (*dequantized, ops_p, out_p, lse, extra)
   bwd_cfg = cfg.with_policy(policy)

@@ -2,7 +2,10 @@
 (Hopper), forward and backward, under the precision policy it can honour.
 
 What the path honours of a policy: 16-bit inputs and matmul operands
-(BF16 or FP16, one format), FP32 products (wgmma's accumulator); the
+(BF16 or FP16, one format), or FP8 operands with scales, forward only
+(`mosaic_plan.quantized`: per tensor, per tile, per token or per
+channel, after the Hadamard rotation or K's smoothing where the policy
+asks), FP32 products (wgmma's accumulator); the
 scores, softmax statistics, output accumulator, delta and gradient
 accumulators in FP32, BF16 or FP16, each rounded where the Triton path
 rounds it (`mosaic_block_math`); P rounded to the operand format before
@@ -86,6 +89,14 @@ OPTION_VALUES = {
   "score_chunk": 0,
   "promote_every": 1,
 }
+# FP8 operands wgmma multiplies (scaled as `quantization.py` says), and
+# the options that prepare them before the kernel.
+FP8_OPERANDS = ("fp8_e4m3", "fp8_e5m2")
+SCALED_OPTIONS = {
+  "scaling": ("tensor", "block", "token"),
+  "hadamard": (False, True),
+  "smooth_k": (False, True),
+}
 # The stable presets' options this path runs (`precision.STABLE_OPTIONS`);
 # sink_delta is refused with the sink itself.
 STABILITY_VALUES = {
@@ -130,17 +141,23 @@ def refusals(cfg: KernelConfig) -> list[str]:
   return _policy_refusals(cfg.policy) + _call_refusals(cfg)
 
 
+def _operands_refused(policy) -> bool:
+  if policy.inputs not in OPERAND_FORMATS:
+    return True
+  if policy.quantizes:
+    return policy.matmul_operands not in FP8_OPERANDS
+  return policy.matmul_operands != policy.inputs
+
+
 def _policy_refusals(policy) -> list[str]:
   """What of the precision policy alone this path cannot honour."""
   why = []
-  if (
-    policy.inputs not in OPERAND_FORMATS
-    or policy.matmul_operands != policy.inputs
-  ):
+  if _operands_refused(policy):
     why.append(
       f"inputs={policy.inputs}, matmul_operands={policy.matmul_operands}: "
-      "wgmma multiplies BF16 or FP16 operands of the inputs' format here "
-      "(FP32 operands would be TF32)"
+      "wgmma multiplies BF16 or FP16 operands of the inputs' format, or "
+      "FP8 ones with scales, here (FP32 operands would be TF32; INT8 and "
+      "FP4 have no such form)"
     )
   if policy.probs != policy.matmul_operands:
     why.append(
@@ -148,7 +165,9 @@ def _policy_refusals(policy) -> list[str]:
       f"matmul_operands' format ({policy.matmul_operands})"
     )
   why += [
-    f"{stage}={getattr(policy, stage)}: wgmma accumulates in fp32"
+    f"{stage}={getattr(policy, stage)}: this path's products are wgmma's "
+    "own FP32 accumulator, which no other format can be emulated inside "
+    "(the Triton path, implementation='pallas', emulates it)"
     for stage in PRODUCT_STAGES
     if getattr(policy, stage) != "fp32"
   ]
@@ -160,11 +179,13 @@ def _policy_refusals(policy) -> list[str]:
   ]
   if policy.output not in (policy.inputs, "fp32"):
     why.append(f"output={policy.output}: stored in the inputs' format or fp32")
+  scaled_options = SCALED_OPTIONS if policy.quantizes else {}
   why += [
-    f"{name}={getattr(policy, name)!r}: only {value!r} on this path (the "
-    "Triton path, implementation='pallas', runs it)"
+    f"{name}={getattr(policy, name)!r}: only "
+    f"{scaled_options.get(name, (value,))!r} on this path (the Triton "
+    "path, implementation='pallas', runs it)"
     for name, value in OPTION_VALUES.items()
-    if getattr(policy, name) != value
+    if getattr(policy, name) not in scaled_options.get(name, (value,))
   ]
   why += [
     f"{name}={getattr(policy, name)!r}: one of {list(values)} on this path"
@@ -199,6 +220,15 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
       for switch in hopper_switches(cfg.options.hopper_form)
       if switch in lacks
     ]
+  if "p_in_registers" in hopper_switches(options.hopper_form) and (
+    policy.quantizes
+  ):
+    why.append(
+      "hopper_form switch p_in_registers with FP8 operands: Mosaic GPU "
+      "cannot move P from the scores' register layout to wgmma's 8-bit A "
+      'layout ("Cannot convert from TiledLayout"); P goes through '
+      "shared memory"
+    )
   if (
     "accumulate_in_place" in hopper_switches(options.hopper_form)
     and policy.out_accum != "fp32"
@@ -264,14 +294,14 @@ def check_supported(cfg: KernelConfig) -> None:
     )
 
 
-def _forward(q, k, v, ops, cfg: KernelConfig):
+def _forward(q, k, v, ops, cfg: KernelConfig, scales=None):
   plan = plan_of(cfg, q.shape[2] // k.shape[2])
   if plan.token_ids:
     # P is 0 at keys no query attends, but 0 x NaN is NaN.
     k, v = without_unattended_keys(keys_of_some_query(ops), k, v)
   if ops.mask is not None:
     k, v = without_unattended_keys(keys_some_query_attends(ops.mask != 0), k, v)
-  q_p, k_p, v_p, features = padded(q, k, v, ops, cfg, plan)
+  q_p, k_p, v_p, features = padded(q, k, v, ops, cfg, plan, scales)
   k_read = k_p if plan.k_as_stored else jnp.transpose(k_p, (0, 2, 3, 1))
   inputs = tuple(features[name] for name in input_names(plan))
   out_p, lse, *kept = mosaic_forward(q_p, k_read, v_p, inputs, plan)
@@ -289,9 +319,26 @@ def mosaic_flash_attention(q, k, v, ops: MaskOperands, cfg: KernelConfig):
   return _forward(q, k, v, ops, cfg)[0]
 
 
-def mosaic_flash_attention_with_lse(q, k, v, ops, cfg: KernelConfig):
-  out, residuals = _forward(q, k, v, ops, cfg)
+def mosaic_flash_attention_with_lse(q, k, v, ops, cfg, scales=None):
+  out, residuals = _forward(q, k, v, ops, cfg, scales)
   return out, residuals[-2][:, :, : cfg.q_len]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def mosaic_quantized_attention(q, k, v, ops, scales, cfg: KernelConfig):
+  """Attention with FP8 operands (`scales` from `quantization.prepare`)
+  on Mosaic GPU: the forward only (`_check_differentiable`)."""
+  return _forward(q, k, v, ops, cfg, scales)[0]
+
+
+def _no_fp8_gradient(cfg: KernelConfig, *_):
+  """Both rules of `mosaic_quantized_attention`'s VJP: the refusal."""
+  _check_differentiable(cfg)  # raises for FP8 operands
+
+
+mosaic_quantized_attention.defvjp(
+  lambda *args: _no_fp8_gradient(args[-1]), _no_fp8_gradient
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -317,6 +364,14 @@ def _check_differentiable(cfg: KernelConfig) -> None:
   (the forward alone runs): a stable preset's residuals under split-KV,
   as on the Triton path (`residuals.check_split_residuals`), and head
   dims over `MAX_GRADIENT_HEAD_DIM`."""
+  if cfg.policy.quantizes:
+    raise ValueError(
+      f"implementation='mosaic_gpu' has no gradient under precision "
+      f"{cfg.policy.name!r}: FP8 operands' straight-through backward "
+      "multiplies FP32 operands, which wgmma takes only as TF32 "
+      "(FlashAttention-3's FP8 kernel has no backward either); "
+      "differentiate with implementation='pallas'"
+    )
   check_split_residuals(cfg, residual_names(cfg.policy))
   if max(cfg.head_dim, cfg.value_dim) > MAX_GRADIENT_HEAD_DIM:
     raise ValueError(

@@ -28,7 +28,10 @@ tested here and compiled on a GPU:
   (`mosaic_support.interpretable_layout_hints`).
 Each of the three has FlashAttention-3's form behind a switch
 (`Options.hopper_form`), lowered for sm_90 in a test and timed on a GPU;
-jax 0.11's interpreter also runs the transposed view.
+jax 0.11's interpreter also runs the transposed view. FP8 operands
+(`plan.scaled`) are read K-major wherever K is (wgmma reads 8-bit
+operands no other way compiled): K as stored and V^T, each through a
+transposed view; the interpreter reads them N-major.
 """
 
 from __future__ import annotations
@@ -55,27 +58,35 @@ from stableattn.kernels.mosaic_forward_block import (
   added,
   allocated,
   allowed,
+  channel_descale,
   copy_warpgroup,
   fetch,
   input_names,
   key_blocks,
+  key_vector,
   output_names,
+  query_scales,
   scratch_layout,
   sink_logits,
+  value_descale,
   visited,
 )
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
+  as_columns,
+  as_rows,
   row_vector,
 )
 
 
-def _scores(acc_shape, q_smem, k_smem, plan: MosaicPlan):
+def _scores(acc_shape, q_smem, k_smem, plan: MosaicPlan, scales=None):
   """S = (Q K^T) * scale (softcapped if set), the product in FP32 (wgmma's
   accumulator), in the forward's base and `softmax_stats`. `k_smem`
   holds K^T, or K itself read through a transposed view
-  (`plan.k_as_stored`)."""
+  (`plan.k_as_stored`). FP8 operands' product is multiplied by the
+  outer product of their `scales` (Q's per row, K's per column), as
+  `block_math.block_scores` does."""
   kt = plgpu.transpose_ref(k_smem, (1, 0)) if plan.k_as_stored else k_smem
 
   def product(acc_ref):
@@ -83,17 +94,25 @@ def _scores(acc_shape, q_smem, k_smem, plan: MosaicPlan):
     return acc_ref[...]
 
   s = pl.run_scoped(product, plgpu.ACC(acc_shape, jnp.float32))
+  if scales is not None:
+    q_scale, k_scale = scales
+    s = s * (as_rows(q_scale, acc_shape) * as_columns(k_scale, acc_shape))
   return block_scores(s, plan, base2=plan.exp2)[0]
 
 
-def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
+def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan, descale=None):
   """alpha * O + P V in `out_accum` (alpha already rounded to it), P
-  rounded to the operands' format. The interpreter's
+  rounded to the operands' format (FP8: P * p_scale, and P V times
+  `descale`, a tile). The interpreter's
   form: P through shared memory, P V into a fresh accumulator added to
   the rescaled O; FlashAttention-3's switches: P from registers
   (`p_in_registers`), P V accumulated into the rescaled O in place
   (`accumulate_in_place`)."""
+  if plan.scaled:
+    p = p * jnp.float32(plan.p_scale)
   p16 = p.astype(p_smem.dtype)
+  if plan.v_transposed:
+    v_smem = plgpu.transpose_ref(v_smem, (1, 0))
   if "p_in_registers" in plan.switches:
     operand = p16
   else:
@@ -114,12 +133,13 @@ def _rescaled_plus_pv(acc, alpha, p, p_smem, v_smem, plan: MosaicPlan):
 
   shape = (ROWS, plan.value_dim)
   pv = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-  return plus_pv(scaled, pv, plan)
+  return plus_pv(scaled, pv if descale is None else pv * descale, plan)
 
 
-def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
+def _step(block: ForwardBlock, end, rows, j, carry, *, masked: bool):
   """FlashAttention-2's update for key block j (`pallas_forward`'s)."""
   plan, smem = block.plan, block.smem
+  q_ids, q_scale, channels = rows
   acc, m, l_sum = carry
   slot = lax.rem(j, jnp.int32(plan.ring_slots))
   # The compute warpgroup fills the ring unless a copy warpgroup does;
@@ -133,14 +153,23 @@ def _step(block: ForwardBlock, end, q_ids, j, carry, *, masked: bool):
 
   if plan.consumers > 1:
     _rendezvous(block)
+  k_start = j * plan.block_k
+  scales = descale = None
+  if plan.scaled:
+    scales = (q_scale, key_vector(block, "k_scale", k_start, per_head=True))
+    shape = (ROWS, plan.value_dim)
+    descale = value_descale(block, k_start, channels, shape)
   plgpu.barrier_wait(block.bars[1].at[slot])
-  s = _scores((ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan)
-  s = added(block, s, j * plan.block_k)
+  s = _scores(
+    (ROWS, plan.block_k), smem["q"], smem["kt"].at[slot], plan, scales
+  )
+  s = added(block, s, k_start)
   if masked:
-    s = jnp.where(allowed(block, j * plan.block_k, q_ids), s, -jnp.inf)
+    s = jnp.where(allowed(block, k_start, q_ids), s, -jnp.inf)
   p, alpha, m_new, l_new = online_softmax(s, m, l_sum, plan)
   plgpu.barrier_wait(block.bars[2].at[slot])
-  acc = _rescaled_plus_pv(acc, alpha, p, smem["p"], smem["v"].at[slot], plan)
+  v_slot = smem["v"].at[slot]
+  acc = _rescaled_plus_pv(acc, alpha, p, smem["p"], v_slot, plan, descale)
   if plan.warp_specialized:
     plgpu.barrier_arrive(block.bars[3].at[slot])  # the slot is free again
   elif plan.ring_slots == 1:  # the one slot is free once P V has read it
@@ -263,6 +292,7 @@ def _compute(block: ForwardBlock, union=None):
     plgpu.barrier_wait(q_bar.at[1])
     q_ids = row_vector(smem["q_ids"], plan.interpret)
   sink = sink_logits(block, rows)
+  q_scale, channels = query_scales(block, rows), channel_descale(block)
   first, full, end = key_blocks(block)
   if not plan.warp_specialized:
 
@@ -271,7 +301,7 @@ def _compute(block: ForwardBlock, union=None):
       fetch(block, first)
 
   plgpu.barrier_wait(q_bar.at[0])
-  step = functools.partial(_step, block, end, q_ids)
+  step = functools.partial(_step, block, end, (q_ids, q_scale, channels))
   first_split = None if plan.blocks_per_split is None else block.split == 0
   carry = _initial_carry(plan.value_dim, sink, first_split)
   passed = functools.partial(_passed, block)
@@ -364,16 +394,20 @@ def mosaic_forward(q, kt, v, extra, plan: MosaicPlan):
   log, +inf where no key attends, then `output_names`' residuals: O_lo
   like O, m and l like the lse) of padded q [B, T, H, D], K^T [B, Hkv,
   D, S] (K [B, S, Hkv, D] where `plan.k_as_stored`), v [B, S, Hkv, Dv]
-  and `extra`, the operands `input_names`
-  lists: token ids (q_ids [B, T], kv_ids [B, S]), key positions kv_pos
-  [B, S], the additive tile [B|1, H|1, T, S] FP32 and the sink's rows
-  [H, T] FP32. Dv is `plan.value_parts` parts of `plan.value_dim`."""
+  (read as V^T where `plan.v_transposed`) and `extra`, the operands
+  `input_names` lists: token ids (q_ids [B, T], kv_ids [B, S]), key
+  positions kv_pos [B, S], the additive tile [B|1, H|1, T, S] FP32, the
+  sink's rows [H, T] FP32, and FP8 operands' scales
+  (`mosaic_plan.quantized`). Dv is `plan.value_parts` parts of
+  `plan.value_dim`."""
   batch, q_len, heads, _ = q.shape
   parts = plan.value_parts
   # Each value part is a head of its own: V [B, S, Hkv * parts, Dv /
   # parts], the outputs [..., H * parts, ...], part p of head h at h *
   # parts + p.
   v = v.reshape(*v.shape[:2], v.shape[2] * parts, plan.value_dim)
+  if plan.v_transposed:
+    v = jnp.transpose(v, (0, 2, 3, 1))  # V^T [B, Hkv * parts, Dv, S]
   # With split-KV each output has a splits axis after the batch's.
   splits = () if plan.blocks_per_split is None else (plan.splits,)
   tile = jax.ShapeDtypeStruct(

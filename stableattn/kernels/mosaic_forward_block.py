@@ -22,6 +22,8 @@ from stableattn.kernels.mosaic_support import (
   REDUCTION_SCRATCH_BYTES,
   ROWS,
   MosaicPlan,
+  as_columns,
+  as_rows,
   block_mask,
   buffer_bytes,
   causal_block_bounds,
@@ -69,22 +71,71 @@ def fetch(block: ForwardBlock, step):
     if plan.k_as_stored
     else refs["kt"].at[b, h, :, keys]
   )
-  plgpu.copy_gmem_to_smem(k_tile, smem["kt"].at[slot], kt_bars.at[slot])
-  plgpu.copy_gmem_to_smem(
-    refs["v"].at[b, keys, v_head], smem["v"].at[slot], v_bars.at[slot]
+  v_tile = (
+    refs["v"].at[b, v_head, :, keys]
+    if plan.v_transposed
+    else refs["v"].at[b, keys, v_head]
   )
+  plgpu.copy_gmem_to_smem(k_tile, smem["kt"].at[slot], kt_bars.at[slot])
+  plgpu.copy_gmem_to_smem(v_tile, smem["v"].at[slot], v_bars.at[slot])
 
 
-def key_vector(block: ForwardBlock, name: str, k_start):
+def key_vector(block: ForwardBlock, name: str, k_start, per_head=False):
   """The key block's entries of a per-key operand ([B, S] in global
-  memory: token ids or positions), by TMA, one per tile column."""
+  memory: token ids or positions; [B, Hkv, S] `per_head`: K's and V's
+  scales), by TMA, one per tile column."""
   bar = block.bars[0].at[1]
   keys = pl.ds(k_start, block.plan.block_k)
+  heads = (block.kv_head,) if per_head else ()
   plgpu.copy_gmem_to_smem(
-    block.refs[name].at[block.batch, keys], block.smem[name], bar
+    block.refs[name].at[(block.batch, *heads, keys)], block.smem[name], bar
   )
   plgpu.barrier_wait(bar)
   return column_vector(block.smem[name], block.plan.interpret)
+
+
+def query_scales(block: ForwardBlock, rows):
+  """Q's scale on each row of the block (FP8 operands), or None."""
+  if not block.plan.scaled:
+    return None
+  bar = block.bars[0].at[1]
+  plgpu.copy_gmem_to_smem(
+    block.refs["q_scale"].at[block.batch, block.head, rows],
+    block.smem["q_scale"],
+    bar,
+  )
+  plgpu.barrier_wait(bar)
+  return row_vector(block.smem["q_scale"], block.plan.interpret)
+
+
+def channel_descale(block: ForwardBlock):
+  """P V's descale s_v * (1 / p_scale) on each value column of the thread
+  block's part, where V's scales are per channel (`block_math.
+  probs_times_values`): one copy per thread block; else None."""
+  plan = block.plan
+  if not (plan.scaled and plan.v_per_channel):
+    return None
+  bar = block.bars[0].at[1]
+  v_head = block.kv_head * plan.value_parts + block.part
+  plgpu.copy_gmem_to_smem(
+    block.refs["v_scale"].at[block.batch, v_head], block.smem["v_scale"], bar
+  )
+  plgpu.barrier_wait(bar)
+  scale = column_vector(block.smem["v_scale"], plan.interpret)
+  return scale * jnp.float32(1.0 / plan.p_scale)
+
+
+def value_descale(block: ForwardBlock, k_start, channels, shape):
+  """P V's descale over a (rows x value columns) tile: `channels` (from
+  `channel_descale`) on each column, or V's one scale over the key block
+  (the largest of its keys', all equal by construction) times
+  1 / p_scale on each row."""
+  plan = block.plan
+  if channels is not None:
+    return as_columns(channels, shape)
+  per_key = key_vector(block, "v_scale", k_start, per_head=True)
+  largest = as_columns(per_key, (ROWS, plan.block_k)).max(axis=1)
+  return as_rows(largest * jnp.float32(1.0 / plan.p_scale), shape)
 
 
 def allowed(block: ForwardBlock, k_start, q_ids):
@@ -216,6 +267,8 @@ def input_names(plan: MosaicPlan) -> tuple[str, ...]:
     names += ("sink",)
   if plan.block_ranges:
     names += ("ranges",)
+  if plan.scaled:
+    names += ("q_scale", "k_scale", "v_scale")
   return names
 
 
@@ -236,6 +289,11 @@ def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
     if plan.k_as_stored
     else (slots, plan.head_dim, block_k)
   )
+  v_slots = (
+    (slots, plan.value_dim, block_k)
+    if plan.v_transposed
+    else (slots, block_k, plan.value_dim)
+  )
   extra = {
     "q_ids": ("vector", (ROWS,), i32),
     "kv_ids": ("vector", (block_k,), i32),
@@ -246,12 +304,19 @@ def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
     "o_lo": ("tile", (ROWS, plan.value_dim), plan.output_dtype),
     "m": ("vector", (ROWS,), f32),
     "l": ("vector", (ROWS,), f32),
+    "q_scale": ("vector", (ROWS,), f32),
+    "k_scale": ("vector", (block_k,), f32),
+    "v_scale": (
+      "vector",
+      (plan.value_dim if plan.v_per_channel else block_k,),
+      f32,
+    ),
   }
   names = (*input_names(plan), *output_names(plan)[2:])
   return {
     "q": ("tile", (ROWS, plan.head_dim), dtype),
     "kt": ("tile", k_slots, dtype),
-    "v": ("tile", (slots, block_k, plan.value_dim), dtype),
+    "v": ("tile", v_slots, dtype),
     "p": ("tile", (ROWS, block_k), dtype),
     "o": ("tile", (ROWS, plan.value_dim), plan.o_dtype),
     "lse": ("vector", (ROWS,), f32),

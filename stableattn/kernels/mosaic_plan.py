@@ -16,6 +16,7 @@ from stableattn.contract.options import hopper_switches
 from stableattn.contract.tiling import round_up
 from stableattn.kernels.flash_attention import (
   pad_operands,
+  pad_scales,
   pad_to,
   tile_ranges,
 )
@@ -28,6 +29,8 @@ from stableattn.kernels.mosaic_support import (
   SHARED_MEMORY_BYTES,
   MosaicPlan,
 )
+from stableattn.kernels.quantization import v_per_channel
+from stableattn.numerics.rounding import PolicyArithmetic
 
 
 def _blocks_per_split(cfg: KernelConfig, block_k: int) -> int | None:
@@ -105,6 +108,9 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     blocks_per_split=_blocks_per_split(cfg, block_k),
     partials_dtype=np.dtype(policy.dtype("partials")),
     switches=hopper_switches(cfg.options.hopper_form),
+    scaled=policy.quantizes,
+    v_per_channel=v_per_channel(policy),
+    p_scale=policy.p_scale,
     # Lengths, segments and per-example positions skip blocks by range;
     # not in the warp-specialized forward, whose two warpgroups reading
     # their ranges hung jax 0.10.2's interpreter (docs/performance.md).
@@ -170,15 +176,51 @@ def range_rows(ops_p: MaskOperands, cfg: KernelConfig, plan: MosaicPlan, batch):
   return rows(key_blocks), rows(query_blocks)
 
 
-def padded(q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
+def quantized(q_p, k_p, v_p, scales, cfg: KernelConfig, plan: MosaicPlan):
+  """(q, k, v in e4m3, {q_scale, k_scale, v_scale}) from padded q, k, v
+  and their scales (`quantization.prepare`): x as its matmul reads it,
+  round(x * (1 / s)), computed as the Triton path's kernel computes it
+  (`block_math.block_scores`, `probs_times_values`). Per-channel V
+  scales are laid out as V's value parts ([B, Hkv * parts, Dv / parts]).
+
+  With `scaling="block"` V's scale is one per `cfg.block_k` keys, and so
+  one per key block here: that block is the options' (a multiple of this
+  path's, 64 or 128, `tile_refusals`), or clamped to a power of two
+  covering every key (`tiling`)."""
+  ar = PolicyArithmetic(cfg.policy)
+  s = pad_scales(scales, tiled_config(cfg, plan), plan.padded_value_dim)
+
+  def rows(x):  # [B, heads, T] -> [B, T, heads, 1]
+    return x.transpose(0, 2, 1)[..., None]
+
+  v_scale = s.v[:, None] if plan.v_per_channel else rows(s.v)
+  operands = [
+    ar.round(x * (1.0 / scale), "matmul_operands").astype(plan.operand_dtype)
+    for x, scale in ((q_p, rows(s.q)), (k_p, rows(s.k)), (v_p, v_scale))
+  ]
+  v_scales = s.v
+  if plan.v_per_channel:
+    batch, heads = s.v.shape[:2]
+    v_scales = s.v.reshape(batch, heads * plan.value_parts, plan.value_dim)
+  return (*operands, dict(q_scale=s.q, k_scale=s.k, v_scale=v_scales))
+
+
+def padded(
+  q, k, v, ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan, scales=None
+):
   """Padded q, k, v and {name: operand}: the forward's `input_names`,
-  and with block ranges also dK dV's "query_ranges"."""
+  and with block ranges also dK dV's "query_ranges"; with FP8 operands
+  (`plan.scaled`) q, k and v quantized by their `scales`."""
   tq, tk = plan.q_len_padded, plan.kv_len_padded
   q_p = pad_to(q, tq, plan.head_dim)
   k_p = pad_to(k, tk, plan.head_dim)
   v_p = pad_to(v, tk, plan.padded_value_dim)
   ops_p = pad_operands(ops, tiled_config(cfg, plan))
+  scale_operands = {}
+  if plan.scaled:
+    q_p, k_p, v_p, scale_operands = quantized(q_p, k_p, v_p, scales, cfg, plan)
   features = dict(
+    **scale_operands,
     q_ids=ops_p.q_ids,
     kv_ids=ops_p.kv_ids,
     kv_pos=ops_p.kv_pos,

@@ -104,6 +104,13 @@ class MosaicPlan:
   # FlashAttention-3's form of the forward, switch by switch
   # (`options.HOPPER_SWITCHES`); () is the interpreter's.
   switches: tuple[str, ...] = ()
+  # FP8 operands with row scales (`quantization.py`): Q, K and V enter
+  # in e4m3 with their scales beside them (q_scale [B, H, T], k_scale
+  # [B, Hkv, S], v_scale per key or, with `v_per_channel`, per value
+  # column [B, Hkv, Dv]); P enters P V as e4m3 of P * p_scale.
+  scaled: bool = False
+  v_per_channel: bool = False
+  p_scale: float = 1.0
 
   @property
   def consumers(self) -> int:
@@ -126,8 +133,16 @@ class MosaicPlan:
   @property
   def k_as_stored(self) -> bool:
     """K enters as stored, [B, S, Hkv, D], and wgmma reads it through a
-    transposed shared-memory view (else K^T comes from global memory)."""
-    return "k_as_stored" in self.switches
+    transposed shared-memory view (else K^T comes from global memory).
+    Compiled FP8 operands always do: wgmma reads 8-bit B K-major only."""
+    compiled_fp8 = self.scaled and not self.interpret
+    return "k_as_stored" in self.switches or compiled_fp8
+
+  @property
+  def v_transposed(self) -> bool:
+    """V enters as V^T [B, Hkv, Dv, S], read through a transposed view:
+    8-bit V K-major for P V, wherever K is read that way."""
+    return self.scaled and self.k_as_stored
 
   @property
   def padded_value_dim(self) -> int:
@@ -193,13 +208,20 @@ def buffer_bytes(shape, dtype) -> int:
   return -(-size // BUFFER_ALIGNMENT) * BUFFER_ALIGNMENT
 
 
+def swizzle_bytes(dtype) -> int:
+  """A tile row's swizzle: 64 elements of 8 or 16 bits (a head dim's
+  multiple, so an FP8 tile 64 wide and the tiles it meets in one wgmma
+  share a swizzle), 128 bytes at most."""
+  return min(SWIZZLE_BYTES, HEAD_DIM_MULTIPLE * np.dtype(dtype).itemsize)
+
+
 def smem_tile(shape, dtype):
   """A shared-memory buffer laid out for TMA and wgmma: 8-row tiles of
-  128 bytes, swizzled."""
-  elements = SWIZZLE_BYTES // np.dtype(dtype).itemsize
+  one swizzle row (`swizzle_bytes`), swizzled."""
+  swizzle = swizzle_bytes(dtype)
   transforms = (
-    plgpu.TilingTransform((8, elements)),
-    plgpu.SwizzleTransform(SWIZZLE_BYTES),
+    plgpu.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
+    plgpu.SwizzleTransform(swizzle),
   )
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 

@@ -403,9 +403,12 @@ def _compute(
       return quantized_flash_attention(q, k, v, ops, scales, cfg)
     return flash_attention(q, k, v, ops, cfg)
   if implementation == "mosaic_gpu":
+    mosaic = _mosaic()
     if returns == "lse":
-      return _mosaic().mosaic_flash_attention_with_lse(q, k, v, ops, cfg)
-    return _mosaic().mosaic_flash_attention(q, k, v, ops, cfg)
+      return mosaic.mosaic_flash_attention_with_lse(q, k, v, ops, cfg, scales)
+    if scales is not None:
+      return mosaic.mosaic_quantized_attention(q, k, v, ops, scales, cfg)
+    return mosaic.mosaic_flash_attention(q, k, v, ops, cfg)
   if implementation == "reference":
     return reference_attention(
       q, k, v, ops, options=cfg.options, spec=cfg.mask, scales=scales

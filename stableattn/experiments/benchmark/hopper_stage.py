@@ -74,28 +74,40 @@ HOPPER_FEATURES = {
   "sink": (True, lambda n, s: {"sink": jax.numpy.zeros((s.heads,))}),
   "bias": (False, _bias),
   "bottom-right lengths": (True, _kv_cache_lengths),
+  "fp8-fa3": (True, lambda n, s: {}),
 }
+# Features under their own preset (FP8 operands: the forward only, the
+# Hopper path's gradient being refused); the others are HOPPER_PRECISION's.
+FEATURE_PRECISIONS = {"fp8-fa3": "fp8-fa3"}
 FEATURE_NAMES = ("mosaic_gpu", "pallas", "cudnn")
+
+
+def feature_modes(feature: str, modes=MODES) -> tuple[str, ...]:
+  """The modes a feature is timed in: every one, or the forward alone
+  where the Hopper path has no gradient (FP8 operands)."""
+  if feature in FEATURE_PRECISIONS:
+    return tuple(m for m in modes if m == "forward")
+  return tuple(modes)
 
 
 def hopper_feature_points(s: Sizes, modes=MODES):
   """(mode, feature, length): each feature at the first (the goals')
-  length, forward then forward+backward."""
-  for feature, mode in itertools.product(HOPPER_FEATURES, modes):
-    yield mode, feature, s.lengths[0]
+  length, forward then forward+backward (`feature_modes`)."""
+  for feature in HOPPER_FEATURES:
+    for mode in feature_modes(feature, modes):
+      yield mode, feature, s.lengths[0]
 
 
 def hopper_feature_rows(s: Sizes, mode, feature, seq_len) -> list[dict]:
   """Our two paths and cuDNN on one feature, in one alternation."""
+  precision = FEATURE_PRECISIONS.get(feature, HOPPER_PRECISION)
   shape = (s.batch, seq_len, s.heads, s.head_dim)
-  args = random_inputs(jax.random.key(seq_len), shape, HOPPER_PRECISION)
+  args = random_inputs(jax.random.key(seq_len), shape, precision)
   causal, build = HOPPER_FEATURES[feature]
   features = build(seq_len, s)
   fns = {
     name: timed_fn(
-      functools.partial(
-        attention_fn(name, HOPPER_PRECISION, causal), **features
-      ),
+      functools.partial(attention_fn(name, precision, causal), **features),
       mode,
     )
     for name in FEATURE_NAMES
@@ -103,7 +115,7 @@ def hopper_feature_rows(s: Sizes, mode, feature, seq_len) -> list[dict]:
   compiled = compile_all(fns, args)
 
   def labels_of(name):
-    labels = _labels("hopper", mode, causal, HOPPER_PRECISION, s, seq_len)
+    labels = _labels("hopper", mode, causal, precision, s, seq_len)
     return {**labels, "feature": feature}
 
   # The window and lengths do less work: the FLOPs of the full causal
