@@ -10,6 +10,7 @@ import pytest
 import shares
 from hypothesis import HealthCheck, settings
 
+from stableattn.contract.options import SEQUENTIAL_SCHEDULE_FLAG
 from stableattn.harness.compile_flags import quick_cpu_compiles
 from stableattn.harness.memory_maps import release_if_near_limit
 
@@ -34,6 +35,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get(
 os.environ["XLA_FLAGS"] = quick_cpu_compiles(
   os.environ.get("XLA_FLAGS", ""), level=0
 )
+# The GPU interpreter runs FlashAttention-3's warpgroups only under a
+# schedule that does not interleave independent work (the flag's
+# comment: a deadlock otherwise); every result is the same either way.
+if SEQUENTIAL_SCHEDULE_FLAG not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " " + SEQUENTIAL_SCHEDULE_FLAG
 # Compile once per configuration across test processes and reruns. The
 # environment carries the cache to the launchers, notebook kernels and
 # workers the tests start as subprocesses, which would otherwise compile

@@ -4,11 +4,14 @@ the interpreter's where jax's GPU interpreter can run it, and is refused
 naming what it lacks where not. And why FP8 is refused there: wgmma's
 e4m3 operands must be K-major."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mosaic_lowered_text
+from helpers import REPO, mosaic_lowered_text
 
 import stableattn as sa
 from stableattn.contract.options import HOPPER_SWITCHES
@@ -62,7 +65,7 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
   "form, case_name",
   [
     ("warp_specialized", "key-lengths-d48"),
-    # two_consumers: on a GPU (below); jax's interpreter stalls on it.
+    ("two_consumers", "key-lengths-d48"),
   ],
 )
 def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths(
@@ -73,7 +76,9 @@ def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths(
   arrives at; with `two_consumers`, two of them on 64 rows each, meeting
   at a rendezvous barrier one step apart: the ping-pong) on both
   examples' key lengths: no race under the interpreter's detector, and
-  the interpreter form's values and gradients bit for bit."""
+  the interpreter form's values and gradients bit for bit. (The test
+  session's XLA_FLAGS hold `SEQUENTIAL_SCHEDULE_FLAG`, without which the
+  interpreter can deadlock on more than one warpgroup.)"""
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
   case = CASES[case_name]
@@ -103,6 +108,26 @@ def test_two_consumers_compiled_is_the_one_warpgroup_kernel_bit_for_bit(
   base = hopper_check.value_and_grads("mosaic_gpu", case, interpret=False)
   for a, b in zip(ours, base):
     np.testing.assert_array_equal(a, b)
+
+
+def test_more_than_one_warpgroup_needs_the_sequential_schedule(monkeypatch):
+  """Without `SEQUENTIAL_SCHEDULE_FLAG` in XLA_FLAGS interpret mode
+  refuses the forms with more than one warpgroup, naming the flag
+  (`launch/interpreter_stall.py` shows jax's own pipeline deadlocking
+  without it); with it, it runs them."""
+  flag = mosaic_attention.SEQUENTIAL_SCHEDULE_FLAG
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+  lacks = mosaic_attention.interpreter_lacks()
+  for form in ("warp_specialized", "two_consumers"):
+    assert flag in lacks[form]
+  q = jnp.ones((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"two_consumers.*deadlocking.*" + flag):
+    sa.attention(
+      q, q, q, implementation="mosaic_gpu", hopper_form="two_consumers"
+    )
+  monkeypatch.setenv("XLA_FLAGS", f"--xla_backend_optimization_level=0 {flag}")
+  lacks = mosaic_attention.interpreter_lacks()
+  assert not {"warp_specialized", "two_consumers"} & set(lacks)
 
 
 def test_the_forms_differ_in_their_lowered_kernels():
@@ -197,3 +222,26 @@ def test_fp8_wgmma_needs_k_major_operands_the_interpreter_cannot_read():
     np.testing.assert_array_equal(_fp8_wgmma(True, interpret=True), 64.0)
   # Both interpreters read e4m3 N-major, the form the FP8 plans take there.
   np.testing.assert_array_equal(_fp8_wgmma(False, interpret=True), 64.0)
+
+
+@pytest.mark.slow
+def test_the_interpreter_stall_launcher_finishes_with_the_flag():
+  """`launch/interpreter_stall.py` (docs/findings.md): jax's own
+  warp-specialized pipeline, pinned to one core, finishes exactly under
+  the sequential schedule (whether the default one stalls is a race); a
+  bad count is one line and exit 2."""
+  launcher = [sys.executable, str(REPO / "launch" / "interpreter_stall.py")]
+  done = subprocess.run(
+    [*launcher, "--runs=1", "--seconds=20"],
+    capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+  flag = mosaic_attention.SEQUENTIAL_SCHEDULE_FLAG
+  assert f"{flag}: 0 of 1 stalled, 1 finished" in done.stdout
+  assert "default schedule: " in done.stdout
+  bad = subprocess.run(
+    [*launcher, "--runs=0"], capture_output=True, text=True, timeout=120
+  )
+  lines = [x for x in bad.stdout.splitlines() if x.strip()]
+  assert bad.returncode == 2 and len(lines) == 1
+  assert lines[0].startswith("error: --runs=0: ")

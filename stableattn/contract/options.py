@@ -29,7 +29,24 @@ HOPPER_SWITCHES = (
   "p_in_registers",
   "accumulate_in_place",
 )
+
 HOPPER_FORMS = ("interpreter", "fa3")
+
+
+# XLA:CPU's scheduler must not interleave independent work for jax's GPU
+# interpreter to run more than one warpgroup: each warpgroup's program is
+# an XLA:CPU execution of its own, and with the concurrency-optimized
+# schedule one may wait on XLA:CPU's intra-op thread pool while every
+# thread of that pool is held by a warpgroup blocked in a barrier wait or
+# by the interpreter waiting for the warpgroups: a deadlock (jax 0.10.2:
+# every run on one core, 1 in 10 on two with three warpgroups; jax's own
+# warp-specialized pipeline hangs the same way, `launch/
+# interpreter_stall.py`, docs/findings.md). With the flag set before jax
+# starts no measured run stalled, and the results measured were bit for
+# bit the same.
+SEQUENTIAL_SCHEDULE_FLAG = (
+  "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+)
 
 
 def _hopper_form(value) -> str:

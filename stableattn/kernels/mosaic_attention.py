@@ -29,6 +29,7 @@ is behind `Options.hopper_form`'s switches.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,10 @@ from stableattn.contract.masking import (
   keys_some_query_attends,
   without_unattended_keys,
 )
-from stableattn.contract.options import hopper_switches
+from stableattn.contract.options import (
+  SEQUENTIAL_SCHEDULE_FLAG,
+  hopper_switches,
+)
 from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
   bias_gradient,
@@ -110,27 +114,34 @@ STABILITY_VALUES = {
 MAX_GRADIENT_HEAD_DIM = 256
 
 
+def interpreter_runs_warpgroups() -> bool:
+  """Whether XLA_FLAGS holds `SEQUENTIAL_SCHEDULE_FLAG`."""
+  return SEQUENTIAL_SCHEDULE_FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
 def interpreter_lacks() -> dict[str, str]:
   """{switch: what the installed jax's GPU interpreter lacks} for each of
   FlashAttention-3's switches (`Options.hopper_form`) it cannot run; all
   of them lower for sm_90. Measured: jax 0.10.2's interpreter has no
   rule for a transposed shared-memory view ("'TransposeTransform' object
   has no attribute 'indices'"), jax 0.11.2's runs it (bit for bit with
-  K^T from global memory); two compute warpgroups beside the copy one
-  stall it; neither takes wgmma's A from registers
-  ("Expected shape (5,) but got (64, 64)") or accumulates in place (0.10:
-  "Higher-order primitive run_state"; 0.11: no CPU rule for 'wgmma')."""
+  K^T from global memory); more than one warpgroup deadlocks it under
+  XLA:CPU's default schedule (`SEQUENTIAL_SCHEDULE_FLAG`); neither takes
+  wgmma's A from registers ("Expected shape (5,) but got (64, 64)") or
+  accumulates in place (0.10: "Higher-order primitive run_state"; 0.11:
+  no CPU rule for 'wgmma')."""
   lacks = {
-    # Measured on a 2-core CPU: bit for bit with the one-warpgroup kernel
-    # and race-free where it finishes, but 1 run in 10 stalled there, and
-    # every run on one core (as did warp_specialized's two warpgroups,
-    # while one warpgroup runs): warpgroups blocked in barrier waits.
-    "two_consumers": "three warpgroups without stalling (1 run in 10 "
-    "stalled on 2 cores, every run on 1)",
     "p_in_registers": "wgmma's A operand from registers",
     "accumulate_in_place": "wgmma accumulating into a running accumulator "
     "(pl.run_state)",
   }
+  if not interpreter_runs_warpgroups():
+    for switch in ("warp_specialized", "two_consumers"):
+      lacks[switch] = (
+        "two or three warpgroups without deadlocking under XLA:CPU's "
+        f"default schedule (set XLA_FLAGS={SEQUENTIAL_SCHEDULE_FLAG} "
+        "before jax starts; docs/findings.md)"
+      )
   if jax.__version_info__ < (0, 11):
     lacks["k_as_stored"] = "a transposed shared-memory view as wgmma's B"
   return lacks
