@@ -244,30 +244,28 @@ def test_rows_no_key_attends_give_zero_and_zero_gradient(
   np.testing.assert_array_equal(golden[empty], 0)
 
 
-def test_empty_rows_with_a_sink_attend_only_the_sink():
+@pytest.mark.parametrize(
+  "implementation, options",
+  [
+    ("pallas", {"precision": "fp32", **TILES}),
+    # Its own tiles; 16-bit operands only.
+    ("mosaic_gpu", {"precision": "bf16-fa2"}),
+  ],
+)
+def test_empty_rows_with_a_sink_attend_only_the_sink(implementation, options):
   q, k, v, _ = _inputs(6)
   sink = np.zeros(HEADS, np.float32)
-  out, lse = sa.attention(
-    q,
-    k,
-    v,
-    precision="fp32",
-    sink=sink,
-    query_seq_lengths=np.array([0, Q_LEN], np.int32),
+  lengths = np.array([0, Q_LEN], np.int32)
+  kwargs = dict(
+    implementation=implementation,
+    query_seq_lengths=lengths,
     return_lse=True,
-    **TILES,
+    **options,
   )
+  out, lse = sa.attention(q, k, v, sink=sink, **kwargs)
   np.testing.assert_array_equal(np.asarray(out)[0], 0)
   np.testing.assert_array_equal(np.asarray(lse)[0], 0.0)  # log(exp(sink))
-  _, lse = sa.attention(
-    q,
-    k,
-    v,
-    precision="fp32",
-    query_seq_lengths=np.array([0, Q_LEN], np.int32),
-    return_lse=True,
-    **TILES,
-  )
+  _, lse = sa.attention(q, k, v, **kwargs)
   assert np.isposinf(np.asarray(lse)[0]).all()  # FlashAttention's +inf
 
 

@@ -4,6 +4,8 @@ lengths, split-KV decoding. Their values against the Triton path are
 `hopper_check`'s cases (tests/test_mosaic_gpu.py); here: they lower for
 sm_90, d(bias), and NaN in keys the mask hides."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,8 +139,9 @@ def test_split_size_decoding_is_batch_and_padding_invariant():
 
 def test_lengths_and_segments_skip_key_blocks_by_range():
   """Packed sequences of 64 tokens each: query block i visits key block i
-  alone (dK dV: query block i for key block i); the result is the one
-  of the warp-specialized form, which visits every block, bit for bit."""
+  alone (dK dV: query block i for key block i), in the warp-specialized
+  form too (each warpgroup reads the ranges through its own buffer and
+  barrier), whose result is the interpreter form's bit for bit."""
   from stableattn.kernels import mosaic_plan as mp
   from stableattn.kernels.flash_attention import pad_operands
   from stableattn.ops import dispatch
@@ -169,6 +172,10 @@ def test_lengths_and_segments_skip_key_blocks_by_range():
       np.float32,
     )
 
+  specialized = dataclasses.replace(
+    cfg, options=dataclasses.replace(options, hopper_form="warp_specialized")
+  )
+  assert mp.plan_of(specialized, 1).block_ranges
   np.testing.assert_array_equal(out("interpreter"), out("warp_specialized"))
 
 

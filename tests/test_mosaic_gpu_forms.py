@@ -39,10 +39,15 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
   form,
 ):
   """Each switch of FlashAttention-3's form (and all of them) builds the
-  forward for CUDA beside the unchanged backward. In interpret mode a
-  form the installed jax's interpreter runs equals the interpreter form
-  bit for bit; any other is refused in one line naming what it lacks."""
-  text = mosaic_lowered_text(causal=True, hopper_form=form)
+  forward for CUDA beside the unchanged backward, with key lengths (each
+  warpgroup reading block ranges through its own barrier). In interpret
+  mode a form the installed jax's interpreter runs equals the interpreter
+  form bit for bit; any other is refused in one line naming what it
+  lacks."""
+  lengths = np.array([150, 200], np.int32)
+  text = mosaic_lowered_text(
+    causal=True, hopper_form=form, key_value_seq_lengths=lengths
+  )
   assert text.count("custom_call @mosaic_gpu") == 3
   case = CASES["causal-gqa"]
   (q, k, v, _), features = _inputs(case)

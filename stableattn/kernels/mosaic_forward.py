@@ -59,12 +59,14 @@ from stableattn.kernels.mosaic_forward_block import (
   allocated,
   allowed,
   channel_descale,
+  copy_reads_ranges,
   copy_warpgroup,
   fetch,
   input_names,
   key_blocks,
   key_vector,
   output_names,
+  own_range_reader,
   query_scales,
   scratch_layout,
   sink_logits,
@@ -267,17 +269,21 @@ def _block_program(blocks):
   # by TMA, the others compute.
   warpgroup = lax.axis_index("wg")
   pl.when(warpgroup == plan.consumers)(lambda: copy_warpgroup(blocks))
-  union = visited(blocks) if plan.consumers > 1 else None
   for block in blocks:
-    compute = functools.partial(_compute, block, union)
+    others = blocks if plan.consumers > 1 else None
+    compute = functools.partial(_compute, block, others)
     pl.when(warpgroup == block.consumer)(compute)
 
 
-def _compute(block: ForwardBlock, union=None):
+def _compute(block: ForwardBlock, blocks=None):
   """The FlashAttention-2 pass over the key blocks, and the store; with
-  two compute warpgroups, every block of `union` (the ring's) is waited
-  for and released, and those outside this warpgroup's bounds skipped."""
+  two compute warpgroups (`blocks`, each one's), every block of the
+  union of their bounds (the ring's) is waited for and released, and
+  those outside this warpgroup's bounds skipped."""
   plan, smem = block.plan, block.smem
+  union = None
+  if blocks is not None:
+    union = visited(blocks, own_range_reader(block))
   q_bar = block.bars[0]
   rows = pl.ds(block.q_start, ROWS)
   q_ref = block.refs["q"]
@@ -349,7 +355,8 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
     ring = {name: next(taken) for name in shared}
     owns = [{name: next(taken) for name in own} for _ in range(consumers)]
     q_bars = [next(taken) for _ in range(consumers)]
-    bars = tuple(taken)  # K's, V's, [releases], [range's], [rendezvous]
+    # K's, V's, [releases, [the copy warpgroup's range]], [rendezvous]
+    bars = tuple(taken)
     blocks = [
       ForwardBlock(
         plan,
@@ -381,8 +388,8 @@ def _kernel(q_ref, kt_ref, v_ref, *refs, plan: MosaicPlan):
       if plan.warp_specialized
       else ()
     ),
-    # The read of the block's range.
-    *((plgpu.Barrier(num_barriers=1),) if plan.block_ranges else ()),
+    # The copy warpgroup's read of block ranges.
+    *((plgpu.Barrier(num_barriers=1),) if copy_reads_ranges(plan) else ()),
     # The compute warpgroups' rendezvous.
     *((plgpu.Barrier(num_arrivals=2),) if consumers > 1 else ()),
     **({"collective_axes": "wg"} if plan.warp_specialized else {}),

@@ -185,11 +185,30 @@ def sink_logits(block: ForwardBlock, rows):
   return sink_in_base(sink, block.plan)
 
 
-def key_blocks(block: ForwardBlock):
-  """(first, full, end): the key blocks this thread block visits, those
-  in [first, full) without a mask (`causal_block_bounds`, narrowed to
-  its block range where the plan reads ranges: never with the copy
-  warpgroup); with split-KV those of its split."""
+def own_range_reader(block: ForwardBlock):
+  """(buffer, barrier) a compute warpgroup reads block ranges through:
+  its own, as every warpgroup reading a range must have (one barrier
+  two warpgroups wait on is a protocol error the interpreter reports);
+  None where the plan reads no ranges."""
+  if not block.plan.block_ranges:
+    return None
+  return block.smem["ranges"], block.bars[0].at[1]
+
+
+def copy_range_reader(block: ForwardBlock):
+  """The copy warpgroup's own (buffer, barrier) for block ranges, or
+  None where it reads none."""
+  if not copy_reads_ranges(block.plan):
+    return None
+  return block.smem["copy_ranges"], block.bars[4].at[0]
+
+
+def key_blocks(block: ForwardBlock, reader=None):
+  """(first, full, end): the key blocks this thread block's compute
+  warpgroup visits, those in [first, full) without a mask
+  (`causal_block_bounds`, narrowed to its block range where the plan
+  reads ranges, through `reader`: `own_range_reader` by default); with
+  split-KV those of its split."""
   plan = block.plan
   first, full, end = causal_block_bounds(plan, block.q_start)
   if plan.block_ranges:
@@ -197,8 +216,7 @@ def key_blocks(block: ForwardBlock):
       (first, full, end),
       block.refs["ranges"],
       (block.batch, lax.div(block.q_start, jnp.int32(ROWS))),
-      block.smem["ranges"],
-      block.bars[-1].at[0],
+      *(reader or own_range_reader(block)),
     )
   if plan.blocks_per_split is not None:
     first = jnp.maximum(first, block.split * plan.blocks_per_split)
@@ -209,10 +227,11 @@ def key_blocks(block: ForwardBlock):
   return first, full, end
 
 
-def visited(blocks) -> tuple:
+def visited(blocks, reader) -> tuple:
   """(first, end): the key blocks any of the thread block's compute
-  warpgroups visits, which the copy warpgroup fills the ring with."""
-  bounds = [key_blocks(block) for block in blocks]
+  warpgroups visits, which the copy warpgroup fills the ring with; the
+  ranges read through the calling warpgroup's `reader`."""
+  bounds = [key_blocks(block, reader) for block in blocks]
   first = functools.reduce(jnp.minimum, [b[0] for b in bounds])
   end = functools.reduce(jnp.maximum, [b[2] for b in bounds])
   return first, jnp.maximum(end, first)
@@ -224,7 +243,7 @@ def copy_warpgroup(blocks):
   arrives at the slot's `consumed` barrier after its P V), then waits for
   the last releases, so that no copy outlives the kernel."""
   block = blocks[0]  # the ring and its barriers are every consumer's
-  first, end = visited(blocks)
+  first, end = visited(blocks, copy_range_reader(block))
   consumed = block.bars[3]
   slots = jnp.int32(block.plan.ring_slots)
 
@@ -272,8 +291,9 @@ def input_names(plan: MosaicPlan) -> tuple[str, ...]:
   return names
 
 
-# The forward's buffers every compute warpgroup shares: the K/V ring.
-SHARED_BUFFERS = ("kt", "v")
+# The forward's buffers allocated once: the K/V ring every compute
+# warpgroup shares, and the copy warpgroup's block range.
+SHARED_BUFFERS = ("kt", "v", "copy_ranges")
 
 
 def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
@@ -301,6 +321,7 @@ def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
     "additive": ("tile", (ROWS, block_k), f32),
     "sink": ("vector", (ROWS,), f32),
     "ranges": ("vector", (RANGE_WIDTH,), i32),
+    "copy_ranges": ("vector", (RANGE_WIDTH,), i32),
     "o_lo": ("tile", (ROWS, plan.value_dim), plan.output_dtype),
     "m": ("vector", (ROWS,), f32),
     "l": ("vector", (ROWS,), f32),
@@ -313,6 +334,8 @@ def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
     ),
   }
   names = (*input_names(plan), *output_names(plan)[2:])
+  if copy_reads_ranges(plan):
+    names += ("copy_ranges",)
   return {
     "q": ("tile", (ROWS, plan.head_dim), dtype),
     "kt": ("tile", k_slots, dtype),
@@ -322,6 +345,12 @@ def scratch_layout(plan: MosaicPlan) -> dict[str, tuple[str, tuple, object]]:
     "lse": ("vector", (ROWS,), f32),
     **{name: extra[name] for name in names},
   }
+
+
+def copy_reads_ranges(plan: MosaicPlan) -> bool:
+  """Whether a copy warpgroup reads block ranges (its own buffer and
+  barrier, `copy_range_reader`)."""
+  return plan.block_ranges and plan.warp_specialized
 
 
 def allocated(entry):
@@ -340,7 +369,7 @@ def barrier_count(plan: MosaicPlan) -> int:
     2 * plan.consumers
     + 4
     + 2 * plan.warp_specialized
-    + plan.block_ranges
+    + copy_reads_ranges(plan)
     + (plan.consumers > 1)
   )
 

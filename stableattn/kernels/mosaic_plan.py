@@ -111,12 +111,8 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     scaled=policy.quantizes,
     v_per_channel=v_per_channel(policy),
     p_scale=policy.p_scale,
-    # Lengths, segments and per-example positions skip blocks by range;
-    # not in the warp-specialized forward, whose two warpgroups reading
-    # their ranges hung jax 0.10.2's interpreter (docs/performance.md).
-    block_ranges=(cfg.mask.token_ids or cfg.mask.key_positions)
-    and not {"warp_specialized", "two_consumers"}
-    & set(hopper_switches(cfg.options.hopper_form)),
+    # Lengths, segments and per-example positions skip blocks by range.
+    block_ranges=bool(cfg.mask.token_ids or cfg.mask.key_positions),
   )
 
 
