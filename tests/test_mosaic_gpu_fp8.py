@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mosaic_lowered_text
 
 import stableattn as sa
 
@@ -92,6 +93,18 @@ def test_fp8_value_parts_of_absorbed_mla():
   order of the sums that moves them was not traced)."""
   inputs = _inputs(value_dim=512, head_dim=576)
   _assert_same(*_outputs("fp8-sage", BASE, inputs), differ_at_most=20)
+
+
+E5M2 = "fp8-fa3+matmul_operands=fp8_e5m2+probs=fp8_e5m2"
+
+
+@pytest.mark.slow
+def test_e5m2_operands_run_bit_for_bit_and_lower_for_sm90():
+  """wgmma's other FP8 format: FlashAttention-3's per-tile preset with
+  Q, K, V and P in e5m2."""
+  _assert_same(*_outputs(E5M2, BASE))
+  text = mosaic_lowered_text(E5M2, gradients=False, causal=True)
+  assert text.count("custom_call @mosaic_gpu") == 1
 
 
 @pytest.mark.skipif(

@@ -173,7 +173,7 @@ def range_rows(ops_p: MaskOperands, cfg: KernelConfig, plan: MosaicPlan, batch):
 
 
 def quantized(q_p, k_p, v_p, scales, cfg: KernelConfig, plan: MosaicPlan):
-  """(q, k, v in e4m3, {q_scale, k_scale, v_scale}) from padded q, k, v
+  """(q, k, v in FP8, {q_scale, k_scale, v_scale}) from padded q, k, v
   and their scales (`quantization.prepare`): x as its matmul reads it,
   round(x * (1 / s)), computed as the Triton path's kernel computes it
   (`block_math.block_scores`, `probs_times_values`). Per-channel V
