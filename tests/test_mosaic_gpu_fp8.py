@@ -95,6 +95,15 @@ def test_fp8_value_parts_of_absorbed_mla():
   _assert_same(*_outputs("fp8-sage", BASE, inputs), differ_at_most=20)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["warp_specialized", "two_consumers"])
+def test_fp8_in_flashattention3s_warpgroup_forms(form):
+  """A copy warpgroup filling the ring (and two compute warpgroups in
+  ping-pong), each reading K's and V's scales itself: the one-warpgroup
+  kernel's result, so the Triton path's, bit for bit."""
+  _assert_same(*_outputs("fp8-sage", BASE, hopper_form=form))
+
+
 E5M2 = "fp8-fa3+matmul_operands=fp8_e5m2+probs=fp8_e5m2"
 
 
