@@ -10,7 +10,10 @@ import pytest
 import shares
 from hypothesis import HealthCheck, settings
 
-from stableattn.contract.options import SEQUENTIAL_SCHEDULE_FLAG
+from stableattn.contract.options import (
+  SEQUENTIAL_SCHEDULE_FLAG,
+  sequential_schedule_set,
+)
 from stableattn.harness.compile_flags import quick_cpu_compiles
 from stableattn.harness.memory_maps import release_if_near_limit
 
@@ -38,7 +41,7 @@ os.environ["XLA_FLAGS"] = quick_cpu_compiles(
 # The GPU interpreter runs FlashAttention-3's warpgroups only under a
 # schedule that does not interleave independent work (the flag's
 # comment: a deadlock otherwise); every result is the same either way.
-if SEQUENTIAL_SCHEDULE_FLAG not in os.environ["XLA_FLAGS"]:
+if not sequential_schedule_set():
   os.environ["XLA_FLAGS"] += " " + SEQUENTIAL_SCHEDULE_FLAG
 # Compile once per configuration across test processes and reruns. The
 # environment carries the cache to the launchers, notebook kernels and

@@ -13,6 +13,7 @@ import pytest
 from helpers import mosaic_lowered_text
 
 import stableattn as sa
+from stableattn.experiments import hopper_check
 
 FP8_PRESETS = ("fp8-baseline", "fp8-fa3", "fp8-sage")
 _RNG = np.random.default_rng(8)
@@ -30,34 +31,13 @@ FEATURES = {
 }
 
 
-def _inputs(value_dim=64, head_dim=64):
-  rng = np.random.default_rng(value_dim)
-  shapes = ((2, 70, 4, head_dim), (2, 130, 2, head_dim), (2, 130, 2, value_dim))
-  return [jnp.asarray(rng.standard_normal(s), jnp.float16) for s in shapes]
-
-
-def _outputs(preset, features, inputs=None, **options):
-  """(Triton path, Hopper path, FP64 golden) outputs, in FP64."""
-  q, k, v = _inputs() if inputs is None else inputs
-
-  def run(implementation, **more):
-    out = sa.attention(
-      q,
-      k,
-      v,
-      precision=preset,
-      implementation=implementation,
-      interpret=True,
-      **features,
-      **more,
-    )
-    return np.asarray(out, np.float64)
-
-  exact = {n: x for n, x in features.items() if n not in ("num_splits",)}
-  exact.pop("block_k", None)
-  wide = [np.asarray(x, np.float64) for x in (q, k, v)]
-  golden = np.asarray(sa.golden_attention(*wide, **exact), np.float64)
-  return run("pallas"), run("mosaic_gpu", **options), golden
+def _outputs(preset, features, head_dim=64, **options):
+  """(Triton path, Hopper path, FP64 golden) outputs in FP64, of q [2,
+  70, 4, D] over k, v [2, 130, 2, D] (`hopper_check`'s case inputs)."""
+  case = (preset, 70, 130, 4, 2, head_dim, features)
+  triton = hopper_check.value_and_grads("pallas", case)[0]
+  hopper = hopper_check.value_and_grads("mosaic_gpu", case, **options)[0]
+  return triton, hopper, hopper_check.golden(case)[0]
 
 
 def _assert_same(triton, hopper, golden, differ_at_most=0):
@@ -89,10 +69,10 @@ def test_fp8_presets_with_each_feature(preset, feature):
 def test_fp8_value_parts_of_absorbed_mla():
   """MLA's 576/512 in two value parts: V's per-channel scales by part.
   As in BF16 (docs/performance.md), a few outputs round apart from the
-  Triton path's (measured: 7 of 286,720, one FP16 unit at most; the
-  order of the sums that moves them was not traced)."""
-  inputs = _inputs(value_dim=512, head_dim=576)
-  _assert_same(*_outputs("fp8-sage", BASE, inputs), differ_at_most=20)
+  Triton path's (measured: 8 of 286,720, by 0.15 of an FP16 unit at the
+  largest; the order of the sums that moves them was not traced)."""
+  outputs = _outputs("fp8-sage", BASE, head_dim=(576, 512))
+  _assert_same(*outputs, differ_at_most=20)
 
 
 @pytest.mark.slow
@@ -129,7 +109,7 @@ def test_the_k_major_form_a_gpu_compiles_is_bit_for_bit(preset):
 
 
 def test_the_fp8_gradient_is_refused_naming_the_triton_path():
-  q, k, v = _inputs()
+  (q, k, v, _), _ = hopper_check.inputs(("fp8-fa3", 70, 130, 4, 2, 64, {}))
 
   def loss(q):
     out = sa.attention(

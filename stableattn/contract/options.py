@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -47,6 +48,11 @@ HOPPER_FORMS = ("interpreter", "fa3")
 SEQUENTIAL_SCHEDULE_FLAG = (
   "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 )
+
+
+def sequential_schedule_set() -> bool:
+  """Whether the environment's XLA_FLAGS hold `SEQUENTIAL_SCHEDULE_FLAG`."""
+  return SEQUENTIAL_SCHEDULE_FLAG in os.environ.get("XLA_FLAGS", "").split()
 
 
 def _hopper_form(value) -> str:

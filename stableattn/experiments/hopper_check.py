@@ -25,6 +25,26 @@ from stableattn.ops.dispatch import attention
 
 TENSORS = ("out", "dq", "dk", "dv")
 _FEATURE_RNG = np.random.default_rng(11)
+
+
+def _bias_and_mask(q_len: int, kv_len: int) -> dict:
+  """A per-head bias (2 heads) and a per-example dense mask (batch 2),
+  drawn in turn from the cases' generator."""
+  return {
+    "bias": _FEATURE_RNG.standard_normal((1, 2, q_len, kv_len)).astype(
+      np.float32
+    ),
+    "mask": _FEATURE_RNG.random((2, 1, q_len, kv_len)) < 0.7,
+  }
+
+
+# Split-KV decoding of a KV cache: 3 splits, merged by lse.
+SPLIT_KV_DECODE = {
+  "num_splits": 3,
+  "causal": True,
+  "causal_alignment": "bottom_right",
+  "key_value_seq_lengths": np.array([230, 300]),
+}
 # name -> (precision, q_len, kv_len, heads, kv_heads, head_dim, features),
 # head_dim an int or MLA's (query/key, value) pair: ragged on purpose, no
 # length a multiple of the tiles but one.
@@ -63,10 +83,7 @@ CASES = {
   # A per-head bias and a per-example dense mask on ragged lengths.
   "bias-mask": (
     "bf16-fa2", 96, 110, 2, 1, 64,
-    {
-      "bias": _FEATURE_RNG.standard_normal((1, 2, 96, 110)).astype(np.float32),
-      "mask": _FEATURE_RNG.random((2, 1, 96, 110)) < 0.7,
-    },
+    _bias_and_mask(96, 110),
   ),
   # A KV cache: the last query on the last key of each example's own
   # lengths (per-example key positions).
@@ -79,15 +96,9 @@ CASES = {
       "key_value_seq_lengths": np.array([90, 130]),
     },
   ),
-  # Split-KV decoding of a KV cache: 3 splits, merged by lse.
   "split-kv-decode": (
     "bf16-fa2", 4, 300, 4, 1, 64,
-    {
-      "num_splits": 3,
-      "causal": True,
-      "causal_alignment": "bottom_right",
-      "key_value_seq_lengths": np.array([230, 300]),
-    },
+    SPLIT_KV_DECODE,
   ),
   # A cap near the scores' spread, so tanh bends them.
   "softcap": ("bf16-fa2", 96, 110, 2, 1, 64, {"causal": True, "softcap": 2.0}),
@@ -147,19 +158,11 @@ CASES = {
   ),
   "fp8-fa3-bias-mask": (
     "fp8-fa3", 96, 110, 2, 1, 64,
-    {
-      "bias": _FEATURE_RNG.standard_normal((1, 2, 96, 110)).astype(np.float32),
-      "mask": _FEATURE_RNG.random((2, 1, 96, 110)) < 0.7,
-    },
+    _bias_and_mask(96, 110),
   ),
   "fp8-sage-split-kv-decode": (
     "fp8-sage", 4, 300, 4, 1, 64,
-    {
-      "num_splits": 3,
-      "causal": True,
-      "causal_alignment": "bottom_right",
-      "key_value_seq_lengths": np.array([230, 300]),
-    },
+    SPLIT_KV_DECODE,
   ),
 }  # fmt: skip
 

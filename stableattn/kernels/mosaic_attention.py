@@ -29,7 +29,6 @@ is behind `Options.hopper_form`'s switches.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +42,7 @@ from stableattn.contract.masking import (
 from stableattn.contract.options import (
   SEQUENTIAL_SCHEDULE_FLAG,
   hopper_switches,
+  sequential_schedule_set,
 )
 from stableattn.kernels.backward_delta import delta_operands, output_delta
 from stableattn.kernels.flash_attention import (
@@ -114,11 +114,6 @@ STABILITY_VALUES = {
 MAX_GRADIENT_HEAD_DIM = 256
 
 
-def interpreter_runs_warpgroups() -> bool:
-  """Whether XLA_FLAGS holds `SEQUENTIAL_SCHEDULE_FLAG`."""
-  return SEQUENTIAL_SCHEDULE_FLAG in os.environ.get("XLA_FLAGS", "").split()
-
-
 def interpreter_lacks() -> dict[str, str]:
   """{switch: what the installed jax's GPU interpreter lacks} for each of
   FlashAttention-3's switches (`Options.hopper_form`) it cannot run; all
@@ -135,7 +130,7 @@ def interpreter_lacks() -> dict[str, str]:
     "accumulate_in_place": "wgmma accumulating into a running accumulator "
     "(pl.run_state)",
   }
-  if not interpreter_runs_warpgroups():
+  if not sequential_schedule_set():
     for switch in ("warp_specialized", "two_consumers"):
       lacks[switch] = (
         "two or three warpgroups without deadlocking under XLA:CPU's "

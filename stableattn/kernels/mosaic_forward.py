@@ -61,6 +61,7 @@ from stableattn.kernels.mosaic_forward_block import (
   channel_descale,
   copy_reads_ranges,
   copy_warpgroup,
+  fed,
   fetch,
   input_names,
   key_blocks,
@@ -292,11 +293,7 @@ def _compute(block: ForwardBlock, blocks=None):
   )
   q_ids = None
   if plan.token_ids:
-    plgpu.copy_gmem_to_smem(
-      block.refs["q_ids"].at[block.batch, rows], smem["q_ids"], q_bar.at[1]
-    )
-    plgpu.barrier_wait(q_bar.at[1])
-    q_ids = row_vector(smem["q_ids"], plan.interpret)
+    q_ids = row_vector(fed(block, "q_ids", (block.batch, rows)), plan.interpret)
   sink = sink_logits(block, rows)
   q_scale, channels = query_scales(block, rows), channel_descale(block)
   first, full, end = key_blocks(block)

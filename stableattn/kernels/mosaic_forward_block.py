@@ -80,32 +80,32 @@ def fetch(block: ForwardBlock, step):
   plgpu.copy_gmem_to_smem(v_tile, smem["v"].at[slot], v_bars.at[slot])
 
 
+def fed(block: ForwardBlock, name: str, index):
+  """Shared-memory buffer `name` once `refs[name].at[index]` has arrived
+  in it by TMA: a feature operand, waited for through the compute
+  warpgroup's feature barrier (one copy at a time)."""
+  bar = block.bars[0].at[1]
+  plgpu.copy_gmem_to_smem(block.refs[name].at[index], block.smem[name], bar)
+  plgpu.barrier_wait(bar)
+  return block.smem[name]
+
+
 def key_vector(block: ForwardBlock, name: str, k_start, per_head=False):
   """The key block's entries of a per-key operand ([B, S] in global
   memory: token ids or positions; [B, Hkv, S] `per_head`: K's and V's
   scales), by TMA, one per tile column."""
-  bar = block.bars[0].at[1]
   keys = pl.ds(k_start, block.plan.block_k)
   heads = (block.kv_head,) if per_head else ()
-  plgpu.copy_gmem_to_smem(
-    block.refs[name].at[(block.batch, *heads, keys)], block.smem[name], bar
-  )
-  plgpu.barrier_wait(bar)
-  return column_vector(block.smem[name], block.plan.interpret)
+  buffer = fed(block, name, (block.batch, *heads, keys))
+  return column_vector(buffer, block.plan.interpret)
 
 
 def query_scales(block: ForwardBlock, rows):
   """Q's scale on each row of the block (FP8 operands), or None."""
   if not block.plan.scaled:
     return None
-  bar = block.bars[0].at[1]
-  plgpu.copy_gmem_to_smem(
-    block.refs["q_scale"].at[block.batch, block.head, rows],
-    block.smem["q_scale"],
-    bar,
-  )
-  plgpu.barrier_wait(bar)
-  return row_vector(block.smem["q_scale"], block.plan.interpret)
+  buffer = fed(block, "q_scale", (block.batch, block.head, rows))
+  return row_vector(buffer, block.plan.interpret)
 
 
 def channel_descale(block: ForwardBlock):
@@ -115,14 +115,9 @@ def channel_descale(block: ForwardBlock):
   plan = block.plan
   if not (plan.scaled and plan.v_per_channel):
     return None
-  bar = block.bars[0].at[1]
   v_head = block.kv_head * plan.value_parts + block.part
-  plgpu.copy_gmem_to_smem(
-    block.refs["v_scale"].at[block.batch, v_head], block.smem["v_scale"], bar
-  )
-  plgpu.barrier_wait(bar)
-  scale = column_vector(block.smem["v_scale"], plan.interpret)
-  return scale * jnp.float32(1.0 / plan.p_scale)
+  buffer = fed(block, "v_scale", (block.batch, v_head))
+  return column_vector(buffer, plan.interpret) * jnp.float32(1.0 / plan.p_scale)
 
 
 def value_descale(block: ForwardBlock, k_start, channels, shape):
@@ -157,17 +152,11 @@ def added(block: ForwardBlock, s, k_start):
   plan = block.plan
   if plan.additive is None:
     return s
-  bar = block.bars[0].at[1]
   example, head = plan.additive_index(block.batch, block.head)
   rows = pl.ds(block.q_start, ROWS)
   keys = pl.ds(k_start, plan.block_k)
-  plgpu.copy_gmem_to_smem(
-    block.refs["additive"].at[example, head, rows, keys],
-    block.smem["additive"],
-    bar,
-  )
-  plgpu.barrier_wait(bar)
-  tile = tile_values(block.smem["additive"], plan.interpret)
+  buffer = fed(block, "additive", (example, head, rows, keys))
+  tile = tile_values(buffer, plan.interpret)
   return plus_additive(s, tile, plan, base2=plan.exp2)
 
 
@@ -176,12 +165,8 @@ def sink_logits(block: ForwardBlock, rows):
   without a sink."""
   if not block.plan.sink:
     return None
-  bar = block.bars[0].at[1]
-  plgpu.copy_gmem_to_smem(
-    block.refs["sink"].at[block.head, rows], block.smem["sink"], bar
-  )
-  plgpu.barrier_wait(bar)
-  sink = row_vector(block.smem["sink"], block.plan.interpret)
+  buffer = fed(block, "sink", (block.head, rows))
+  sink = row_vector(buffer, block.plan.interpret)
   return sink_in_base(sink, block.plan)
 
 
