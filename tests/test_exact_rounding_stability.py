@@ -223,25 +223,40 @@ def test_residual_bytes_and_matmuls_of_the_lowered_kernels(
     assert dots - base_dots == extra_dots.get(short, 0), name
 
 
-@pytest.mark.parametrize("base", ["bf16-fa2", "fp16-fa2"])
-def test_delta_by_matmul_gives_one_key_rows_no_gradient(base):
+@pytest.mark.parametrize(
+  "base, implementation",
+  [
+    ("bf16-fa2", "pallas"),
+    ("fp16-fa2", "pallas"),
+    ("bf16-fa2", "mosaic_gpu"),
+    pytest.param("fp16-fa2", "mosaic_gpu", marks=pytest.mark.slow),
+  ],
+)
+def test_delta_by_matmul_gives_one_key_rows_no_gradient(base, implementation):
   """Causal with one query over 37 keys (top-left): each row attends one
   key, P is exactly 1 there, and dQ and dK are exactly 0 in FP64 and in
   eager attention. delta = rowsum(dO * O) summed in another order than
   dP = dO V^T leaves their difference, an ulp of |dO||V|, in dS; with
   delta_product=matmul both come from one matmul shape and cancel. At
   FP16, XLA:CPU sums a 16 x 16 and a 16 x 64 matmul in different
-  orders, so the shape of dP's tile is what is tested."""
+  orders, so the shape of dP's tile is what is tested; on the Hopper
+  path delta's diagonal is a wgmma of dP's shape (`mosaic_delta`)."""
   rng = np.random.default_rng(5)
   dtype = sa.Precision.from_name(base).dtype("inputs")
+  # The interpreter runs a Mosaic GPU thread block per (example, head):
+  # fewer of them, each still showing the order.
+  batch, heads = (8, 4) if implementation == "pallas" else (2, 4)
   q, k, v, d_out = (
-    jnp.asarray(rng.standard_normal(shape), dtype)
-    for shape in ((8, 1, 4, 32), (8, 37, 4, 32), (8, 37, 4, 32), (8, 1, 4, 32))
+    jnp.asarray(rng.standard_normal((batch, length, heads, 32)), dtype)
+    for length in (1, 37, 37, 1)
   )
 
   def grads(precision):
     def loss(q, k):
-      out = sa.attention(q, k, v, precision=precision, causal=True)
+      out = sa.attention(
+        q, k, v, precision=precision, causal=True,
+        implementation=implementation,
+      )  # fmt: skip
       return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
 
     return [np.asarray(g, np.float64) for g in jax.grad(loss, (0, 1))(q, k)]

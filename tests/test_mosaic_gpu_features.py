@@ -2,7 +2,8 @@
 gradient), a dense mask, bottom-right causal over each example's
 lengths, split-KV decoding. Their values against the Triton path are
 `hopper_check`'s cases (tests/test_mosaic_gpu.py); here: they lower for
-sm_90, d(bias), and NaN in keys the mask hides."""
+sm_90, d(bias), and NaN in keys the mask hides; the backward's split
+over head dims is tests/test_mosaic_gpu_backward.py."""
 
 import dataclasses
 
@@ -45,14 +46,23 @@ def test_bias_mask_key_positions_and_split_kv_lower_to_mosaic_gpu_for_cuda():
   assert text.count("custom_call @mosaic_gpu") == 3
 
 
-def test_the_bias_gradient_is_the_triton_paths():
+@pytest.mark.parametrize(
+  "dims",
+  [(64, 64), pytest.param((320, 64), marks=pytest.mark.slow)],
+  ids=["d64", "d320-in-two-parts"],
+)
+def test_the_bias_gradient_is_the_triton_paths(dims):
   """d(bias) is the dQ kernel's dS tile (zero on the blocks it skips),
   summed over the batch the bias broadcasts across: the Triton path's
-  to a rounding, under causal masking and a dense mask."""
+  to a rounding, under causal masking and a dense mask. At head dim 320
+  dQ runs in two column parts, and the first part's thread block alone
+  stores d(bias) (the others would store the same tile: the
+  interpreter cannot tell the two apart)."""
   rng = np.random.default_rng(5)
+  d, dv = dims
   q, k, v, d_out = (
     jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-    for s in ((2, 70, 2, 64), (2, 100, 1, 64), (2, 100, 1, 64), (2, 70, 2, 64))
+    for s in ((2, 70, 2, d), (2, 100, 1, d), (2, 100, 1, dv), (2, 70, 2, dv))
   )
   bias = jnp.asarray(rng.standard_normal((1, 2, 70, 100)), jnp.float32)
   mask = rng.random((2, 1, 70, 100)) < 0.7
@@ -270,25 +280,6 @@ def _lowered_forward(**features):
     )
 
   return lowered_for_cuda(jax.jit(forward), *_mla_decode_shapes())
-
-
-def test_mla_576_512_lowers_in_value_parts_and_refuses_its_gradient():
-  """The forward builds for sm_90 (two value parts of 256 columns, one
-  ring slot: Mosaic GPU's lowering checks the 227 KB); the gradient is
-  refused in one line that names the Triton path."""
-  lengths = np.array([230, 300], np.int32)
-  text = _lowered_forward(key_value_seq_lengths=lengths).as_text()
-  assert text.count("custom_call @mosaic_gpu") == 1
-  q, k, v = (jnp.zeros(s.shape, s.dtype) for s in _mla_decode_shapes(1, 64))
-
-  def loss(q):
-    out = sa.attention(q, k, v, implementation="mosaic_gpu")
-    return jnp.sum(out.astype(jnp.float32))
-
-  with pytest.raises(
-    ValueError, match=r"no gradient at head dims 576/512.*'pallas'"
-  ):
-    jax.grad(loss)(q)
 
 
 def test_a_forward_over_shared_memory_is_refused_with_its_bytes():

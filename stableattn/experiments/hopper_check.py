@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stableattn.kernels.mosaic_attention import MAX_GRADIENT_HEAD_DIM
 from stableattn.numerics.formats import to_dtype
 from stableattn.numerics.precision import Precision
 from stableattn.ops.dispatch import attention
@@ -132,7 +131,8 @@ CASES = {
     96, 80, 2, 1, 64, {"causal": True},
   ),
   # Absorbed MLA (DeepSeek-V3's decoding form): the value dim in two
-  # thread blocks of 256 columns, one K/V ring slot; forward only.
+  # thread blocks of 256 columns, one K/V ring slot; in the backward
+  # dQ and dK in three parts of 192 columns, dV in two of 256.
   "mla-576-512-decode": (
     "bf16-fa2", 1, 200, 8, 1, (576, 512),
     {"key_value_seq_lengths": np.array([150, 200])},
@@ -164,6 +164,16 @@ CASES = {
     "fp8-sage", 4, 300, 4, 1, 64,
     SPLIT_KV_DECODE,
   ),
+  # Head dim 256: dV and dK each in thread blocks of their own (the two
+  # accumulators together would take 256 registers per thread).
+  "causal-d256": ("bf16-fa2", 70, 90, 2, 1, 256, {"causal": True}),
+  # A bias at head dim 320: dQ and dK in two column parts of 192 (Q and
+  # K zero-padded to 384), S summed over two chunks, d(bias) stored by
+  # the first part's thread block.
+  "bias-d320": (
+    "bf16-fa2", 70, 90, 2, 1, (320, 64),
+    {"bias": _FEATURE_RNG.standard_normal((1, 2, 70, 90)).astype(np.float32)},
+  ),
 }  # fmt: skip
 
 
@@ -183,11 +193,9 @@ def inputs(case):
 
 
 def differentiable(case) -> bool:
-  """Whether the Hopper path has the case's gradient: head dims up to
-  256 (`mosaic_attention.MAX_GRADIENT_HEAD_DIM`), operands of 16 bits."""
-  dims = case[5] if isinstance(case[5], tuple) else (case[5],)
-  quantizes = Precision.from_name(case[0]).quantizes
-  return max(dims) <= MAX_GRADIENT_HEAD_DIM and not quantizes
+  """Whether the Hopper path has the case's gradient: operands of 16
+  bits (FP8's is refused)."""
+  return not Precision.from_name(case[0]).quantizes
 
 
 def value_and_grads(implementation: str, case, **options) -> list[np.ndarray]:

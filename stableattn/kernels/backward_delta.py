@@ -36,7 +36,7 @@ from stableattn.kernels.kernel_operands import TileReader
 from stableattn.numerics.rounding import PolicyArithmetic
 
 
-def _row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k=None):
+def row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k=None):
   """rowsum(dO * O) of a tile, rounded to `delta`, summed as the policy
   option delta_product says; O is the sum of `o_parts` in the carrier
   (O, or O_hi + O_lo: exact). `block_k`: the key tile of dP = dO V^T,
@@ -46,10 +46,10 @@ def _row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k=None):
     o_BqxD = o_BqxD + part.astype(ar.carrier)
   if ar.policy.delta_product == "matmul":
     return _matmul_delta(o_BqxD, do_BqxD, ar, block_k)
-  return _summed_products(o_BqxD, do_BqxD, ar)
+  return summed_products(o_BqxD, do_BqxD, ar)
 
 
-def _summed_products(o_BqxD, do_BqxD, ar: PolicyArithmetic):
+def summed_products(o_BqxD, do_BqxD, ar: PolicyArithmetic):
   """rowsum(dO * O), each product and the sum rounded to `delta`."""
   products_BqxD = ar.round(
     ar.round(o_BqxD, "delta") * ar.round(do_BqxD, "delta"), "delta"
@@ -87,14 +87,14 @@ def _matmul_delta(o_BqxD, do_BqxD, ar: PolicyArithmetic, block_k: int):
     diagonal_Bq = diagonal_Bq + jnp.sum(
       jnp.where(own_BqxBk, products_BqxBk, 0), axis=1
     )
-  rest_Bq = _summed_products(o_BqxD - o_hi_BqxD, do_BqxD, ar)
+  rest_Bq = summed_products(o_BqxD - o_hi_BqxD, do_BqxD, ar)
   return ar.round(diagonal_Bq + rest_Bq, "delta")
 
 
 def _delta_kernel(*refs, ar: PolicyArithmetic, block_k: int):
   *o_refs, do_ref, delta_ref = refs
   o_parts = [o_ref[...] for o_ref in o_refs]
-  delta = _row_delta(o_parts, do_ref[...], ar, block_k)
+  delta = row_delta(o_parts, do_ref[...], ar, block_k)
   delta_ref[...] = delta.astype(delta_ref.dtype)
 
 
@@ -120,7 +120,7 @@ def output_delta(o_parts, d_out, cfg: KernelConfig):
   if cfg.interpret:
     ar = PolicyArithmetic(cfg.policy)
     if cfg.policy.delta_product != "matmul":
-      delta = _row_delta(o_parts, d_out.astype(ar.carrier), ar)
+      delta = row_delta(o_parts, d_out.astype(ar.carrier), ar)
       return delta.transpose(0, 2, 1).astype(cfg.policy.dtype("delta"))
   block_q = cfg.bwd_block_q
   rows = pl.BlockSpec(

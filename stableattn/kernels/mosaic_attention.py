@@ -12,14 +12,15 @@ rounds it (`mosaic_block_math`); P rounded to the operand format before
 P V (wgmma takes one format); O normalized once, at the end; the softmax
 in base 2 (`exp2`); an FP8 KV cache (read before the kernel, as on the
 Triton path); and the stable presets' options: l summing the rounded P
-(`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (the
-Triton path's delta kernel), m and l kept apart, dS as dS_hi + dS_lo for
+(`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (its
+diagonal by wgmma, `mosaic_delta`), m and l kept apart, dS as dS_hi + dS_lo for
 dQ. The output is stored in the inputs' format or FP32. Features:
 causal (top-left, or bottom-right with array lengths or each example's
 own), GQA, key lengths and segments, a local window, a softcap, a sink
 and a bias (each with its gradient), a dense mask, split-KV decoding,
-and head dims up to 256 with gradients, absorbed MLA's 576/512 forward
-only (a value head dim over 256 in parts, `mosaic_plan.value_parts`).
+and head dims from 16 to absorbed MLA's 576/512, with gradients (a head
+dim over 256 in column parts, `mosaic_plan.value_parts`; the backward's
+split, `mosaic_backward_layout`).
 Everything else is refused in one line naming the stage,
 feature or option (`refusals`, `tile_refusals`). On a CPU the kernels
 run in jax's GPU interpret mode; FlashAttention-3's form of the forward
@@ -44,15 +45,18 @@ from stableattn.contract.options import (
   hopper_switches,
   sequential_schedule_set,
 )
-from stableattn.kernels.backward_delta import delta_operands, output_delta
+from stableattn.kernels.backward_delta import delta_operands
 from stableattn.kernels.flash_attention import (
   bias_gradient,
+  pad_operands,
   pad_to,
   sink_gradient,
   zero_cotangent,
 )
 from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.mosaic_backward import mosaic_backward
+from stableattn.kernels.mosaic_backward_layout import backward_layout
+from stableattn.kernels.mosaic_delta import mosaic_delta
 from stableattn.kernels.mosaic_forward import mosaic_forward
 from stableattn.kernels.mosaic_forward_block import (
   input_names,
@@ -62,6 +66,7 @@ from stableattn.kernels.mosaic_forward_block import (
 from stableattn.kernels.mosaic_plan import (
   padded,
   plan_of,
+  range_rows,
   tiled_config,
 )
 from stableattn.kernels.mosaic_support import ROWS, SHARED_MEMORY_BYTES
@@ -109,9 +114,6 @@ STABILITY_VALUES = {
   "softmax_residuals": ("lse", "max_sum"),
   "ds_for_dq": ("rounded", "hi_lo"),
 }
-# The backward's head dims at most: its dK and dV accumulators (64 rows
-# each) in one warpgroup's registers, and wgmma's widest N.
-MAX_GRADIENT_HEAD_DIM = 256
 
 
 def interpreter_lacks() -> dict[str, str]:
@@ -368,8 +370,9 @@ def _and_lse_bwd(cfg: KernelConfig, saved, cotangents):
 def _check_differentiable(cfg: KernelConfig) -> None:
   """What this path's backward cannot take, refused in the forward rule
   (the forward alone runs): a stable preset's residuals under split-KV,
-  as on the Triton path (`residuals.check_split_residuals`), and head
-  dims over `MAX_GRADIENT_HEAD_DIM`."""
+  as on the Triton path (`residuals.check_split_residuals`), and FP8
+  operands. Every backward kernel fits where the forward does
+  (`mosaic_backward_layout`, tested over head dims and features)."""
   if cfg.policy.quantizes:
     raise ValueError(
       f"implementation='mosaic_gpu' has no gradient under precision "
@@ -379,15 +382,6 @@ def _check_differentiable(cfg: KernelConfig) -> None:
       "differentiate with implementation='pallas'"
     )
   check_split_residuals(cfg, residual_names(cfg.policy))
-  if max(cfg.head_dim, cfg.value_dim) > MAX_GRADIENT_HEAD_DIM:
-    raise ValueError(
-      f"implementation='mosaic_gpu' has no gradient at head dims "
-      f"{cfg.head_dim}/{cfg.value_dim} (at most {MAX_GRADIENT_HEAD_DIM}): "
-      "a 64-key block's dK and dV accumulators would not fit one "
-      "warpgroup's registers (absorbed MLA is a decoding form, and "
-      "FlashMLA has no backward either); differentiate with "
-      "implementation='pallas'"
-    )
 
 
 def _fwd(q, k, v, ops, cfg):
@@ -399,12 +393,17 @@ def _fwd(q, k, v, ops, cfg):
 def _bwd(cfg: KernelConfig, saved, d_out):
   (q_p, k_p, v_p, features, out_p, lse, extra), ops = saved
   plan = plan_of(cfg, q_p.shape[2] // k_p.shape[2])
-  d_out_p = pad_to(d_out.astype(out_p.dtype), plan.q_len_padded, plan.value_dim)
-  # In the policy's `delta` format; the kernels read it in FP32 (exact).
-  delta = output_delta(
-    delta_operands(out_p, extra), d_out_p, tiled_config(cfg, plan)
-  ).astype(jnp.float32)
+  d_out_p = pad_to(
+    d_out.astype(out_p.dtype), plan.q_len_padded, plan.padded_value_dim
+  )
+  delta = mosaic_delta(delta_operands(out_p, extra), d_out_p, plan)
   stats = (extra["m"], extra["l"]) if plan.max_sum else (lse,)
+  block_k = backward_layout(plan).block_k
+  if "ranges" in features and block_k != plan.block_k:
+    # dQ walks key blocks of its own width.
+    ops_p = pad_operands(ops, tiled_config(cfg, plan))
+    ranges = range_rows(ops_p, cfg, plan, q_p.shape[0], block_k)[0]
+    features = features | {"ranges": ranges}
   dq, dk, dv, dbias = mosaic_backward(
     q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, features, plan
   )

@@ -1,11 +1,13 @@
-"""The flash backward as two Pallas Mosaic GPU kernels (Hopper, sm_90).
+"""The flash backward as Pallas Mosaic GPU kernels (Hopper, sm_90).
 
 dK dV: one thread block per (batch, query head, 64-key block) walks the
 query blocks that can attend it, working on the transposed tile S^T = K
 Q^T so that P^T and dS^T, the A operands of dV += P^T dO and dK += dS^T
 Q, come out in the layout wgmma takes. dQ: one block per 64 query rows
-walks the key blocks. delta = rowsum(dO O) comes in from the Triton
-path's delta (`backward_delta.output_delta`), so both paths share it.
+walks the key blocks. delta = rowsum(dO O) comes in computed under the
+policy as the Triton path computes it (`mosaic_delta`).
+Above head dim 128, and for absorbed MLA's 576/512, the work is split
+into column parts and chunks (`mosaic_backward_layout`).
 
 The steps and their roundings are `pallas_backward`'s
 (`mosaic_block_math`): P = exp(S - lse), dP = dO V^T, dS = P (dP -
@@ -18,6 +20,7 @@ K^T, V^T), as in the forward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,12 +30,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stableattn.kernels.block_math import recomputed_probs, score_gradients
+from stableattn.kernels.mosaic_backward_layout import (
+  BackwardLayout,
+  Columns,
+  backward_layout,
+  dkdv_scopes,
+  dq_scopes,
+)
+from stableattn.kernels.mosaic_backward_steps import (
+  Place,
+  added,
+  chunks_of,
+  column_part,
+  contraction,
+  copy_in,
+  narrowed,
+  per_token,
+  place_of,
+  product,
+  rows_read,
+  scoped,
+  staged,
+  stored,
+  zeros,
+)
 from stableattn.kernels.mosaic_block_math import (
   accumulated,
   block_scores,
   gradient_stored,
   low_part,
-  plus_additive,
 )
 from stableattn.kernels.mosaic_support import (
   ROWS,
@@ -43,129 +69,38 @@ from stableattn.kernels.mosaic_support import (
   causal_block_bounds,
   column_vector,
   query_block_bounds,
-  range_scratch,
   row_vector,
-  smem_tile,
   stats_names,
-  tile_values,
-  within_range,
 )
 
 
-def _product(shape, a_smem, b_smem):
-  """A B in FP32 (one wgmma into a fresh accumulator)."""
-
-  def run(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem)
-    return acc_ref[...]
-
-  return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
-def _staged(x, smem):
-  """x rounded to the buffer's format and stored there as a wgmma
-  operand."""
-  smem[...] = x.astype(smem.dtype)
-  plgpu.commit_smem()
-  return smem
-
-
-def _copy(src, dst, barrier):
-  plgpu.copy_gmem_to_smem(src, dst, barrier)
-  plgpu.barrier_wait(barrier)
-
-
-def _zeros(shape):
-  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _scoped(program, scratch: dict):
-  """Runs program(buffers by name) with the named scratch allocated (the
-  barrier last, under "bar")."""
-  names = list(scratch)
-
-  def body(*buffers):
-    program(dict(zip(names, buffers)))
-
-  pl.run_scoped(body, *scratch.values())
-
-
-def _per_token(g, smem, name: str, span, vector, plan: MosaicPlan):
-  """A per-token operand's entries over `span` ((batch, rows)): token
-  ids ("q_ids", "kv_ids") or key positions ("kv_pos"), by TMA, in
-  registers as `vector` lays them out; None where not in use."""
-  if name not in g:
-    return None
-  _copy(g[name].at[span], smem[name], smem["bar"].at[0])
-  return vector(smem[name], plan.interpret)
-
-
-def _feature_scratch(plan: MosaicPlan, names, kv_rows: int, additive) -> dict:
-  """Shared memory for the feature operands `names` read: the per-token
-  vectors and the additive tile of shape `additive`."""
-  scratch = {
-    "q_ids": plgpu.SMEM((ROWS,), jnp.int32),
-    "kv_ids": plgpu.SMEM((kv_rows,), jnp.int32),
-    "kv_pos": plgpu.SMEM((kv_rows,), jnp.int32),
-    "additive": smem_tile(additive, jnp.float32),
-    "ranges": range_scratch(),
-    "query_ranges": range_scratch(),
-  }
-  return {n: scratch[n] for n in names}
-
-
-def _added(g, smem, s, index, plan: MosaicPlan):
-  """S plus the additive tile at `index` (natural log), or S."""
-  if plan.additive is None:
-    return s
-  _copy(g["additive"].at[index], smem["additive"], smem["bar"].at[0])
-  tile = tile_values(smem["additive"], plan.interpret)
-  return plus_additive(s, tile, plan, base2=False)
-
-
-def _narrowed(bounds, g, smem, name: str, start):
-  """(first, end) narrowed to this block's range in `name` ("ranges":
-  key blocks of a query block; "query_ranges": query blocks of a key
-  block), where the plan reads ranges; `start` is the block's first
-  row."""
-  if name not in g:
-    return bounds
-  index = (lax.axis_index("batch"), lax.div(start, jnp.int32(ROWS)))
-  return within_range(bounds, g[name], index, smem[name], smem["bar"].at[0])
-
-
-def _row_scratch(plan: MosaicPlan) -> dict:
-  """Shared memory for the softmax residuals' and delta's row vectors."""
-  names = (*stats_names(plan), "delta")
-  return {n: plgpu.SMEM((ROWS,), jnp.float32) for n in names}
-
-
-def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
-  """dK, dV += one query block's share, on the transposed tile."""
-  batch, head, k_start, kv_ids, kv_pos = at
-  dk, dv = carry
-  rows = pl.ds(i * ROWS, ROWS)
+def _dkdv_step(g, smem, at, i, acc, plan: MosaicPlan, layout, outputs):
+  """dK, dV (those in `outputs`) += one query block's share, on the
+  transposed tile."""
+  place, kv_ids, kv_pos = at
+  batch, head, kv_head = place.batch, place.head, place.kv_head
+  keys, rows = pl.ds(place.start, ROWS), pl.ds(i * ROWS, ROWS)
   bar = smem["bar"].at[0]
-  for name, index in (
-    ("q", (batch, rows, head)),
-    ("qt", (batch, head, slice(None), rows)),
-    ("do", (batch, rows, head)),
-    ("dot", (batch, head, slice(None), rows)),
-    *((n, (batch, head, rows)) for n in (*stats_names(plan), "delta")),
-  ):
-    _copy(g[name].at[index], smem[name], bar)
+  key, value = layout.key, layout.value
+  rows_read(g, smem, batch, head, rows, plan)
+  chunks = chunks_of(
+    key,
+    lambda c: g["k"].at[batch, keys, kv_head, c],
+    lambda c: g["qt"].at[batch, head, c, rows],
+  )
   s_t, tanh_t = block_scores(
-    _product((ROWS, ROWS), smem["k"], smem["qt"]), plan, base2=False
+    contraction((ROWS, ROWS), chunks, (smem["k"], smem["qt"]), bar),
+    plan,
+    base2=False,
   )
   if plan.additive is not None:
     example, bias_head = plan.additive_index(batch, head)
-    keys = pl.ds(k_start, ROWS)
-    s_t = _added(g, smem, s_t, (example, bias_head, keys, rows), plan)
-  q_ids = _per_token(g, smem, "q_ids", (batch, rows), column_vector, plan)
+    s_t = added(g, smem, s_t, (example, bias_head, keys, rows), plan)
+  q_ids = per_token(g, smem, "q_ids", (batch, rows), column_vector, plan)
   allowed = block_mask(
     plan,
     i * ROWS,
-    k_start,
+    place.start,
     q_ids,
     kv_ids,
     cols=ROWS,
@@ -175,247 +110,298 @@ def _dkdv_step(g, smem, at, i, carry, plan: MosaicPlan):
   s_t = jnp.where(allowed, s_t, -jnp.inf)
   stats = [column_vector(smem[n], plan.interpret) for n in stats_names(plan)]
   p_t = recomputed_probs(s_t, stats, plan.arithmetic, as_columns)
-  dp_t = _product((ROWS, ROWS), smem["v"], smem["dot"])
-  delta = column_vector(smem["delta"], plan.interpret)
-  ds_t, _ = score_gradients(
-    p_t, dp_t, delta, tanh_t, plan.arithmetic, as_columns
-  )
-  dims = plan.head_dim, plan.value_dim
-  dv_step = _product((ROWS, dims[1]), _staged(p_t, smem["ds"]), smem["do"])
-  dk_step = _product((ROWS, dims[0]), _staged(ds_t, smem["ds"]), smem["q"])
-  dk_step = dk_step * jnp.float32(plan.scale)
-  return accumulated(dk, dk_step, plan), accumulated(dv, dv_step, plan)
+  steps = {}
+  if "dv" in outputs:
+    copy_in(
+      g["do"].at[batch, rows, head, column_part(place.part, value)],
+      smem["do"],
+      bar,
+    )
+    p_staged = staged(p_t, smem["ds"])
+    steps["dv"] = product((ROWS, value.width), p_staged, smem["do"])
+  if "dk" in outputs:
+    chunks = chunks_of(
+      value,
+      lambda c: g["v"].at[batch, keys, kv_head, c],
+      lambda c: g["dot"].at[batch, head, c, rows],
+    )
+    dp_t = contraction((ROWS, ROWS), chunks, (smem["v"], smem["dot"]), bar)
+    delta = column_vector(smem["delta"], plan.interpret)
+    ds_t, _ = score_gradients(
+      p_t, dp_t, delta, tanh_t, plan.arithmetic, as_columns
+    )
+    copy_in(
+      g["q"].at[batch, rows, head, column_part(place.part, key)], smem["q"], bar
+    )
+    dk_step = product((ROWS, key.width), staged(ds_t, smem["ds"]), smem["q"])
+    steps["dk"] = dk_step * jnp.float32(plan.scale)
+  return {n: accumulated(acc[n], steps[n], plan) for n in outputs}
 
 
-def _operands(refs, names, outputs: int, block_axis: str, plan: MosaicPlan):
-  """The inputs by name, the outputs, and this thread block's (batch,
-  query head, key/value head, first row of its block)."""
-  batch, head, block = (
-    lax.axis_index(n) for n in ("batch", "heads", block_axis)
-  )
-  kv_head = lax.div(head, jnp.int32(plan.group))
-  return (
-    dict(zip(names, refs)),
-    refs[len(names) :],
-    (batch, head, kv_head, block * ROWS),
-  )
-
-
-def _dkdv_kernel(*refs, plan: MosaicPlan, features):
+def _dkdv_kernel(*refs, plan: MosaicPlan, layout, outputs, features):
   names = ("q", "qt", "k", "v", "do", "dot", *stats_names(plan), "delta")
-  g, (dk_ref, dv_ref), place = _operands(
-    refs, (*names, *features), 2, "k", plan
-  )
-  batch, head, kv_head, k_start = place
-  keys = pl.ds(k_start, ROWS)
-  dims = plan.head_dim, plan.value_dim
+  g = dict(zip((*names, *features, *outputs), refs))
+  place = place_of("k", layout.parts(outputs), plan)
+  batch, kv_head = place.batch, place.kv_head
+  keys = pl.ds(place.start, ROWS)
+  whole, streamed, store = dkdv_scopes(plan, layout, outputs, features)
 
   def program(smem):
-    bar = smem["bar"].at[0]
-    _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
-    _copy(g["v"].at[batch, keys, kv_head], smem["v"], bar)
+    for name in ("k", "v"):
+      if name in whole:
+        copy_in(g[name].at[batch, keys, kv_head], smem[name], smem["bar"].at[0])
     kv_ids, kv_pos = (
-      _per_token(g, smem, name, (batch, keys), row_vector, plan)
+      per_token(g, smem, name, (batch, keys), row_vector, plan)
       for name in ("kv_ids", "kv_pos")
     )
-    at = (batch, head, k_start, kv_ids, kv_pos)
-    step = functools.partial(_dkdv_step, g, smem, at, plan=plan)
-    init = (_zeros((ROWS, dims[0])), _zeros((ROWS, dims[1])))
+    at = (place, kv_ids, kv_pos)
     first, end = query_block_bounds(
-      plan, k_start, ROWS, plan.q_len_padded // ROWS
+      plan, place.start, ROWS, plan.q_len_padded // ROWS
     )
-    first, end = _narrowed((first, end), g, smem, "query_ranges", k_start)
-    dk, dv = lax.fori_loop(first, end, step, init)
-    smem["dk"][...] = dk
-    smem["dv"][...] = dv
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem["dk"], dk_ref.at[batch, keys, head])
-    plgpu.copy_smem_to_gmem(smem["dv"], dv_ref.at[batch, keys, head])
-    plgpu.wait_smem_to_gmem(0)
+    first, end = narrowed((first, end), g, smem, "query_ranges", place.start)
+    init = {n: zeros((ROWS, layout.columns(n).width)) for n in outputs}
 
-  dtype = plan.operand_dtype
-  _scoped(
-    program,
-    dict(
-      k=smem_tile((ROWS, dims[0]), dtype),
-      v=smem_tile((ROWS, dims[1]), dtype),
-      q=smem_tile((ROWS, dims[0]), dtype),
-      qt=smem_tile((dims[0], ROWS), dtype),
-      do=smem_tile((ROWS, dims[1]), dtype),
-      dot=smem_tile((dims[1], ROWS), dtype),
-      ds=smem_tile((ROWS, ROWS), dtype),  # P^T, then dS^T
-      dk=smem_tile((ROWS, dims[0]), jnp.float32),
-      dv=smem_tile((ROWS, dims[1]), jnp.float32),
-      **_row_scratch(plan),
-      **_feature_scratch(plan, features, ROWS, (ROWS, ROWS)),
-      bar=plgpu.Barrier(num_barriers=1),
-    ),
-  )
+    def loop(buffers):
+      step = functools.partial(
+        _dkdv_step,
+        g,
+        smem | buffers,
+        at,
+        plan=plan,
+        layout=layout,
+        outputs=outputs,
+      )
+      return lax.fori_loop(first, end, step, init)
+
+    acc = scoped(loop, streamed)
+    destinations = {
+      n: g[n].at[
+        batch, keys, place.head, column_part(place.part, layout.columns(n))
+      ]
+      for n in outputs
+    }
+    scoped(lambda buffers: stored(buffers, acc, destinations), store)
+
+  scoped(program, whole | {"bar": plgpu.Barrier(num_barriers=1)})
 
 
-def _dq_step(g, smem, at, j, dq, plan: MosaicPlan):
+def _dq_step(g, smem, at, j, dq, plan: MosaicPlan, layout: BackwardLayout):
   """dQ += one key block's dS K * scale; with ds_for_dq=hi_lo dS enters
   as dS_hi + dS_lo, two products (`pallas_backward._dq_step`). With a
-  bias, the tile's d(bias) (dS before the softcap's slope) is stored."""
-  batch, head, kv_head, q_start, q_ids, stats, delta = at
-  keys = pl.ds(j * plan.block_k, plan.block_k)
-  rows = pl.ds(q_start, ROWS)
+  bias, the tile's d(bias) (dS before the softcap's slope) is stored, by
+  the thread block of the first column part."""
+  place, q_ids, stats, delta = at
+  batch, head, kv_head = place.batch, place.head, place.kv_head
+  block_k, key, value = layout.block_k, layout.key, layout.value
+  keys = pl.ds(j * block_k, block_k)
+  rows = pl.ds(place.start, ROWS)
   bar = smem["bar"].at[0]
-  _copy(g["kt"].at[batch, kv_head, :, keys], smem["kt"], bar)
-  _copy(g["vt"].at[batch, kv_head, :, keys], smem["vt"], bar)
-  _copy(g["k"].at[batch, keys, kv_head], smem["k"], bar)
-  tile = (ROWS, plan.block_k)
+  tile = (ROWS, block_k)
+  chunks = chunks_of(
+    key,
+    lambda c: g["q"].at[batch, rows, place.head, c],
+    lambda c: g["kt"].at[batch, kv_head, c, keys],
+  )
   s, tanh = block_scores(
-    _product(tile, smem["q"], smem["kt"]), plan, base2=False
+    contraction(tile, chunks, (smem["q"], smem["kt"]), bar),
+    plan,
+    base2=False,
   )
   if plan.additive is not None:
     example, bias_head = plan.additive_index(batch, head)
-    s = _added(g, smem, s, (example, bias_head, rows, keys), plan)
+    s = added(g, smem, s, (example, bias_head, rows, keys), plan)
   kv_ids, kv_pos = (
-    _per_token(g, smem, name, (batch, keys), column_vector, plan)
+    per_token(g, smem, name, (batch, keys), column_vector, plan)
     for name in ("kv_ids", "kv_pos")
   )
   allowed = block_mask(
-    plan, q_start, j * plan.block_k, q_ids, kv_ids, kv_pos=kv_pos
+    plan, place.start, j * block_k, q_ids, kv_ids, cols=block_k, kv_pos=kv_pos
   )
   s = jnp.where(allowed, s, -jnp.inf)
   p = recomputed_probs(s, stats, plan.arithmetic, as_rows)
-  dp = _product(tile, smem["do"], smem["vt"])
+  chunks = chunks_of(
+    value,
+    lambda c: g["do"].at[batch, rows, place.head, c],
+    lambda c: g["vt"].at[batch, kv_head, c, keys],
+  )
+  dp = contraction(tile, chunks, (smem["do"], smem["vt"]), bar)
   ds, d_scores = score_gradients(p, dp, delta, tanh, plan.arithmetic, as_rows)
   if plan.bias_grad:
-    smem["dbias"][...] = gradient_stored(d_scores, plan)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(
-      smem["dbias"], g["dbias"].at[batch, head, rows, keys]
-    )
-    plgpu.wait_smem_to_gmem(0)
+    destination = {"dbias": g["dbias"].at[batch, head, rows, keys]}
+    gradient = {"dbias": gradient_stored(d_scores, plan)}
+    _in_first_part(place, layout, lambda: stored(smem, gradient, destination))
+
   scale = jnp.float32(plan.scale)
-  out = (ROWS, plan.head_dim)
-  step = _product(out, _staged(ds, smem["ds"]), smem["k"]) * scale
+  copy_in(
+    g["k"].at[batch, keys, kv_head, column_part(place.part, key)],
+    smem["k"],
+    bar,
+  )
+  out = (ROWS, key.width)
+  step = product(out, staged(ds, smem["ds"]), smem["k"]) * scale
   if plan.ds_hi_lo:
-    low = _staged(low_part(ds, plan), smem["ds"])
-    step = step + _product(out, low, smem["k"]) * scale
+    low = staged(low_part(ds, plan), smem["ds"])
+    step = step + product(out, low, smem["k"]) * scale
   return accumulated(dq, step, plan)
 
 
-def _zero_bias_gradient(g, smem, at, blocks, plan: MosaicPlan):
+def _in_first_part(place: Place, layout: BackwardLayout, store) -> None:
+  """store() in the thread block of dQ's first column part only: d(bias)
+  is one tile per query block, not per part."""
+  if layout.key.parts == 1:
+    store()
+  else:
+    pl.when(place.part == 0)(store)
+
+
+def _zero_bias_gradient(g, smem, place: Place, blocks, block_k: int, plan):
   """d(bias) is 0 on the key blocks the dQ loop skips (no pair there
   attends): a zero tile is stored to each."""
-  batch, head, q_start = at
   first, end = blocks
-  smem["dbias"][...] = _zeros((ROWS, plan.block_k))
+  smem["dbias"][...] = zeros((ROWS, block_k))
   plgpu.commit_smem()
 
   def store(j, _):
-    keys = pl.ds(j * plan.block_k, plan.block_k)
-    rows = pl.ds(q_start, ROWS)
+    keys = pl.ds(j * block_k, block_k)
+    rows = pl.ds(place.start, ROWS)
     plgpu.copy_smem_to_gmem(
-      smem["dbias"], g["dbias"].at[batch, head, rows, keys]
+      smem["dbias"], g["dbias"].at[place.batch, place.head, rows, keys]
     )
 
   lax.fori_loop(jnp.int32(0), first, store, None)
-  lax.fori_loop(end, jnp.int32(plan.kv_len_padded // plan.block_k), store, None)
+  lax.fori_loop(end, jnp.int32(plan.kv_len_padded // block_k), store, None)
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(*refs, plan: MosaicPlan, features):
+def _dq_kernel(*refs, plan: MosaicPlan, layout: BackwardLayout, features):
   names = ("q", "k", "kt", "vt", "do", *stats_names(plan), "delta")
   outputs = ("dq", "dbias") if plan.bias_grad else ("dq",)
-  g, out_refs, place = _operands(
-    refs, (*names, *features), len(outputs), "q", plan
-  )
-  g.update(zip(outputs, out_refs))
-  batch, head, kv_head, q_start = place
-  rows = pl.ds(q_start, ROWS)
-  dims = plan.head_dim, plan.value_dim
+  g = dict(zip((*names, *features, *outputs), refs))
+  place = place_of("q", layout.key.parts, plan)
+  batch, head = place.batch, place.head
+  rows = pl.ds(place.start, ROWS)
+  whole, streamed, store = dq_scopes(plan, layout, features)
+  # The key blocks' bounds at dQ's key block.
+  keyed = dataclasses.replace(plan, block_k=layout.block_k)
 
   def program(smem):
-    bar = smem["bar"].at[0]
-    _copy(g["q"].at[batch, rows, head], smem["q"], bar)
-    _copy(g["do"].at[batch, rows, head], smem["do"], bar)
-    for name in (*stats_names(plan), "delta"):
-      _copy(g[name].at[batch, head, rows], smem[name], bar)
-    q_ids = _per_token(g, smem, "q_ids", (batch, rows), row_vector, plan)
+    for name in ("q", "do"):
+      if name in whole:
+        copy_in(g[name].at[batch, rows, head], smem[name], smem["bar"].at[0])
+    rows_read(g, smem, batch, head, rows, plan)
+    q_ids = per_token(g, smem, "q_ids", (batch, rows), row_vector, plan)
     stats = [row_vector(smem[n], plan.interpret) for n in stats_names(plan)]
     delta = row_vector(smem["delta"], plan.interpret)
-    first, _, end = causal_block_bounds(plan, q_start)
-    first, end = _narrowed((first, end), g, smem, "ranges", q_start)
-    if plan.bias_grad:
-      _zero_bias_gradient(g, smem, (batch, head, q_start), (first, end), plan)
-    at = (batch, head, kv_head, q_start, q_ids, stats, delta)
-    step = functools.partial(_dq_step, g, smem, at, plan=plan)
-    dq = lax.fori_loop(first, end, step, _zeros((ROWS, dims[0])))
-    smem["dq"][...] = dq
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem["dq"], g["dq"].at[batch, rows, head])
-    plgpu.wait_smem_to_gmem(0)
+    first, _, end = causal_block_bounds(keyed, place.start)
+    first, end = narrowed((first, end), g, smem, "ranges", place.start)
+    at = (place, q_ids, stats, delta)
 
-  dtype, block_k = plan.operand_dtype, plan.block_k
-  dbias = {}
-  if plan.bias_grad:
-    dbias = dict(dbias=smem_tile((ROWS, block_k), jnp.float32))
-  _scoped(
-    program,
-    dict(
-      q=smem_tile((ROWS, dims[0]), dtype),
-      do=smem_tile((ROWS, dims[1]), dtype),
-      k=smem_tile((block_k, dims[0]), dtype),
-      kt=smem_tile((dims[0], block_k), dtype),
-      vt=smem_tile((dims[1], block_k), dtype),
-      ds=smem_tile((ROWS, block_k), dtype),
-      dq=smem_tile((ROWS, dims[0]), jnp.float32),
-      **_row_scratch(plan),
-      **_feature_scratch(plan, features, block_k, (ROWS, block_k)),
-      **dbias,
-      bar=plgpu.Barrier(num_barriers=1),
-    ),
-  )
+    def loop(buffers):
+      if plan.bias_grad:
+        zeroed = functools.partial(
+          _zero_bias_gradient,
+          g,
+          smem | buffers,
+          place,
+          (first, end),
+          layout.block_k,
+          keyed,
+        )
+        _in_first_part(place, layout, zeroed)
+
+      step = functools.partial(
+        _dq_step, g, smem | buffers, at, plan=plan, layout=layout
+      )
+      init = zeros((ROWS, layout.key.width))
+      return lax.fori_loop(first, end, step, init)
+
+    dq = scoped(loop, streamed)
+    destination = g["dq"].at[
+      batch, rows, head, column_part(place.part, layout.key)
+    ]
+    scoped(
+      lambda buffers: stored(buffers, {"dq": dq}, {"dq": destination}), store
+    )
+
+  scoped(program, whole | {"bar": plgpu.Barrier(num_barriers=1)})
+
+
+def _widened(x, columns: Columns):
+  """x with its head dim zero-padded to every part's columns (exact: a
+  zero column adds 0 to every product, and its gradient is dropped)."""
+  pad = columns.padded - x.shape[-1]
+  return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def kernel_features(features: dict) -> tuple[dict, dict]:
+  """(dK dV's feature operands, dQ's) from the forward's: dK dV reads its
+  query blocks' ranges ("query_ranges") and the additive tile transposed
+  (it works on S^T), dQ its key blocks' ("ranges"); neither reads the
+  sink."""
+  transposed = {
+    n: x for n, x in features.items() if n not in ("sink", "ranges")
+  }
+  keyed = {
+    n: x for n, x in features.items() if n not in ("sink", "query_ranges")
+  }
+  if "additive" in keyed:
+    transposed["additive"] = jnp.swapaxes(keyed["additive"], 2, 3)
+  return transposed, keyed
 
 
 def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
   """(dq [B, T, H, D], dk and dv [B, S, H, D] per query head in FP32,
   d(bias) [B, H, T, S] FP32 or None) of padded q, k, v, d_out, the
   forward's softmax residuals `stats` ((lse,) or (m, l), `stats_names`)
-  and delta, each [B, H, T], and the forward's feature operands
-  {name: array} (`mosaic_forward.input_names`; the sink is not read)."""
+  and delta, each [B, H, T], and the feature operands {name: array}
+  (`mosaic_forward.input_names`, with dQ's "ranges" at the layout's key
+  block; the sink is not read)."""
+  layout = backward_layout(plan)
+  q, k = (_widened(x, layout.key) for x in (q, k))
+  v, d_out = (_widened(x, layout.value) for x in (v, d_out))
   batch, q_len, heads, _ = q.shape
   kv_len = k.shape[1]
   qt, dot = (jnp.transpose(x, (0, 2, 3, 1)) for x in (q, d_out))
   kt, vt = (jnp.transpose(x, (0, 2, 3, 1)) for x in (k, v))
   f32 = jnp.float32
-  # dQ reads the key blocks of its query block ("ranges"), dK dV the
-  # query blocks of its key block ("query_ranges"), on S^T tiles: its
-  # additive tile enters transposed too.
-  transposed = {
-    n: x for n, x in features.items() if n not in ("sink", "ranges")
-  }
-  features = {
-    n: x for n, x in features.items() if n not in ("sink", "query_ranges")
-  }
-  if "additive" in features:
-    transposed["additive"] = jnp.swapaxes(features["additive"], 2, 3)
-  dkdv = plgpu.kernel(
-    functools.partial(_dkdv_kernel, plan=plan, features=tuple(transposed)),
-    out_type=(
-      jax.ShapeDtypeStruct((batch, kv_len, heads, plan.head_dim), f32),
-      jax.ShapeDtypeStruct((batch, kv_len, heads, plan.value_dim), f32),
-    ),
-    grid=(batch, heads, kv_len // ROWS),
-    grid_names=("batch", "heads", "k"),
-    interpret=plan.interpret_params,
-    kernel_name="stableattn_mosaic_backward_dkdv",
-  )
-  dk, dv = dkdv(q, qt, k, v, d_out, dot, *stats, delta, *transposed.values())
-  dq_types = [jax.ShapeDtypeStruct((batch, q_len, heads, plan.head_dim), f32)]
+  transposed, keyed = kernel_features(features)
+  grads = {}
+  for outputs in layout.dkdv_kernels:
+    call = plgpu.kernel(
+      functools.partial(
+        _dkdv_kernel,
+        plan=plan,
+        layout=layout,
+        outputs=outputs,
+        features=tuple(transposed),
+      ),
+      out_type=tuple(
+        jax.ShapeDtypeStruct(
+          (batch, kv_len, heads, layout.columns(n).padded), f32
+        )
+        for n in outputs
+      ),
+      grid=(batch, heads, kv_len // ROWS * layout.parts(outputs)),
+      grid_names=("batch", "heads", "k"),
+      interpret=plan.interpret_params,
+      kernel_name=f"stableattn_mosaic_backward_{''.join(outputs)}",
+    )
+    found = call(q, qt, k, v, d_out, dot, *stats, delta, *transposed.values())
+    grads.update(zip(outputs, found))
+  dq_types = [
+    jax.ShapeDtypeStruct((batch, q_len, heads, layout.key.padded), f32)
+  ]
   if plan.bias_grad:
     dq_types.append(jax.ShapeDtypeStruct((batch, heads, q_len, kv_len), f32))
   dq_call = plgpu.kernel(
-    functools.partial(_dq_kernel, plan=plan, features=tuple(features)),
+    functools.partial(
+      _dq_kernel, plan=plan, layout=layout, features=tuple(keyed)
+    ),
     out_type=tuple(dq_types),
-    grid=(batch, heads, q_len // ROWS),
+    grid=(batch, heads, q_len // ROWS * layout.key.parts),
     grid_names=("batch", "heads", "q"),
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_backward_dq",
   )
-  dq, *dbias = dq_call(q, k, kt, vt, d_out, *stats, delta, *features.values())
-  return dq, dk, dv, (dbias[0] if dbias else None)
+  dq, *dbias = dq_call(q, k, kt, vt, d_out, *stats, delta, *keyed.values())
+  return dq, grads["dk"], grads["dv"], (dbias[0] if dbias else None)

@@ -56,7 +56,6 @@ from stableattn.kernels.mosaic_forward_block import (
   SHARED_BUFFERS,
   ForwardBlock,
   added,
-  allocated,
   allowed,
   channel_descale,
   copy_reads_ranges,
@@ -77,6 +76,7 @@ from stableattn.kernels.mosaic_forward_block import (
 from stableattn.kernels.mosaic_support import (
   ROWS,
   MosaicPlan,
+  allocated,
   as_columns,
   as_rows,
   row_vector,

@@ -29,7 +29,6 @@ from stableattn.kernels.mosaic_support import (
   causal_block_bounds,
   column_vector,
   row_vector,
-  smem_tile,
   tile_values,
   within_range,
 )
@@ -336,13 +335,6 @@ def copy_reads_ranges(plan: MosaicPlan) -> bool:
   """Whether a copy warpgroup reads block ranges (its own buffer and
   barrier, `copy_range_reader`)."""
   return plan.block_ranges and plan.warp_specialized
-
-
-def allocated(entry):
-  kind, shape, dtype = entry
-  if kind == "tile":
-    return smem_tile(shape, dtype)
-  return plgpu.SMEM(shape, dtype)
 
 
 def barrier_count(plan: MosaicPlan) -> int:

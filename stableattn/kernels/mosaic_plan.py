@@ -155,14 +155,18 @@ def additive_tile(ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
   return jnp.pad(added, [*pad, (0, plan.kv_len_padded - cfg.kv_len)])
 
 
-def range_rows(ops_p: MaskOperands, cfg: KernelConfig, plan: MosaicPlan, batch):
+def range_rows(
+  ops_p: MaskOperands, cfg: KernelConfig, plan: MosaicPlan, batch, block_k=None
+):
   """(key blocks of each 64-row query block, for the forward and dQ;
   query blocks of each 64-key block, for dK dV), the Triton path's
-  `tile_ranges` at this path's tiles, each [batch, blocks, RANGE_WIDTH]
-  int32 (first, end, then zeros)."""
+  `tile_ranges` at this path's tiles (key blocks of `block_k` keys, the
+  plan's by default), each [batch, blocks, RANGE_WIDTH] int32 (first,
+  end, then zeros)."""
   tiled = tiled_config(cfg, plan)
-  key_blocks, query_blocks = tile_ranges(ops_p, tiled, ROWS, plan.block_k)
-  if plan.block_k != ROWS:  # dK dV's key blocks are ROWS keys
+  block_k = block_k or plan.block_k
+  key_blocks, query_blocks = tile_ranges(ops_p, tiled, ROWS, block_k)
+  if block_k != ROWS:  # dK dV's key blocks are ROWS keys
     query_blocks = tile_ranges(ops_p, tiled, ROWS, ROWS)[1]
 
   def rows(r):

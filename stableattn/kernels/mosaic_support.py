@@ -226,6 +226,15 @@ def smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
+def allocated(entry):
+  """The buffer of a scratch entry (kind, shape, dtype): "tile" (swizzled
+  for TMA and wgmma, `smem_tile`) or "vector"."""
+  kind, shape, dtype = entry
+  if kind == "tile":
+    return smem_tile(shape, dtype)
+  return plgpu.SMEM(shape, dtype)
+
+
 def as_rows(vector, shape):
   """A per-row vector broadcast across columns (in the wgmma layout)."""
   return lax.broadcast_in_dim(vector, shape, [0])
