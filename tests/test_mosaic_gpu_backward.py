@@ -16,7 +16,10 @@ import stableattn as sa
 from stableattn.experiments import hopper_check
 from stableattn.harness.cuda_lowering import lowered_for_cuda
 from stableattn.kernels import mosaic_plan
-from stableattn.kernels.mosaic_backward_layout import kernel_bytes
+from stableattn.kernels.mosaic_backward_layout import (
+  backward_layout,
+  kernel_bytes,
+)
 from stableattn.kernels.mosaic_forward_block import shared_bytes
 from stableattn.kernels.mosaic_support import SHARED_MEMORY_BYTES
 from stableattn.ops import dispatch
@@ -109,6 +112,26 @@ def test_mla_576_512_gradients_are_within_the_triton_paths_error():
     errors = [np.abs(x - g).max() for x in (b, a)]
     assert errors[1] <= 1.5 * errors[0], (name, errors)
     assert np.mean(a == b) > 0.95, name
+
+
+def test_dq_at_its_own_key_block_reads_its_own_block_ranges():
+  """Head dim 256 at `block_k=128`: the forward takes 128-key blocks, dQ
+  64 (128 would not fit), so dQ reads key-block ranges of 64 keys,
+  recomputed from the lengths, not the forward's; the gradients are the
+  Triton path's to its error. (Queries 64-69 reach the second 64-key
+  block, which the forward's range, one 128-key block, would read as
+  the first only.)"""
+  lengths = np.array([40, 200])
+  keywords = {"block_k": 128, "causal": True, "key_value_seq_lengths": lengths}
+  plan = _plan((2, 70, 1, 256), (2, 200, 1, 256), 256, keywords, True)
+  assert plan.block_k == 128 and backward_layout(plan).block_k == 64
+  case = ("bf16-fa2", 70, 200, 1, 1, 256, keywords)
+  ours = hopper_check.value_and_grads("mosaic_gpu", case)
+  triton = hopper_check.value_and_grads("pallas", case)
+  golden = hopper_check.golden(case)
+  for name, a, b, g in zip(hopper_check.TENSORS, ours, triton, golden):
+    errors = [np.abs(x - g).max() for x in (b, a)]
+    assert errors[1] <= 1.5 * errors[0], (name, errors)
 
 
 def test_every_backward_kernel_fits_where_the_forward_does():

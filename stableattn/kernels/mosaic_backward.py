@@ -199,7 +199,7 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan, layout: BackwardLayout):
   tile = (ROWS, block_k)
   chunks = chunks_of(
     key,
-    lambda c: g["q"].at[batch, rows, place.head, c],
+    lambda c: g["q"].at[batch, rows, head, c],
     lambda c: g["kt"].at[batch, kv_head, c, keys],
   )
   s, tanh = block_scores(
@@ -221,7 +221,7 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan, layout: BackwardLayout):
   p = recomputed_probs(s, stats, plan.arithmetic, as_rows)
   chunks = chunks_of(
     value,
-    lambda c: g["do"].at[batch, rows, place.head, c],
+    lambda c: g["do"].at[batch, rows, head, c],
     lambda c: g["vt"].at[batch, kv_head, c, keys],
   )
   dp = contraction(tile, chunks, (smem["do"], smem["vt"]), bar)
