@@ -87,6 +87,36 @@ def test_the_bias_gradient_is_the_triton_paths(dims):
   np.testing.assert_allclose(ours, triton, atol=2e-3 * np.abs(triton).max())
 
 
+def test_a_dense_mask_alone_runs_in_64_bit_mode():
+  """The additive tile is FP32 whatever builds it: a dense mask alone
+  made it FP64 under jax's 64-bit mode (the Python float 0 where no bias
+  is), and the kernels' TMA copy into an FP32 tile failed (found by the
+  regimes audit). The tests run in 64-bit mode (conftest)."""
+  assert jax.config.jax_enable_x64
+  rng = np.random.default_rng(9)
+  q, k, v = (
+    jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    for s in ((1, 70, 2, 64), (1, 64, 2, 64), (1, 64, 2, 64))
+  )
+  mask = rng.random((1, 1, 70, 64)) < 0.7
+
+  def run(implementation):
+    def loss(q, k, v):
+      out = sa.attention(
+        q, k, v, implementation=implementation, precision="bf16-fa2",
+        mask=mask,
+      )  # fmt: skip
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    return [
+      np.asarray(g, np.float64) for g in jax.grad(loss, (0, 1, 2))(q, k, v)
+    ]
+
+  for ours, triton in zip(run("mosaic_gpu"), run("pallas")):
+    assert np.all(np.isfinite(ours))
+    np.testing.assert_allclose(ours, triton, atol=2e-3 * np.abs(triton).max())
+
+
 @pytest.mark.slow
 def test_nan_in_keys_the_dense_mask_hides_never_reaches_a_result():
   """Keys no query may attend (the mask hides the last ten) hold NaN: P

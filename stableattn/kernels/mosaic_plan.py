@@ -148,9 +148,13 @@ def additive_tile(ops: MaskOperands, cfg: KernelConfig, plan: MosaicPlan):
   if plan.additive is None:
     return None
   blocks = None if ops.mask is None else ops.mask == 0
-  added = 0.0 if ops.bias is None else ops.bias.astype(jnp.float32)
+  added = 0.0 if ops.bias is None else ops.bias
   if blocks is not None:
     added = jnp.where(blocks, -jnp.inf, added)
+  # FP32 whatever the operands' types: a Python float alone would be
+  # FP64 under jax's 64-bit mode, which the kernels' FP32 tile cannot
+  # take (a TMA copy moves bytes of one type).
+  added = jnp.asarray(added, jnp.float32)
   pad = [(0, 0), (0, 0), (0, plan.q_len_padded - cfg.q_len)]
   return jnp.pad(added, [*pad, (0, plan.kv_len_padded - cfg.kv_len)])
 
