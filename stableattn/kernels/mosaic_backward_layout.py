@@ -7,8 +7,7 @@ A warpgroup holds a 64 x 256 FP32 accumulator in 128 registers per
 thread, and wgmma's N is at most 256 (`mosaic_plan.VALUE_PART_MAX`). So:
 - dK and dV share a thread block only where both fit in 256 columns
   (head dims up to 128); above that, one kernel computes dV and another
-  dK, each recomputing S^T (FlashAttention-3's backward splits its
-  warpgroups' work the same way at head dim 256);
+  dK, each recomputing S^T;
 - a head dim over 256 (absorbed MLA's 576/512) is split into parts of at
   most 256 columns (3 x 192 and 2 x 256), one thread block per part, and
   the contractions over it (S = Q K^T, dP = dO V^T) are summed chunk by
