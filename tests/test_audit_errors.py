@@ -220,3 +220,50 @@ def test_a_fully_masked_decode_row_leaves_a_row_to_judge():
     rows = np.asarray(case.checks.unjudged_rows)
     assert rows.any() and not rows.all(), case.detail
     assert case.q.shape[0] == rows.shape[0] == 2
+
+
+def _failing_mosaic_kernel():
+  """A Mosaic GPU kernel whose interpretation raises: a TMA copy of FP64
+  into an FP32 buffer (jax's interpreter asserts the types agree)."""
+  import jax
+  import jax.numpy as jnp
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def kernel(x_ref, o_ref):
+    def body(smem, barrier):
+      plgpu.copy_gmem_to_smem(x_ref, smem, barrier.at[0])
+      plgpu.barrier_wait(barrier.at[0])
+      o_ref[...] = smem[...]
+
+    pl.run_scoped(
+      body, plgpu.SMEM((128,), jnp.float32), plgpu.Barrier(num_barriers=1)
+    )
+
+  call = plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+    interpret=InterpretGPUParams(),
+  )
+  return jax.block_until_ready(call(jnp.zeros(128, jnp.float64)))
+
+
+def test_a_case_the_gpu_interpreter_raised_on_does_not_fail_the_next():
+  """jax's GPU interpreter keeps its state after a kernel raises, and
+  every kernel after it fails too: the audit resets it with each error
+  row, so the next case of the Hopper path is judged, not failed."""
+  import jax.numpy as jnp
+
+  from stableattn.auditing.kernel_audit import measured_or_error
+
+  label, policy = {"shape": "s"}, sa.Precision.from_name("bf16-fa2")
+  rows, errors = measured_or_error(_failing_mosaic_kernel, label, policy)
+  assert not rows and len(errors) == 1
+  q = jnp.ones((1, 64, 1, 64), jnp.bfloat16)
+
+  def attention():
+    return [sa.attention(q, q, q, implementation="mosaic_gpu")]
+
+  rows, errors = measured_or_error(attention, label, policy)
+  assert not errors and np.all(np.isfinite(np.asarray(rows[0], np.float32)))

@@ -29,6 +29,7 @@ from stableattn.auditing.measure import (
   ContractError,
   check_accepts,
   error_row,
+  interpreter_reset,
   measure_arrays,
 )
 from stableattn.contract.arguments import names
@@ -94,6 +95,7 @@ def measured_or_error(
   try:
     return measure(), []
   except Exception as e:  # noqa: BLE001 - the kernel's own error: go on
+    interpreter_reset()
     if contract_stops and isinstance(e, ContractError):
       raise
     return [], [error_row(label, policy, e)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,17 @@ def first_line(error: BaseException) -> str:
   text = str(error).strip()
   first = text.splitlines()[0][:300] if text else ""
   return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def interpreter_reset() -> None:
+  """jax's GPU interpret mode keeps its simulated memory after a kernel
+  raises, so that it can be examined, and every kernel interpreted after
+  it in the process then fails too (its documented behaviour, jax
+  0.10-0.11): reset it, so that one case's error is not the next
+  case's."""
+  module = sys.modules.get("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
+  if module is not None:
+    module.reset_gpu_interpret_mode_state()
 
 
 def error_row(label: dict, policy: Precision, error: BaseException) -> dict:
