@@ -372,16 +372,14 @@ def test_docs_quote_the_stored_interpret_mode_comparison():
 
 
 def test_docs_quote_the_stable_presets_regimes_on_both_paths():
-  rows = _stored_rows("hopper-regimes-2026-11-27")
+  rows = _stored_rows("hopper-regimes-2026-11-28")
   docs = pathlib.Path(__file__).parent.parent / "docs" / "audit.md"
   assert hopper_check.regime_table(rows) in docs.read_text()
   # Every regime of both presets on both paths, and no verdict over zero
   # judged cases reads "passes".
   from stableattn.auditing.regimes import REGIMES
 
-  # Stored before the key_offset regime existed (tests/test_offsets.py
-  # audits both paths there).
-  regimes = [r for r in REGIMES if r != "key_offset"]
+  regimes = list(REGIMES)
   assert {r["regime"] for r in rows} == set(regimes)
   keys = {(r["policy"], r["regime"], r["implementation"]) for r in rows}
   assert len(keys) == len(rows) == 2 * 2 * len(regimes)
