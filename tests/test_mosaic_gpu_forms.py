@@ -69,7 +69,10 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
 @pytest.mark.parametrize(
   "form, case_name",
   [
-    ("warp_specialized", "key-lengths-d48"),
+    # Two consumers run the one-consumer form's producer and ring with a
+    # second consumer beside it (the fast tier's); both run in the slow
+    # tier.
+    pytest.param("warp_specialized", "key-lengths-d48", marks=pytest.mark.slow),
     ("two_consumers", "key-lengths-d48"),
   ],
 )
