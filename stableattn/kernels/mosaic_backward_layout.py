@@ -85,7 +85,7 @@ def backward_layout(plan: MosaicPlan) -> BackwardLayout:
 Scratch = dict[str, tuple[str, tuple, object]]
 
 
-def _feature_buffers(plan: MosaicPlan, names, kv_rows: int, tile) -> Scratch:
+def _feature_buffers(names, kv_rows: int, tile) -> Scratch:
   """The feature operands a kernel reads (`names`): per-token vectors,
   the additive tile of shape `tile`, block ranges."""
   i32 = jnp.int32
@@ -135,7 +135,7 @@ def dkdv_scopes(plan, layout, outputs, features) -> tuple[Scratch, ...]:
   whole = {
     **kept,
     **_row_buffers(plan),
-    **_feature_buffers(plan, features, ROWS, (ROWS, ROWS)),
+    **_feature_buffers(features, ROWS, (ROWS, ROWS)),
   }
   store = {n: ("tile", (ROWS, layout.columns(n).width), f32) for n in outputs}
   return whole, streamed, store
@@ -164,7 +164,7 @@ def dq_scopes(plan, layout, features) -> tuple[Scratch, ...]:
   whole = {
     **kept,
     **_row_buffers(plan),
-    **_feature_buffers(plan, features, block_k, (ROWS, block_k)),
+    **_feature_buffers(features, block_k, (ROWS, block_k)),
   }
   return whole, streamed, {"dq": ("tile", (ROWS, key.width), f32)}
 
