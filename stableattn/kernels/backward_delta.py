@@ -36,20 +36,31 @@ from stableattn.kernels.kernel_operands import TileReader
 from stableattn.numerics.rounding import PolicyArithmetic
 
 
-def row_delta(o_parts, do_BqxD, ar: PolicyArithmetic, block_k=None):
+def row_delta(
+  o_parts, do_BqxD, ar: PolicyArithmetic, block_k=None, diagonal=None
+):
   """rowsum(dO * O) of a tile, rounded to `delta`, summed as the policy
   option delta_product says; O is the sum of `o_parts` in the carrier
-  (O, or O_hi + O_lo: exact). `block_k`: the key tile of dP = dO V^T,
-  which delta_product=matmul needs."""
+  (O, or O_hi + O_lo: exact). delta_product=matmul takes dO O_hi^T's
+  diagonal from `diagonal(O_hi)` where given (the Hopper path's wgmma),
+  else from matmuls over key tiles of `block_k` keys, dP = dO V^T's
+  (`_tiled_diagonal`), plus rowsum(dO * (O - O_hi)), rounded to `delta`
+  once."""
   o_BqxD = o_parts[0].astype(ar.carrier)
   for part in o_parts[1:]:
     o_BqxD = o_BqxD + part.astype(ar.carrier)
-  if ar.policy.delta_product == "matmul":
-    return _matmul_delta(o_BqxD, do_BqxD, ar, block_k)
-  return summed_products(o_BqxD, do_BqxD, ar)
+  if ar.policy.delta_product != "matmul":
+    return _summed_products(o_BqxD, do_BqxD, ar)
+  o_hi_BqxD = ar.round(o_BqxD, "matmul_operands")
+  if diagonal is None:
+    diagonal_Bq = _tiled_diagonal(o_hi_BqxD, do_BqxD, ar, block_k)
+  else:
+    diagonal_Bq = diagonal(o_hi_BqxD)
+  rest_Bq = _summed_products(o_BqxD - o_hi_BqxD, do_BqxD, ar)
+  return ar.round(diagonal_Bq + rest_Bq, "delta")
 
 
-def summed_products(o_BqxD, do_BqxD, ar: PolicyArithmetic):
+def _summed_products(o_BqxD, do_BqxD, ar: PolicyArithmetic):
   """rowsum(dO * O), each product and the sum rounded to `delta`."""
   products_BqxD = ar.round(
     ar.round(o_BqxD, "delta") * ar.round(do_BqxD, "delta"), "delta"
@@ -57,18 +68,16 @@ def summed_products(o_BqxD, do_BqxD, ar: PolicyArithmetic):
   return ar.sum(products_BqxD, "delta")
 
 
-def _matmul_delta(o_BqxD, do_BqxD, ar: PolicyArithmetic, block_k: int):
-  """delta_product=matmul: dO O_hi^T's diagonal by a matmul of dP's own
-  shape, O_hi = O rounded to `matmul_operands`, plus rowsum(dO * (O -
-  O_hi)), rounded to `delta` once.
+def _tiled_diagonal(o_hi_BqxD, do_BqxD, ar: PolicyArithmetic, block_k: int):
+  """delta_product=matmul's diagonal of dO O_hi^T by matmuls of dP's own
+  shape, O_hi = O rounded to `matmul_operands`.
 
   XLA:CPU sums a half-precision matmul in an order that depends on its
   shape, so O_hi enters as key tiles: block_k of its rows at a time
   (zeros past the end), each a matmul with a 0/1 selection matrix
   (exact: one nonzero term per entry), which Triton lowers where a
   slice or a pad of a block would not."""
-  o_hi_BqxD = ar.round(o_BqxD, "matmul_operands")
-  block_q = o_BqxD.shape[0]
+  block_q = o_hi_BqxD.shape[0]
 
   def iota(shape, axis):
     return lax.broadcasted_iota(jnp.int32, shape, axis)
@@ -87,8 +96,7 @@ def _matmul_delta(o_BqxD, do_BqxD, ar: PolicyArithmetic, block_k: int):
     diagonal_Bq = diagonal_Bq + jnp.sum(
       jnp.where(own_BqxBk, products_BqxBk, 0), axis=1
     )
-  rest_Bq = summed_products(o_BqxD - o_hi_BqxD, do_BqxD, ar)
-  return ar.round(diagonal_Bq + rest_Bq, "delta")
+  return diagonal_Bq
 
 
 def _delta_kernel(*refs, ar: PolicyArithmetic, block_k: int):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from stableattn.kernels.backward_delta import row_delta, summed_products
+from stableattn.kernels.backward_delta import row_delta
 from stableattn.kernels.mosaic_backward_layout import Columns
 from stableattn.kernels.mosaic_backward_steps import column_part, contraction
 from stableattn.kernels.mosaic_support import ROWS, MosaicPlan, smem_tile
@@ -86,17 +86,15 @@ def _diagonal(d_out, o_hi, plan: MosaicPlan):
 def mosaic_delta(o_parts, d_out, plan: MosaicPlan):
   """delta [B, H, T] in FP32 (exact from the policy's `delta` format) of
   padded d_out [B, T, H, Dv] and the O whose parts are `o_parts`
-  (`backward_delta.delta_operands`)."""
+  (`backward_delta.delta_operands`): `backward_delta.row_delta`, with
+  the matmul form's diagonal from `_diagonal`."""
   policy = plan.policy
   ar = PolicyArithmetic(policy)
-  if policy.delta_product != "matmul":
-    delta = row_delta(o_parts, d_out.astype(ar.carrier), ar)
-  else:
-    o = sum(part.astype(ar.carrier) for part in o_parts)
-    o_hi = ar.round(o, "matmul_operands")
+
+  def diagonal(o_hi):  # [B, T, H]
     operands = (x.astype(plan.operand_dtype) for x in (d_out, o_hi))
-    diagonal = _diagonal(*operands, plan).transpose(0, 2, 1)
-    rest = summed_products(o - o_hi, d_out.astype(ar.carrier), ar)
-    delta = ar.round(diagonal + rest, "delta")
+    return _diagonal(*operands, plan).transpose(0, 2, 1)
+
+  delta = row_delta(o_parts, d_out.astype(ar.carrier), ar, diagonal=diagonal)
   delta = delta.transpose(0, 2, 1).astype(policy.dtype("delta"))
   return delta.astype(jnp.float32)
