@@ -73,6 +73,10 @@ def test_writes_every_file(smoke_run):
   report = (workdir / "report.md").read_text()
   assert "## The monitor's verdict, per head" in report
   assert re.search(r"Heads of \d+ of \d+ runs entered a region", report)
+  # The flash run asks for "flash"; the record says which kernel it took.
+  _, result = smoke_run
+  assert set(result["environment"]["flash_paths"]) == {"pallas"}
+  assert "'flash' ran pallas" in report
 
 
 def test_controls_and_pairs(smoke_run):

@@ -255,6 +255,11 @@ def describe(corpus: str | None = None) -> dict:
   if PROBED:
     # Which instruction sets compile the same program (equal digests).
     env["isa_probe"] = dict(PROBED)
+  from stableattn.ops.flash_choice import paths_taken  # imports kernels
+
+  if paths_taken():
+    # implementation="flash" picks its kernel per call: which ones ran.
+    env["flash_paths"] = paths_taken()
   if corpus is not None:
     env["corpus_sha256"] = corpus
   return env
@@ -275,6 +280,9 @@ def summary_line(env: dict) -> str:
     f"{env.get('device_count')} device(s)",
     f"XLA_FLAGS {env.get('xla_flags') or 'unset'}",
   ]
+  if env.get("flash_paths"):
+    taken = ", ".join(f"{p} ({n} calls)" for p, n in env["flash_paths"].items())
+    parts.append(f"'flash' ran {taken}")
   if env.get("corpus_sha256"):
     parts.append(f"corpus sha256 {env['corpus_sha256'][:16]}")
   return "*Environment:* " + "; ".join(parts) + "."

@@ -35,7 +35,7 @@ from stableattn.kernels.kernel_config import KernelConfig
 from stableattn.kernels.reference import reference_attention, xla_attention
 from stableattn.numerics.precision import Precision, require_x64_if_needed
 from stableattn.numerics.quant_options import MICRO_GROUPS
-from stableattn.ops.flash_choice import flash_path
+from stableattn.ops.flash_choice import flash_path, record_taken
 from stableattn.ops.triton_limits import (
   gpu_unsupported_reason,
   shared_memory_reason,
@@ -266,6 +266,7 @@ def attention(
       implementation = "pallas"
     if implementation == "pallas":  # its tiles must fit a Triton program
       cfg = kernel_config(options, *shapes)
+    record_taken(implementation)
   _check_implementation_options(implementation, cfg, return_lse)
   check_flag("return_statistics", return_statistics)
   if cfg.options.center_kv:

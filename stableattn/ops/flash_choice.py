@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import jax
 
 from stableattn.contract.options import Options
@@ -9,6 +11,10 @@ from stableattn.kernels.kernel_config import KernelConfig
 
 # Compute capability from which "flash" takes the Mosaic GPU path (Hopper).
 HOPPER_CAPABILITY = 9.0
+
+# The path each "flash" call of this process took, counted as it is traced
+# (a report's environment record says which ran: `paths_taken`).
+_TAKEN: collections.Counter = collections.Counter()
 
 
 def flash_path(cfg: KernelConfig, options: Options) -> str:
@@ -31,3 +37,21 @@ def hopper_or_later() -> bool:
     return False
   capability = getattr(jax.devices()[0], "compute_capability", "0")
   return float(capability) >= HOPPER_CAPABILITY
+
+
+def record_taken(path: str) -> str:
+  """Counts one "flash" call on `path` and returns it."""
+  _TAKEN[path] += 1
+  return path
+
+
+def paths_taken() -> dict[str, int]:
+  """How many traced "flash" calls of this process took each path."""
+  return dict(sorted(_TAKEN.items()))
+
+
+def always_triton() -> bool:
+  """Whether "flash" takes the Triton path for every request on this
+  backend (no Hopper or later GPU), so that it computes what "pallas"
+  does, bit for bit."""
+  return not hopper_or_later()

@@ -75,7 +75,7 @@ def make_attention_fn(
   options: Options | None = None,
   features: Features | None = None,
   *,
-  implementation: str = "pallas",
+  implementation: str = "flash",
   monitor: bool = False,
   capture: bool = False,
   **keywords,
@@ -98,7 +98,9 @@ def make_attention_fn(
       (`stableattn.Features`): `causal` always applies the causal mask
       (also applied when Flax passes `is_causal=True`); a Flax mask is
       combined with `features.mask`, a Flax bias added to `features.bias`.
-    implementation: as for `stableattn.attention`.
+    implementation: as for `stableattn.attention`; default "flash": our
+      flash kernel, on the Hopper path where it runs the request on a
+      Hopper GPU, else the Triton path.
     monitor: sow each call's monitor statistics
       (`stableattn.numerics.monitor.attention_statistics`: largest logit,
       near ties, FP16 underflow, outlier channels; from q and k, causal

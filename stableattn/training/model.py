@@ -151,7 +151,7 @@ class SelfAttention(nnx.Module):
       flash, rows = spec.flash_with_statistics(q, k, v)
     if spec.kind == SHADOW:
       if not from_kernel:
-        flash = spec.call(q, k, v, "pallas")
+        flash = spec.call(q, k, v, spec.shadow_flash)
       base = spec.call(q, k, v, "reference", spec.shadow_baseline)
       out = flash if spec.shadow_downstream == "pallas" else base
       if collect_stats:

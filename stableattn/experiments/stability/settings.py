@@ -41,11 +41,13 @@ from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
 # kernel's natural policy at the training format).
 VARIANTS = {
   "baseline": ("reference", "natural"),
-  "flash": ("pallas", "natural"),
+  # "flash": our flash kernel, the Hopper path on a Hopper GPU where it
+  # runs the request, else the Triton path (`flash_choice.flash_path`).
+  "flash": ("flash", "natural"),
   # Flash with every stage in BF16 (the paper's emulation).
-  "flash_bf16": ("pallas", "bf16"),
+  "flash_bf16": ("flash", "bf16"),
   # Flash under its stable preset at the format (docs/precision.md).
-  "flash_stable": ("pallas", "stable"),
+  "flash_stable": ("flash", "stable"),
 }
 # Mitigations (Wortsman et al. 2023; Qiu & Yao 2025): these three, or any
 # field of `stableattn.Features` (e.g. softcap, every kernel) or of
@@ -267,7 +269,7 @@ def _run(
   elif arm.variant == CONTEXT_PARALLEL:
     kind, policy = VARIANTS["flash"]
   elif arm.variant == "low_precision":
-    kind, policy = "pallas", Precision.from_name(str(c.low_precision)).name
+    kind, policy = "flash", Precision.from_name(str(c.low_precision)).name
   else:
     kind, policy = VARIANTS[arm.variant]
   if policy == "natural":
@@ -285,7 +287,7 @@ def _run(
   if m in features_lib.names():
     features = features.replace(**{m: float(c.strengths[m])})
   # A kernel option lives in the flash kernel; the others run as is.
-  if m in options_lib.field_names() and kind == "pallas":
+  if m in options_lib.field_names() and kind in FLASH_IMPLEMENTATIONS:
     options = options.replace(**{m: float(c.strengths[m])})
   attention = AttentionSpec(
     kind=kind,

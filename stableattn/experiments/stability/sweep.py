@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from stableattn.auditing import captures, thresholds
 from stableattn.experiments.stability.settings import Arm, Settings
 from stableattn.numerics.metrics import signed_share
+from stableattn.ops.dispatch import FLASH_IMPLEMENTATIONS
 from stableattn.training import data as data_lib
 from stableattn.training.trainer import Trainer
 
@@ -250,7 +251,7 @@ def sweep(s: Settings, arms, run_dir, done: set) -> None:
     trainer = trainers[arm]
     eval_sharded = trainer.shard_batch(eval_batch)
     capture_dir = None
-    flash = trainer.run.attention.kind == "pallas"
+    flash = trainer.run.attention.kind in FLASH_IMPLEMENTATIONS
     name = arm.name.replace("/", "_")
     if s.capture_logit and replicate == 0 and flash:
       capture_dir = run_dir.path / "captures" / f"{name}-lr{lr:g}"

@@ -46,7 +46,12 @@ def shadow_of(attention: AttentionSpec) -> AttentionSpec:
   """Evaluation attention of a flash run: flash passed on, the baseline
   (its `shadow_baseline`) computed beside it on the same inputs (Golden
   et al. did the same)."""
-  return dataclasses.replace(attention, kind=SHADOW, shadow_downstream="pallas")
+  return dataclasses.replace(
+    attention,
+    kind=SHADOW,
+    shadow_downstream="pallas",
+    shadow_flash=attention.kind,
+  )
 
 
 # The projection matrices of each SelfAttention layer.

@@ -33,6 +33,7 @@ from stableattn.ops.dispatch import (
   xla_unsupported_reason,
 )
 from stableattn.ops.registry import IMPLEMENTATIONS, resolve
+from stableattn.training.attention_spec import RING_KINDS
 from stableattn.training.compute_format import MIXED_PRECISION, ComputeFormat
 from stableattn.training.model import SHADOW, AttentionSpec, ModelSpec
 from stableattn.training.trainer import COMPUTE_DTYPES, OptimizerSpec, RunSpec
@@ -90,7 +91,8 @@ class Settings:
     return [
       name
       for name, run in self.physical_runs.items()
-      if run.attention.kind == "pallas" and run.attention.context_parallel == 1
+      if run.attention.kind in FLASH_IMPLEMENTATIONS
+      and run.attention.context_parallel == 1
     ]
 
 
@@ -340,10 +342,11 @@ def _run_spec(
     extra = {None: "", "flash": a.flash_options, "fix": a.fix}
     options = Options.from_string(extra[variant.options], flash)
   context = a.context_parallel if variant.context_parallel else 1
-  if context > 1 and kind != "pallas":
+  if context > 1 and kind not in RING_KINDS:
     raise ValueError(
       f"config.attention.context_parallel={context} runs the flash kernel "
-      f"as ring attention; config.attention.flash must be 'pallas', got "
+      f"as ring attention; config.attention.flash must be one of "
+      f"{list(RING_KINDS)}, got "
       f"{kind!r}."
     )
   return RunSpec(
