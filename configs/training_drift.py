@@ -51,10 +51,7 @@ def _default() -> ml_collections.ConfigDict:
 
   c.attention = ml_collections.ConfigDict()
   c.attention.baseline = "reference"  # attention of the base run
-  # attention of the run compared with it: "flash" is our flash kernel,
-  # on the Hopper path where it runs the request on a Hopper GPU, else
-  # the Triton path (the environment record says which ran)
-  c.attention.flash = "flash"
+  c.attention.flash = "flash"  # the compared run's: our flash kernel
   # 'auto': fp32 training -> 'fp32'; bf16/fp16 -> Flash '<fmt>-fa2',
   # Baseline '<fmt>-framework' (natural policies). Or any preset name.
   c.attention.flash_precision = "auto"

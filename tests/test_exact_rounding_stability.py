@@ -287,7 +287,13 @@ def test_sink_delta_from_probs_matches_emulator():
   assert ulps_at_largest(want, np.asarray(got, np.float64), "fp32") <= 4.0
 
 
-def test_sink_delta_from_probs_where_a_sink_holds_the_rows():
+@pytest.mark.parametrize(
+  "implementation",
+  # The Hopper path's dQ kernel sums rowsum(P dP) and rowsum(P) as it
+  # walks the key blocks (its lowering: tests/test_mosaic_gpu_backward.py).
+  ["pallas", pytest.param("mosaic_gpu", marks=pytest.mark.slow)],
+)
+def test_sink_delta_from_probs_where_a_sink_holds_the_rows(implementation):
   """A sink of 20 over normal scores leaves every other P near 2e-9, in
   FP16's subnormals: O (rounded or not) is then built from P rounded to
   nothing, and rowsum(dO * O) is not delta. d(sink) from the unrounded P
@@ -301,7 +307,10 @@ def test_sink_delta_from_probs_where_a_sink_holds_the_rows():
 
   def d_sink(precision):
     def loss(sink):
-      out = sa.attention(q, k, v, sink=sink, precision=precision)
+      out = sa.attention(
+        q, k, v, sink=sink, precision=precision,
+        implementation=implementation,
+      )  # fmt: skip
       return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
 
     return np.asarray(jax.grad(loss)(sink), np.float64)

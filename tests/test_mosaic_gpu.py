@@ -167,10 +167,7 @@ def _racy_copy():
       {"precision": "bf16-fa2+key_order=reversed"},
       r"key_order=.reversed.*Triton",
     ),
-    (
-      {"precision": "fp16-fa2-stable", "sink": jnp.zeros((2,), jnp.float32)},
-      r"sink with sink_delta='probs' \(the FP16 stable preset's\): not built",
-    ),
+    ({"tie_beta": 2.0}, r"tie_beta: not built on this path"),
   ],
 )
 def test_what_the_path_cannot_honour_is_refused_in_one_line(changes, message):

@@ -68,8 +68,15 @@ def _smem_counts(monkeypatch):
       {"key_value_seq_lengths": np.array([230, 300])},
       ("dv", "dk", "dq"),
     ),
+    # d(sink) from the softmax's own P: dQ also stores two row sums.
+    (
+      (64, 64),
+      {"sink": np.zeros(4, np.float32),
+       "precision": "fp16-fa2+sink_delta=probs"},
+      ("dkdv", "dq"),
+    ),
   ],
-  ids=["fused-bias-lengths", "split-d256", "mla-576-512"],
+  ids=["fused-bias-lengths", "split-d256", "mla-576-512", "sink-probs"],
 )  # fmt: skip
 def test_the_backward_lowers_for_sm90_in_the_shared_memory_it_counts(
   monkeypatch, dims, keywords, kernels
@@ -80,10 +87,12 @@ def test_the_backward_lowers_for_sm90_in_the_shared_memory_it_counts(
 
   counts = _smem_counts(monkeypatch)
   d, dv = dims
-  q = jax.ShapeDtypeStruct((2, 200, 4, d), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((2, 300, 2, d), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((2, 300, 2, dv), jnp.bfloat16)
   kwargs = dict(interpret=False, **keywords)
+  precision = sa.Precision.from_name(kwargs.get("precision", "bf16-fa2"))
+  dtype = precision.dtype("inputs")
+  q = jax.ShapeDtypeStruct((2, 200, 4, d), dtype)
+  k = jax.ShapeDtypeStruct((2, 300, 2, d), dtype)
+  v = jax.ShapeDtypeStruct((2, 300, 2, dv), dtype)
 
   def loss(q, k, v):
     out = sa.attention(q, k, v, implementation="mosaic_gpu", **kwargs)
@@ -148,6 +157,10 @@ def test_every_backward_kernel_fits_where_the_forward_does():
     "bias": {"bias": np.zeros((1, 4, 200, 300), np.float32)},
     "mask": {"mask": np.ones((2, 1, 200, 300), bool)},
     "lengths": {"key_value_seq_lengths": lengths},
+    "sink-probs": {
+      "sink": np.zeros(4, np.float32),
+      "precision": "fp16-fa2+sink_delta=probs",
+    },
     "positions": {
       "causal_alignment": "bottom_right",
       "key_value_seq_lengths": lengths,

@@ -28,6 +28,7 @@ from stableattn.kernels.block_math import (
   NN_DIMS,
   NT_DIMS,
   block_scores,
+  probs_delta_terms,
   recomputed_probs,
   unattended_keys_zeroed,
 )
@@ -184,9 +185,9 @@ def _probs_delta_kernel(
       bias=tiles.bias(q_start, k_start, block_q, block_k),
     )
     p_BqxBk = recomputed_probs(s_BqxBk, stats_Bq, ar)
-    dp_BqxBk = ar.round(ar.dot(do_BqxD, v_BkxD, NT_DIMS), "softmax_stats")
-    products = ar.round(ar.round(p_BqxBk, "delta") * dp_BqxBk, "delta")
-    delta_Bq = ar.round(delta_Bq + ar.sum(products, "delta"), "delta")
+    dp_BqxBk = ar.dot(do_BqxD, v_BkxD, NT_DIMS)
+    terms_Bq = probs_delta_terms(p_BqxBk, dp_BqxBk, ar)
+    delta_Bq = ar.round(delta_Bq + terms_Bq, "delta")
     if with_sums:
       sums_Bq = sums_Bq + jnp.sum(p_BqxBk, axis=1)
     return delta_Bq, sums_Bq

@@ -241,6 +241,15 @@ def score_gradients(
   return stats(ds_BqxBk * softcap_slope(tanh_BqxBk, ar)), ds_BqxBk
 
 
+def probs_delta_terms(p_BqxBk, dp_BqxBk, ar: PolicyArithmetic):
+  """One key block's share of delta = rowsum(P * dP) from the recomputed
+  P (delta_source=probs; d(sink) under sink_delta=probs): dP in
+  `softmax_stats`, each product and the tile's sum rounded to `delta`."""
+  dp_BqxBk = ar.round(dp_BqxBk, "softmax_stats")
+  products = ar.round(ar.round(p_BqxBk, "delta") * dp_BqxBk, "delta")
+  return ar.sum(products, "delta")
+
+
 def row_sum(x_BqxBk, ar: PolicyArithmetic):
   """Row sum within one block, accumulated like a dot product."""
   return ar.round(ar.sum(x_BqxBk, "matmul_accum"), "softmax_stats")

@@ -13,14 +13,16 @@ P V (wgmma takes one format); O normalized once, at the end; the softmax
 in base 2 (`exp2`); an FP8 KV cache (read before the kernel, as on the
 Triton path); and the stable presets' options: l summing the rounded P
 (`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (its
-diagonal by wgmma, `mosaic_delta`), m and l kept apart, dS as dS_hi + dS_lo for
-dQ. The output is stored in the inputs' format or FP32. Features:
-causal (top-left, or bottom-right with array lengths or each example's
-own), GQA, key lengths and segments, a local window, a softcap, a sink
-and a bias (each with its gradient), a dense mask, split-KV decoding,
-and head dims from 16 to absorbed MLA's 576/512, with gradients (a head
-dim over 256 in column parts, `mosaic_plan.value_parts`; the backward's
-split, `mosaic_backward_layout`).
+diagonal by wgmma, `mosaic_delta`), m and l kept apart, dS as dS_hi +
+dS_lo for dQ, d(sink) from the softmax's own P (`sink_delta=probs`: the
+dQ kernel sums rowsum(P dP) and rowsum(P)). The output is stored in the
+inputs' format or FP32. Features: causal (top-left, or bottom-right with
+array lengths or each example's own), GQA, key lengths and segments, a
+local window, a softcap, a sink and a bias (each with its gradient), a
+dense mask, split-KV decoding, and head dims from 16 to absorbed MLA's
+576/512, with gradients (a head dim over 256 in column parts,
+`mosaic_plan.value_parts`; the backward's split,
+`mosaic_backward_layout`).
 Everything else is refused in one line naming the stage,
 feature or option (`refusals`, `tile_refusals`). On a CPU the kernels
 run in jax's GPU interpret mode; FlashAttention-3's form of the forward
@@ -106,8 +108,8 @@ SCALED_OPTIONS = {
   "hadamard": (False, True),
   "smooth_k": (False, True),
 }
-# The stable presets' options this path runs (`precision.STABLE_OPTIONS`);
-# sink_delta is refused with the sink itself.
+# The stable presets' options this path runs (`precision.STABLE_OPTIONS`;
+# sink_delta's both values).
 STABILITY_VALUES = {
   "delta_source": ("output", "hi_lo"),
   "delta_product": ("rowsum", "matmul"),
@@ -206,12 +208,9 @@ def _policy_refusals(policy) -> list[str]:
 def _call_refusals(cfg: KernelConfig) -> list[str]:
   """What of the call's features and options, under its policy, this
   path cannot run."""
-  policy, spec, options = cfg.policy, cfg.mask, cfg.options
+  policy, options = cfg.policy, cfg.options
   why = []
   features = {
-    "sink with sink_delta='probs' (the FP16 stable preset's)": (
-      spec.sink and policy.sink_delta != "shared"
-    ),
     "paged KV cache": cfg.page_size is not None,
     "tie_beta": options.tie_beta is not None,
     "scheme=fa1": options.scheme != "fa2",
@@ -404,7 +403,7 @@ def _bwd(cfg: KernelConfig, saved, d_out):
     ops_p = pad_operands(ops, tiled_config(cfg, plan))
     ranges = range_rows(ops_p, cfg, plan, q_p.shape[0], block_k)[0]
     features = features | {"ranges": ranges}
-  dq, dk, dv, dbias = mosaic_backward(
+  dq, dk, dv, dbias, sink_sums = mosaic_backward(
     q_p, k_p, v_p, d_out_p.astype(q_p.dtype), stats, delta, features, plan
   )
   ar = PolicyArithmetic(cfg.policy)
@@ -425,10 +424,10 @@ def _bwd(cfg: KernelConfig, saved, d_out):
     d_ops = d_ops._replace(bias=bias_gradient(dbias, ops.bias, cfg))
   if plan.sink:
     # The sink's value is 0: it reaches dQ, dK and dV only through the
-    # lse; its own gradient is the Triton path's (`sink_gradient`).
-    d_ops = d_ops._replace(
-      sink=sink_gradient(ops.sink, lse, (delta, None), cfg)
-    )
+    # lse; its own gradient is the Triton path's (`sink_gradient`), from
+    # delta, or under sink_delta=probs from the dQ kernel's sums.
+    terms = (delta, None) if sink_sums is None else sink_sums
+    d_ops = d_ops._replace(sink=sink_gradient(ops.sink, lse, terms, cfg))
   return (*grads, d_ops)
 
 

@@ -29,8 +29,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from stableattn.kernels.block_math import recomputed_probs, score_gradients
+from stableattn.kernels.block_math import (
+  probs_delta_terms,
+  recomputed_probs,
+  score_gradients,
+)
 from stableattn.kernels.mosaic_backward_layout import (
+  SINK_SUMS,
   BackwardLayout,
   Columns,
   backward_layout,
@@ -185,11 +190,13 @@ def _dkdv_kernel(*refs, plan: MosaicPlan, layout, outputs, features):
   scoped(program, whole | {"bar": plgpu.Barrier(num_barriers=1)})
 
 
-def _dq_step(g, smem, at, j, dq, plan: MosaicPlan, layout: BackwardLayout):
+def _dq_step(g, smem, at, j, carry, plan: MosaicPlan, layout: BackwardLayout):
   """dQ += one key block's dS K * scale; with ds_for_dq=hi_lo dS enters
   as dS_hi + dS_lo, two products (`pallas_backward._dq_step`). With a
   bias, the tile's d(bias) (dS before the softcap's slope) is stored, by
-  the thread block of the first column part."""
+  the thread block of the first column part. `carry`: (dQ, the sums
+  for d(sink) where the plan keeps them, else ())."""
+  dq, sink_rows = carry
   place, q_ids, stats, delta = at
   batch, head, kv_head = place.batch, place.head, place.kv_head
   block_k, key, value = layout.block_k, layout.key, layout.value
@@ -226,6 +233,8 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan, layout: BackwardLayout):
   )
   dp = contraction(tile, chunks, (smem["do"], smem["vt"]), bar)
   ds, d_scores = score_gradients(p, dp, delta, tanh, plan.arithmetic, as_rows)
+  if plan.sink_sums:
+    sink_rows = _summed_for_sink(p, dp, sink_rows, plan.arithmetic)
   if plan.bias_grad:
     destination = {"dbias": g["dbias"].at[batch, head, rows, keys]}
     gradient = {"dbias": gradient_stored(d_scores, plan)}
@@ -242,7 +251,15 @@ def _dq_step(g, smem, at, j, dq, plan: MosaicPlan, layout: BackwardLayout):
   if plan.ds_hi_lo:
     low = staged(low_part(ds, plan), smem["ds"])
     step = step + product(out, low, smem["k"]) * scale
-  return accumulated(dq, step, plan)
+  return accumulated(dq, step, plan), sink_rows
+
+
+def _summed_for_sink(p, dp, rows, ar):
+  """(rowsum(P dP), rowsum(P)) of the unrounded P with one more key
+  block, rounded as the Triton path's (`backward_delta.probs_delta`)."""
+  delta, sums = rows
+  delta = ar.round(delta + probs_delta_terms(p, dp, ar), "delta")
+  return delta, sums + jnp.sum(p, axis=1)
 
 
 def _in_first_part(place: Place, layout: BackwardLayout, store) -> None:
@@ -275,7 +292,7 @@ def _zero_bias_gradient(g, smem, place: Place, blocks, block_k: int, plan):
 
 def _dq_kernel(*refs, plan: MosaicPlan, layout: BackwardLayout, features):
   names = ("q", "k", "kt", "vt", "do", *stats_names(plan), "delta")
-  outputs = ("dq", "dbias") if plan.bias_grad else ("dq",)
+  outputs = dq_outputs(plan)
   g = dict(zip((*names, *features, *outputs), refs))
   place = place_of("q", layout.key.parts, plan)
   batch, head = place.batch, place.head
@@ -312,18 +329,38 @@ def _dq_kernel(*refs, plan: MosaicPlan, layout: BackwardLayout, features):
       step = functools.partial(
         _dq_step, g, smem | buffers, at, plan=plan, layout=layout
       )
-      init = zeros((ROWS, layout.key.width))
+      row_zeros = plgpu.layout_cast(
+        jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+      )
+      sums = (row_zeros, row_zeros) if plan.sink_sums else ()
+      init = (zeros((ROWS, layout.key.width)), sums)
       return lax.fori_loop(first, end, step, init)
 
-    dq = scoped(loop, streamed)
+    dq, sums = scoped(loop, streamed)
     destination = g["dq"].at[
       batch, rows, head, column_part(place.part, layout.key)
     ]
-    scoped(
-      lambda buffers: stored(buffers, {"dq": dq}, {"dq": destination}), store
-    )
+
+    def store_all(buffers):
+      stored(buffers, {"dq": dq}, {"dq": destination})
+      if sums:
+        found = dict(zip(SINK_SUMS, sums))
+        at_rows = {n: g[n].at[batch, head, rows] for n in SINK_SUMS}
+        _in_first_part(place, layout, lambda: stored(buffers, found, at_rows))
+
+    scoped(store_all, store)
 
   scoped(program, whole | {"bar": plgpu.Barrier(num_barriers=1)})
+
+
+def dq_outputs(plan: MosaicPlan) -> tuple[str, ...]:
+  """What the dQ kernel writes: dQ, d(bias) with a bias, and the sums
+  for d(sink) under sink_delta=probs."""
+  return (
+    "dq",
+    *(("dbias",) if plan.bias_grad else ()),
+    *(SINK_SUMS if plan.sink_sums else ()),
+  )
 
 
 def _widened(x, columns: Columns):
@@ -351,7 +388,9 @@ def kernel_features(features: dict) -> tuple[dict, dict]:
 
 def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
   """(dq [B, T, H, D], dk and dv [B, S, H, D] per query head in FP32,
-  d(bias) [B, H, T, S] FP32 or None) of padded q, k, v, d_out, the
+  d(bias) [B, H, T, S] FP32 or None, d(sink)'s (rowsum(P dP),
+  rowsum(P)) [B, H, T] FP32 each under sink_delta=probs or None) of
+  padded q, k, v, d_out, the
   forward's softmax residuals `stats` ((lse,) or (m, l), `stats_names`)
   and delta, each [B, H, T], and the feature operands {name: array}
   (`mosaic_forward.input_names`, with dQ's "ranges" at the layout's key
@@ -388,11 +427,11 @@ def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
     )
     found = call(q, qt, k, v, d_out, dot, *stats, delta, *transposed.values())
     grads.update(zip(outputs, found))
-  dq_types = [
-    jax.ShapeDtypeStruct((batch, q_len, heads, layout.key.padded), f32)
-  ]
-  if plan.bias_grad:
-    dq_types.append(jax.ShapeDtypeStruct((batch, heads, q_len, kv_len), f32))
+  shapes = {
+    "dq": (batch, q_len, heads, layout.key.padded),
+    "dbias": (batch, heads, q_len, kv_len),
+  } | {n: (batch, heads, q_len) for n in SINK_SUMS}
+  dq_types = [jax.ShapeDtypeStruct(shapes[n], f32) for n in dq_outputs(plan)]
   dq_call = plgpu.kernel(
     functools.partial(
       _dq_kernel, plan=plan, layout=layout, features=tuple(keyed)
@@ -403,5 +442,7 @@ def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
     interpret=plan.interpret_params,
     kernel_name="stableattn_mosaic_backward_dq",
   )
-  dq, *dbias = dq_call(q, k, kt, vt, d_out, *stats, delta, *keyed.values())
-  return dq, grads["dk"], grads["dv"], (dbias[0] if dbias else None)
+  found = dq_call(q, k, kt, vt, d_out, *stats, delta, *keyed.values())
+  found = dict(zip(dq_outputs(plan), found))
+  sink_terms = tuple(found[n] for n in SINK_SUMS) if plan.sink_sums else None
+  return found["dq"], grads["dk"], grads["dv"], found.get("dbias"), sink_terms

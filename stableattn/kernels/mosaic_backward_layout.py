@@ -25,6 +25,7 @@ from stableattn.kernels.mosaic_plan import VALUE_PART_MAX, value_parts
 from stableattn.kernels.mosaic_support import (
   BARRIER_BYTES,
   RANGE_WIDTH,
+  REDUCTION_SCRATCH_BYTES,
   ROWS,
   SHARED_MEMORY_BYTES,
   MosaicPlan,
@@ -100,6 +101,11 @@ def _feature_buffers(names, kv_rows: int, tile) -> Scratch:
   return {n: every[n] for n in names}
 
 
+# The dQ kernel's sums for d(sink) under sink_delta=probs: rowsum(P dP)
+# and rowsum(P), [B, H, T] each.
+SINK_SUMS = ("sink_delta", "sink_sums")
+
+
 def _row_buffers(plan: MosaicPlan) -> Scratch:
   """The softmax residuals' and delta's row vectors."""
   names = (*stats_names(plan), "delta")
@@ -166,20 +172,24 @@ def dq_scopes(plan, layout, features) -> tuple[Scratch, ...]:
     **_row_buffers(plan),
     **_feature_buffers(features, block_k, (ROWS, block_k)),
   }
-  return whole, streamed, {"dq": ("tile", (ROWS, key.width), f32)}
+  store = {"dq": ("tile", (ROWS, key.width), f32)}
+  if plan.sink_sums:
+    store |= {n: ("vector", (ROWS,), f32) for n in SINK_SUMS}
+  return whole, streamed, store
 
 
-def scoped_bytes(scopes) -> int:
+def scoped_bytes(scopes, reduces_rows: bool = False) -> int:
   """A kernel's shared memory as Mosaic GPU's lowering counts it: the
   whole kernel's buffers, the larger of the two scopes that follow one
-  another, and one barrier. (The backward reduces no tile across a row,
-  so it takes no reduction scratch, which the forward's row maxima and
-  sums do.)"""
+  another, one barrier, and the reduction scratch where the kernel sums
+  a tile across its rows (only dQ's sums for d(sink) do; the forward's
+  row maxima and sums always do)."""
   whole, *turns = (
     sum(buffer_bytes(shape, dtype) for _, shape, dtype in scope.values())
     for scope in scopes
   )
-  return whole + max(turns) + BARRIER_BYTES
+  scratch = REDUCTION_SCRATCH_BYTES if reduces_rows else 0
+  return whole + max(turns) + BARRIER_BYTES + scratch
 
 
 # The feature operands each backward kernel reads, as the forward passes
@@ -202,7 +212,8 @@ def _features(plan: MosaicPlan, names) -> tuple[str, ...]:
 
 
 def dq_bytes(plan: MosaicPlan, layout: BackwardLayout) -> int:
-  return scoped_bytes(dq_scopes(plan, layout, _features(plan, _DQ_FEATURES)))
+  scopes = dq_scopes(plan, layout, _features(plan, _DQ_FEATURES))
+  return scoped_bytes(scopes, reduces_rows=plan.sink_sums)
 
 
 def kernel_bytes(plan: MosaicPlan) -> dict[str, int]:

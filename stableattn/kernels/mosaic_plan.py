@@ -105,6 +105,7 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     key_positions=cfg.mask.key_positions,
     additive=_additive_broadcast(cfg.mask),
     bias_grad=cfg.mask.bias is not None,
+    sink_sums=cfg.mask.sink and policy.sink_delta == "probs",
     blocks_per_split=_blocks_per_split(cfg, block_k),
     partials_dtype=np.dtype(policy.dtype("partials")),
     switches=hopper_switches(cfg.options.hopper_form),

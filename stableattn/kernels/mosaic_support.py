@@ -92,6 +92,9 @@ class MosaicPlan:
   # a dense mask blocks), [B|1, H|1, T, S]: (per example, per head).
   additive: tuple[bool, bool] | None = None
   bias_grad: bool = False  # the dQ kernel also writes d(bias) = dS
+  # The dQ kernel also sums rowsum(P dP) and rowsum(P) of the unrounded P
+  # for d(sink) (sink_delta=probs: the softmax's own, not O's).
+  sink_sums: bool = False
   # Split-KV: key blocks per split (None: one pass over every key), and
   # the format each split's output is stored in before the merge.
   blocks_per_split: int | None = None
