@@ -167,7 +167,7 @@ def _racy_copy():
       {"precision": "bf16-fa2+key_order=reversed"},
       r"key_order=.reversed.*Triton",
     ),
-    ({"tie_beta": 2.0}, r"tie_beta: not built on this path"),
+    ({"scheme": "fa1"}, r"scheme=fa1: not built on this path"),
   ],
 )
 def test_what_the_path_cannot_honour_is_refused_in_one_line(changes, message):
@@ -223,9 +223,14 @@ def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
   assert "triton" not in text
 
 
-def test_a_window_a_softcap_and_a_sink_lower_to_mosaic_gpu_for_cuda():
+def test_a_window_a_softcap_a_sink_and_the_tie_fix_lower_for_cuda():
+  # The tie fix's floor and finiteness test are written in what Mosaic GPU
+  # lowers (`block_math.tie_safe_max`).
   text = mosaic_lowered_text(
-    local_window_size=(40, 20), softcap=5.0, sink=np.zeros(4, np.float32)
+    local_window_size=(40, 20),
+    softcap=5.0,
+    sink=np.zeros(4, np.float32),
+    tie_beta=2.0,
   )
   assert text.count("custom_call @mosaic_gpu") == 3
 

@@ -17,6 +17,10 @@ from stableattn.numerics.metrics import signed_share
 # Qiu & Yao's regime: FP32 softmax statistics, a BF16 output accumulator.
 THEIR_REGIME = "bf16-fa2+out_accum=bf16"
 SHAPE = Shape(batch=1, q_len=64, kv_len=64, heads=2, kv_heads=2, head_dim=64)
+# Our flash kernels: the Triton path, and the Hopper path in GPU interpret
+# mode (its cases past the first in the slow tier).
+PATHS = ["pallas", "mosaic_gpu"]
+SLOW_HOPPER = ["pallas", pytest.param("mosaic_gpu", marks=pytest.mark.slow)]
 
 
 def _recipe(spec=None, seed=0, shape=SHAPE):
@@ -31,16 +35,31 @@ def _share(q, k, v, gold, **kwargs):
   return signed_share(gold, np.asarray(out.astype(jnp.float64)))
 
 
+@pytest.mark.parametrize("implementation", SLOW_HOPPER)
 @pytest.mark.parametrize("precision", ["bf16", THEIR_REGIME])
-def test_ties_in_one_tile_bias_o_away_from_zero(precision):
+def test_ties_in_one_tile_bias_o_away_from_zero(precision, implementation):
   q, k, v, gold = _recipe()
-  assert _share(q, k, v, gold, precision=precision) >= 0.9
+  share = _share(
+    q, k, v, gold, precision=precision, implementation=implementation
+  )
+  assert share >= 0.9
 
 
-@pytest.mark.parametrize("tie_beta", [2.0, 7.0])
-def test_their_fix_removes_the_bias_in_their_regime(tie_beta):
+@pytest.mark.parametrize(
+  "tie_beta, implementation",
+  [
+    (2.0, "pallas"),
+    (7.0, "pallas"),
+    (2.0, "mosaic_gpu"),
+    pytest.param(7.0, "mosaic_gpu", marks=pytest.mark.slow),
+  ],
+)
+def test_their_fix_removes_the_bias_in_their_regime(tie_beta, implementation):
   q, k, v, gold = _recipe()
-  share = _share(q, k, v, gold, precision=THEIR_REGIME, tie_beta=tie_beta)
+  share = _share(
+    q, k, v, gold, precision=THEIR_REGIME, tie_beta=tie_beta,
+    implementation=implementation,
+  )  # fmt: skip
   assert abs(share) <= 0.1
 
 
@@ -56,9 +75,13 @@ def test_the_strong_bias_needs_the_ties_in_one_tile():
   assert abs(shares[False]) <= 0.5
 
 
-def test_real_kernel_policy_is_not_biased_by_ties():
+@pytest.mark.parametrize("implementation", SLOW_HOPPER)
+def test_real_kernel_policy_is_not_biased_by_ties(implementation):
   q, k, v, gold = _recipe()
-  assert abs(_share(q, k, v, gold, precision="bf16-fa2")) <= 0.3
+  share = _share(
+    q, k, v, gold, precision="bf16-fa2", implementation=implementation
+  )
+  assert abs(share) <= 0.3
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "reference"])
@@ -92,24 +115,32 @@ def test_the_fix_is_exact_in_fp64_values_and_gradients(
     assert sa.compare(gg, g).max_abs <= 1e-10
 
 
-def test_large_beta_times_large_max_does_not_underflow_the_sum():
+@pytest.mark.parametrize(
+  "precisions, implementation",
+  # The Hopper path multiplies 16-bit operands only.
+  [(("fp32", "bf16-fa2"), "pallas"), (("bf16-fa2",), "mosaic_gpu")],
+)
+def test_large_beta_times_large_max_does_not_underflow_the_sum(
+  precisions, implementation
+):
   """beta=7 and a row maximum of ~20: exp(-6 * 20) is 0 in FP32, so the sum
-  of Qiu & Yao's shifted probabilities would be 0; the capped shift keeps
-  the result finite and as accurate as without the fix."""
+  of Qiu & Yao's shifted probabilities would be 0; the capped shift (its
+  fraction wrapped below the cap) keeps the result finite and as accurate
+  as without the fix."""
   spec = TiedMaximaSpec(margin=1e-7)
   q, k, v, gold = _recipe(spec)
   scores = np.einsum("bthd,bshd->bhts", q, k) / 8.0
   assert scores.max() > 18.0
   assert np.float32(np.exp(np.float32(-6.0 * scores.max()))) == 0.0
-  for precision in ("fp32", "bf16-fa2"):
-    fixed = np.asarray(
-      sa.attention(q, k, v, precision=precision, tie_beta=7.0).astype(
-        jnp.float64
-      )
+
+  def run(precision, **kwargs):
+    out = sa.attention(
+      q, k, v, precision=precision, implementation=implementation, **kwargs
     )
-    plain = np.asarray(
-      sa.attention(q, k, v, precision=precision).astype(jnp.float64)
-    )
+    return np.asarray(out.astype(jnp.float64))
+
+  for precision in precisions:
+    fixed, plain = run(precision, tie_beta=7.0), run(precision)
     assert np.isfinite(fixed).all()
     assert sa.compare(gold, fixed).max_abs <= 2 * sa.compare(
       gold, plain

@@ -278,7 +278,7 @@ def tie_cap(ar: PolicyArithmetic) -> float:
   return -0.5 * math.log(tiny)
 
 
-def tie_safe_max(s, r_m, ar: PolicyArithmetic, options):
+def tie_safe_max(s, r_m, ar: PolicyArithmetic, options, per_row=None):
   """The maximum to subtract before exp, with Qiu & Yao's fix (Alg. 1).
 
   Qiu & Yao (arXiv 2510.04212): where several scores of a row tie at its
@@ -296,16 +296,20 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, options):
   Args:
     s: scores [..., n] in the statistics format; -inf where masked.
     r_m: s.max(-1), shape [...].
-    options: the `Options` whose `tie_beta` is beta > 1, or None for the
-      standard safe softmax (m = r_m).
+    options: what holds `tie_beta` (`Options`, or the Hopper path's plan):
+      beta > 1, or None for the standard safe softmax (m = r_m).
+    per_row: places r_m across the tile's columns (the Hopper path's
+      `as_rows`); None: by indexing.
   """
   beta = options.tie_beta
   if beta is None:
     return r_m
   stats = lambda x: ar.round(x, "softmax_stats")  # noqa: E731
   one, zero = jnp.asarray(1.0, s.dtype), jnp.asarray(0.0, s.dtype)
-  tied = jnp.sum(jnp.where(s == r_m[..., None], one, zero), axis=-1) > 1
-  finite = jnp.isfinite(r_m)
+  r_tile = r_m[..., None] if per_row is None else per_row(r_m, s.shape)
+  tied = jnp.sum(jnp.where(s == r_tile, one, zero), axis=-1) > 1
+  # Comparisons rather than isfinite, which Mosaic GPU does not lower.
+  finite = (r_m > -jnp.inf) & (r_m < jnp.inf)
   r_safe = jnp.where(finite, r_m, zero)
   shift = jnp.where(
     tied & (r_safe > 0),
@@ -313,10 +317,20 @@ def tie_safe_max(s, r_m, ar: PolicyArithmetic, options):
     jnp.where(tied & (r_safe < 0), -r_safe, zero),
   )
   cap = jnp.asarray(tie_cap(ar), s.dtype)
-  wrapped = cap - one + (shift - jnp.floor(shift))
+  wrapped = cap - one + (shift - _floor_of_nonnegative(shift))
   shift = jnp.where(shift > cap, wrapped, shift)
   # A row with no key here (r_m = -inf) keeps r_m.
   return jnp.where(finite, stats(r_safe + shift), r_m)
+
+
+def _floor_of_nonnegative(x):
+  """floor(x) for x >= 0, exactly; for FP32 by truncation to int32 below
+  2^23 (above it every FP32 number is an integer), which Mosaic GPU
+  lowers and floor it does not."""
+  if x.dtype != jnp.float32:
+    return jnp.floor(x)
+  integral = jnp.asarray(2.0**23, jnp.float32)
+  return jnp.where(x < integral, x.astype(jnp.int32).astype(x.dtype), x)
 
 
 def descaled(ar: PolicyArithmetic, pv, descale):

@@ -15,7 +15,8 @@ Triton path); and the stable presets' options: l summing the rounded P
 (`softmax_sum=rounded_probs`), delta from O_hi + O_lo and by matmul (its
 diagonal by wgmma, `mosaic_delta`), m and l kept apart, dS as dS_hi +
 dS_lo for dQ, d(sink) from the softmax's own P (`sink_delta=probs`: the
-dQ kernel sums rowsum(P dP) and rowsum(P)). The output is stored in the
+dQ kernel sums rowsum(P dP) and rowsum(P)), and Qiu & Yao's fix for
+tied maxima (`tie_beta`). The output is stored in the
 inputs' format or FP32. Features: causal (top-left, or bottom-right with
 array lengths or each example's own), GQA, key lengths and segments, a
 local window, a softcap, a sink and a bias (each with its gradient), a
@@ -212,7 +213,6 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
   why = []
   features = {
     "paged KV cache": cfg.page_size is not None,
-    "tie_beta": options.tie_beta is not None,
     "scheme=fa1": options.scheme != "fa2",
   }
   why += [

@@ -20,7 +20,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from stableattn.contract.masking import logits_in_base, scores
-from stableattn.kernels.block_math import stats_exp, stored_lse, summed_probs
+from stableattn.kernels.block_math import (
+  stats_exp,
+  stored_lse,
+  summed_probs,
+  tie_safe_max,
+)
 from stableattn.kernels.mosaic_support import MosaicPlan, as_rows
 
 
@@ -55,9 +60,12 @@ def sink_in_base(sink, plan: MosaicPlan):
 def online_softmax(s, m, l_sum, plan: MosaicPlan):
   """FlashAttention-2's statistics after one tile of scores S (base 2
   under `exp2`): (P, the rescale factor alpha in `out_accum`, new m, new
-  l), rounded as `pallas_forward._fa2_update` rounds them."""
+  l), rounded as `pallas_forward._fa2_update` rounds them; with
+  `tie_beta`, the tile's maximum moved off its ties (Qiu & Yao,
+  `block_math.tie_safe_max`)."""
   ar, stats = plan.arithmetic, _rounder(plan, "softmax_stats")
-  m_new = jnp.maximum(m, s.max(axis=1))
+  m_block = tie_safe_max(s, s.max(axis=1), ar, plan, as_rows)
+  m_new = jnp.maximum(m, m_block)
   # A row with no key so far keeps m = -inf; subtract 0 instead.
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = stats_exp(stats(m - m_use), ar, plan.exp2)

@@ -106,6 +106,7 @@ def _plan_at(cfg: KernelConfig, group: int, block_k: int, slots: int):
     additive=_additive_broadcast(cfg.mask),
     bias_grad=cfg.mask.bias is not None,
     sink_sums=cfg.mask.sink and policy.sink_delta == "probs",
+    tie_beta=cfg.options.tie_beta,
     blocks_per_split=_blocks_per_split(cfg, block_k),
     partials_dtype=np.dtype(policy.dtype("partials")),
     switches=hopper_switches(cfg.options.hopper_form),

@@ -95,6 +95,8 @@ class MosaicPlan:
   # The dQ kernel also sums rowsum(P dP) and rowsum(P) of the unrounded P
   # for d(sink) (sink_delta=probs: the softmax's own, not O's).
   sink_sums: bool = False
+  # Qiu & Yao's beta: a tile's maximum moved off its ties (None: not).
+  tie_beta: float | None = None
   # Split-KV: key blocks per split (None: one pass over every key), and
   # the format each split's output is stored in before the merge.
   blocks_per_split: int | None = None
