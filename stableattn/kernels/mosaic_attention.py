@@ -212,7 +212,8 @@ def _call_refusals(cfg: KernelConfig) -> list[str]:
   policy, options = cfg.policy, cfg.options
   why = []
   features = {
-    "paged KV cache": cfg.page_size is not None,
+    # paged_attention gathers the pages for this path.
+    "pages read in place (a paged KV cache)": cfg.page_size is not None,
     "scheme=fa1": options.scheme != "fa2",
   }
   why += [

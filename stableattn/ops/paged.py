@@ -34,6 +34,7 @@ from stableattn.kernels.pallas_forward import flash_forward
 from stableattn.kernels.quantization import stored_inputs
 from stableattn.numerics.precision import require_x64_if_needed
 from stableattn.ops import dispatch
+from stableattn.ops.flash_choice import record_taken
 
 
 def check_pages(k_pages, v_pages, page_table) -> None:
@@ -101,14 +102,21 @@ def paged_attention(
     page_table: int [batch, pages_per_sequence]: pool pages per sequence.
     implementation, options, features, return_lse, **keywords: as
       `stableattn.attention`; the keys a query sees are its pages in table
-      order (`key_value_seq_lengths` marks the valid ones). For "pallas"
-      the page size must be a multiple of block_k (a key block lies in one
-      page); split-KV (num_splits, split_size) applies. Forward only.
+      order (`key_value_seq_lengths` marks the valid ones). "pallas", and
+      "flash" on any device, read the pages in place: the page size must
+      be a multiple of block_k (a key block lies in one page); split-KV
+      (num_splits, split_size) applies. Every other implementation
+      ("mosaic_gpu" too) runs on the pages gathered. Forward only.
 
   Returns:
     As `stableattn.attention`.
   """
   check_pages(k_pages, v_pages, page_table)
+  if implementation == "flash":
+    # The Triton path reads the pages in place; the Hopper path reads a
+    # contiguous cache (each page's unused slots would need zeroing in
+    # shared memory: NaN there times P = 0 is NaN).
+    implementation = record_taken("pallas")
   if implementation != "pallas":
     if return_lse:
       raise ValueError("return_lse=True is only available for 'pallas'.")
