@@ -3,7 +3,7 @@ both in interpret mode on a CPU, and both against FP64, case by case.
 
   python launch/hopper_check.py --out=results/cpu/hopper-interpret-2026-11-28
   python launch/hopper_check.py --regimes \
-      --out=results/cpu/hopper-regimes-2026-11-28
+      --out=results/cpu/hopper-regimes-2026-11-29
 
 Writes rows.jsonl (one row per case, as it finishes) and table.md, the
 table docs/performance.md quotes; with --regimes, the stable presets'

@@ -374,7 +374,7 @@ def test_docs_quote_the_stored_interpret_mode_comparison():
 
 
 def test_docs_quote_the_stable_presets_regimes_on_both_paths():
-  rows = _stored_rows("hopper-regimes-2026-11-28")
+  rows = _stored_rows("hopper-regimes-2026-11-29")
   docs = pathlib.Path(__file__).parent.parent / "docs" / "audit.md"
   assert hopper_check.regime_table(rows) in docs.read_text()
   # Every regime of both presets on both paths, and no verdict over zero

@@ -390,9 +390,9 @@ def mosaic_backward(q, k, v, d_out, stats, delta, features, plan: MosaicPlan):
   """(dq [B, T, H, D], dk and dv [B, S, H, D] per query head in FP32,
   d(bias) [B, H, T, S] FP32 or None, d(sink)'s (rowsum(P dP),
   rowsum(P)) [B, H, T] FP32 each under sink_delta=probs or None) of
-  padded q, k, v, d_out, the
-  forward's softmax residuals `stats` ((lse,) or (m, l), `stats_names`)
-  and delta, each [B, H, T], and the feature operands {name: array}
+  padded q, k, v, d_out, the forward's softmax residuals `stats` ((lse,)
+  or (m, l), `stats_names`) and delta, each [B, H, T], and the feature
+  operands {name: array}
   (`mosaic_forward.input_names`, with dQ's "ranges" at the layout's key
   block; the sink is not read)."""
   layout = backward_layout(plan)
