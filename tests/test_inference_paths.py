@@ -264,7 +264,16 @@ def test_paged_cache_equals_the_contiguous_cache(schedule):
   )
 
 
-def test_paged_cache_under_flash_is_read_in_place_and_gathered_for_hopper():
+@pytest.mark.parametrize(
+  "implementation, contiguous",
+  [
+    ("flash", "pallas"),
+    pytest.param("mosaic_gpu", "mosaic_gpu", marks=pytest.mark.slow),
+  ],
+)
+def test_paged_cache_under_flash_is_read_in_place_and_gathered_for_hopper(
+  implementation, contiguous
+):
   """ "flash" reads the pages in place (the Triton path's kernel, bit for
   bit); the Hopper path, in GPU interpret mode, computes on the pages
   gathered exactly what it computes on the contiguous cache."""
@@ -275,12 +284,11 @@ def test_paged_cache_under_flash_is_read_in_place_and_gathered_for_hopper():
     precision="bf16-fa2",
     **{**DECODE, "key_value_seq_lengths": np.array([128, 97])},
   )
-  for implementation, contiguous in (("flash", "pallas"), ("mosaic_gpu",) * 2):
-    paged = sa.paged_attention(
-      q, k_pool, v_pool, table, implementation=implementation, **kwargs
-    )
-    whole = sa.attention(q, k, v, implementation=contiguous, **kwargs)
-    np.testing.assert_array_equal(np.asarray(paged), np.asarray(whole))
+  paged = sa.paged_attention(
+    q, k_pool, v_pool, table, implementation=implementation, **kwargs
+  )
+  whole = sa.attention(q, k, v, implementation=contiguous, **kwargs)
+  np.testing.assert_array_equal(np.asarray(paged), np.asarray(whole))
 
 
 def test_paged_cache_errors_say_what_is_valid():

@@ -42,15 +42,19 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
   forward for CUDA beside the unchanged backward, with key lengths (each
   warpgroup reading block ranges through its own barrier). In interpret
   mode a form the installed jax's interpreter runs equals the interpreter
-  form bit for bit; any other is refused in one line naming what it
-  lacks."""
+  form bit for bit at batch 2 with key lengths, with no race under the
+  interpreter's detector; any other is refused in one line naming what
+  it lacks."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
   lengths = np.array([150, 200], np.int32)
   text = mosaic_lowered_text(
     causal=True, hopper_form=form, key_value_seq_lengths=lengths
   )
   assert text.count("custom_call @mosaic_gpu") == 3
-  case = CASES["causal-gqa"]
+  case = CASES["key-lengths-d48"]
   (q, k, v, _), features = _inputs(case)
+  assert q.shape[0] == 2 and "key_value_seq_lengths" in features
 
   def out(form):
     return sa.attention(
@@ -63,17 +67,20 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
     with pytest.raises(ValueError, match=r"hopper_form=.*GPU interpreter"):
       out(form)
   else:
-    np.testing.assert_array_equal(out(form), out("interpreter"))
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    ours = out(form)
+    assert gpu_callbacks.get_races().races_found is False
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+    np.testing.assert_array_equal(ours, out("interpreter"))
 
 
 @pytest.mark.parametrize(
   "form, case_name",
   [
-    # Two consumers run the one-consumer form's producer and ring with a
-    # second consumer beside it (the fast tier's); both run in the slow
-    # tier.
+    # The fast tier runs both forms' forward at this case under the
+    # detector (above); the gradients beside it run in the slow tier.
     pytest.param("warp_specialized", "key-lengths-d48", marks=pytest.mark.slow),
-    ("two_consumers", "key-lengths-d48"),
+    pytest.param("two_consumers", "key-lengths-d48", marks=pytest.mark.slow),
   ],
 )
 def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths(

@@ -22,8 +22,10 @@ def flash_path(cfg: KernelConfig, options: Options) -> str:
   ("mosaic_gpu") when compiling for a GPU of compute capability 9.0 or
   later where that path runs the request as asked (its policy, features
   and the caller's tiles), else the Triton path ("pallas"), which runs
-  everything; interpret mode takes the Triton path."""
-  if cfg.interpret or not hopper_or_later():
+  everything; interpret mode takes the Triton path. FP8 operands take
+  the Triton path too: the Hopper path runs their forward only, and
+  whether a gradient follows is not known here."""
+  if cfg.interpret or not hopper_or_later() or cfg.policy.quantizes:
     return "pallas"
   from stableattn.kernels import mosaic_attention as mosaic  # heavy: on use
 

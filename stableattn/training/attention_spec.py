@@ -9,7 +9,7 @@ from stableattn.contract.features import Features
 from stableattn.contract.options import Options
 from stableattn.ops import registry
 from stableattn.ops.dispatch import FLASH_IMPLEMENTATIONS, attention
-from stableattn.ops.flash_choice import always_triton
+from stableattn.ops.flash_choice import always_triton, record_taken
 from stableattn.ops.ring import ring_attention
 from stableattn.ops.ring_plan import CONTEXT_AXIS, context_mesh
 
@@ -113,6 +113,8 @@ class AttentionSpec:
     """Attention of `kind` (default: this spec's) on q, k, v."""
     kind = kind or self.kind
     if kind in RING_KINDS and self.context_parallel > 1:
+      if kind == "flash":
+        record_taken("pallas")  # the ring's per-shard kernel
       return ring_attention(
         q,
         k,
