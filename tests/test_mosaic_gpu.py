@@ -224,8 +224,7 @@ def test_forward_and_backward_lower_to_mosaic_gpu_for_cuda():
 
 
 def test_a_window_a_softcap_a_sink_and_the_tie_fix_lower_for_cuda():
-  # The tie fix's floor and finiteness test are written in what Mosaic GPU
-  # lowers (`block_math.tie_safe_max`).
+  # The tie fix in what Mosaic GPU lowers (`block_math.tie_safe_max`).
   text = mosaic_lowered_text(
     local_window_size=(40, 20),
     softcap=5.0,
@@ -430,8 +429,7 @@ def test_flash_is_the_triton_path_in_interpret_mode_bit_for_bit():
     ({"precision": "bf16", "num_splits": 2}, "mosaic_gpu"),  # every stage
     ({"precision": "bf16-fa2+key_order=reversed"}, "pallas"),
     ({"block_q": 128}, "pallas"),  # not one warpgroup's rows
-    # The Hopper path's FP8 forward has no gradient; the Triton path's has.
-    ({"precision": "fp8-fa3"}, "pallas"),
+    ({"precision": "fp8-fa3"}, "pallas"),  # the gradient: Triton's only
   ],
   ids=str,
 )
