@@ -28,6 +28,7 @@ from stableattn.experiments.benchmark.timing import (
   random_inputs,
   timed_fn,
 )
+from stableattn.numerics.precision import Precision
 
 # The Hopper path against what it should beat (issue goals: forward >= 0.8x
 # cuDNN's speed, forward+backward >= 0.7x), BF16 at every length.
@@ -68,24 +69,39 @@ def _kv_cache_lengths(seq_len, s):
   }
 
 
+def _sink(s):
+  return {"sink": jax.numpy.zeros((s.heads,))}
+
+
 HOPPER_FEATURES = {
   "window 1024": (True, lambda n, s: {"local_window_size": (1024, 0)}),
   "softcap 30": (False, lambda n, s: {"softcap": 30.0}),
-  "sink": (True, lambda n, s: {"sink": jax.numpy.zeros((s.heads,))}),
+  "sink": (True, lambda n, s: _sink(s)),
   "bias": (False, _bias),
   "bottom-right lengths": (True, _kv_cache_lengths),
   "fp8-fa3": (True, lambda n, s: {}),
+  # Qiu & Yao's fix: a tile's maximum moved off its ties.
+  "tie fix": (True, lambda n, s: {"tie_beta": 2.0}),
+  # d(sink) from the softmax's own P, summed in the dQ kernel.
+  "fp16 stable sink": (
+    True,
+    lambda n, s: {"sink": jax.numpy.zeros((s.heads,))},
+  ),
 }
 # Features under their own preset (FP8 operands: the forward only, the
 # Hopper path's gradient being refused); the others are HOPPER_PRECISION's.
-FEATURE_PRECISIONS = {"fp8-fa3": "fp8-fa3"}
+FEATURE_PRECISIONS = {
+  "fp8-fa3": "fp8-fa3",
+  "fp16 stable sink": "fp16-fa2-stable",
+}
 FEATURE_NAMES = ("mosaic_gpu", "pallas", "cudnn")
 
 
 def feature_modes(feature: str, modes=MODES) -> tuple[str, ...]:
   """The modes a feature is timed in: every one, or the forward alone
   where the Hopper path has no gradient (FP8 operands)."""
-  if feature in FEATURE_PRECISIONS:
+  precision = FEATURE_PRECISIONS.get(feature, HOPPER_PRECISION)
+  if Precision.from_name(precision).quantizes:
     return tuple(m for m in modes if m == "forward")
   return tuple(modes)
 
