@@ -16,9 +16,9 @@ Triton path); and the stable presets' options: l summing the rounded P
 diagonal by wgmma, `mosaic_delta`), m and l kept apart, dS as dS_hi +
 dS_lo for dQ, d(sink) from the softmax's own P (`sink_delta=probs`: the
 dQ kernel sums rowsum(P dP) and rowsum(P)), and Qiu & Yao's fix for
-tied maxima (`tie_beta`). The output is stored in the
-inputs' format or FP32. Features: causal (top-left, or bottom-right with
-array lengths or each example's own), GQA, key lengths and segments, a
+tied maxima (`tie_beta`). The output is stored in the inputs' format
+or FP32. Features: causal (top-left, or bottom-right with array lengths
+or each example's own), GQA, key lengths and segments, a
 local window, a softcap, a sink and a bias (each with its gradient), a
 dense mask, split-KV decoding, and head dims from 16 to absorbed MLA's
 576/512, with gradients (a head dim over 256 in column parts,

@@ -83,10 +83,7 @@ HOPPER_FEATURES = {
   # Qiu & Yao's fix: a tile's maximum moved off its ties.
   "tie fix": (True, lambda n, s: {"tie_beta": 2.0}),
   # d(sink) from the softmax's own P, summed in the dQ kernel.
-  "fp16 stable sink": (
-    True,
-    lambda n, s: {"sink": jax.numpy.zeros((s.heads,))},
-  ),
+  "fp16 stable sink": (True, lambda n, s: _sink(s)),
 }
 # Features under their own preset (FP8 operands: the forward only, the
 # Hopper path's gradient being refused); the others are HOPPER_PRECISION's.
