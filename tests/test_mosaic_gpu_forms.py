@@ -54,8 +54,8 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
   assert text.count("custom_call @mosaic_gpu") == 3
   # Batch 2 with key lengths: one query block of one head per example,
   # so that the interpreter's warpgroups stay few.
-  lengths = {"key_value_seq_lengths": np.array([50, 96])}
-  (q, k, v, _), features = _inputs(("bf16-fa2", 64, 96, 1, 1, 48, lengths))
+  ragged = {"key_value_seq_lengths": np.array([50, 96])}
+  (q, k, v, _), features = _inputs(("bf16-fa2", 64, 96, 1, 1, 48, ragged))
   assert q.shape[0] == 2
 
   def out(form):

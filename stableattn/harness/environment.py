@@ -257,9 +257,10 @@ def describe(corpus: str | None = None) -> dict:
     env["isa_probe"] = dict(PROBED)
   from stableattn.ops.flash_choice import paths_taken  # imports kernels
 
-  if paths_taken():
+  taken = paths_taken()
+  if taken:
     # implementation="flash" picks its kernel per call: which ones ran.
-    env["flash_paths"] = paths_taken()
+    env["flash_paths"] = taken
   if corpus is not None:
     env["corpus_sha256"] = corpus
   return env

@@ -28,7 +28,7 @@ from stableattn.kernels.block_math import (
   NN_DIMS,
   NT_DIMS,
   block_scores,
-  probs_delta_terms,
+  plus_probs_delta,
   recomputed_probs,
   unattended_keys_zeroed,
 )
@@ -186,8 +186,7 @@ def _probs_delta_kernel(
     )
     p_BqxBk = recomputed_probs(s_BqxBk, stats_Bq, ar)
     dp_BqxBk = ar.dot(do_BqxD, v_BkxD, NT_DIMS)
-    terms_Bq = probs_delta_terms(p_BqxBk, dp_BqxBk, ar)
-    delta_Bq = ar.round(delta_Bq + terms_Bq, "delta")
+    delta_Bq = plus_probs_delta(delta_Bq, p_BqxBk, dp_BqxBk, ar)
     if with_sums:
       sums_Bq = sums_Bq + jnp.sum(p_BqxBk, axis=1)
     return delta_Bq, sums_Bq

@@ -241,13 +241,14 @@ def score_gradients(
   return stats(ds_BqxBk * softcap_slope(tanh_BqxBk, ar)), ds_BqxBk
 
 
-def probs_delta_terms(p_BqxBk, dp_BqxBk, ar: PolicyArithmetic):
-  """One key block's share of delta = rowsum(P * dP) from the recomputed
-  P (delta_source=probs; d(sink) under sink_delta=probs): dP in
-  `softmax_stats`, each product and the tile's sum rounded to `delta`."""
+def plus_probs_delta(delta_Bq, p_BqxBk, dp_BqxBk, ar: PolicyArithmetic):
+  """delta = rowsum(P * dP) from the recomputed P with one more key block
+  (delta_source=probs; d(sink) under sink_delta=probs): dP in
+  `softmax_stats`, each product, the tile's sum and the running sum
+  rounded to `delta`."""
   dp_BqxBk = ar.round(dp_BqxBk, "softmax_stats")
   products = ar.round(ar.round(p_BqxBk, "delta") * dp_BqxBk, "delta")
-  return ar.sum(products, "delta")
+  return ar.round(delta_Bq + ar.sum(products, "delta"), "delta")
 
 
 def row_sum(x_BqxBk, ar: PolicyArithmetic):

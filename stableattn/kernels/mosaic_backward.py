@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from stableattn.kernels.block_math import (
-  probs_delta_terms,
+  plus_probs_delta,
   recomputed_probs,
   score_gradients,
 )
@@ -258,8 +258,7 @@ def _summed_for_sink(p, dp, rows, ar):
   """(rowsum(P dP), rowsum(P)) of the unrounded P with one more key
   block, rounded as the Triton path's (`backward_delta.probs_delta`)."""
   delta, sums = rows
-  delta = ar.round(delta + probs_delta_terms(p, dp, ar), "delta")
-  return delta, sums + jnp.sum(p, axis=1)
+  return plus_probs_delta(delta, p, dp, ar), sums + jnp.sum(p, axis=1)
 
 
 def _in_first_part(place: Place, layout: BackwardLayout, store) -> None:
