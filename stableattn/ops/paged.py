@@ -131,6 +131,22 @@ def paged_attention(
       **keywords,
     )
   options, features = dispatch.split_keywords(options, features, keywords)
+  cfg, ops = _paged_config(q, k_pages, v_pages, page_table, options, features)
+  check_flag("return_lse", return_lse)
+  out, lse = _paged_forward(
+    jnp.asarray(q),
+    jnp.asarray(k_pages),
+    jnp.asarray(v_pages),
+    jnp.asarray(page_table).astype(jnp.int32),
+    ops,
+    cfg=cfg,
+  )
+  return (out, lse) if return_lse else out
+
+
+def _paged_config(q, k_pages, v_pages, page_table, options, features):
+  """(the kernel's config with its page size, the feature operands) of
+  a paged call, each shape and option it cannot take refused."""
   # The kernel runs forward only: the backward tiles are the forward's.
   options = dataclasses.replace(options, bwd_block_q=None, bwd_block_k=None)
   require_x64_if_needed(options.precision)
@@ -157,17 +173,7 @@ def paged_attention(
       "for the kernel: a key block is read from one page. Choose block_k "
       f"dividing {page_size} (e.g. block_k={page_size})."
     )
-  cfg = dataclasses.replace(cfg, page_size=page_size)
-  check_flag("return_lse", return_lse)
-  out, lse = _paged_forward(
-    jnp.asarray(q),
-    jnp.asarray(k_pages),
-    jnp.asarray(v_pages),
-    jnp.asarray(page_table).astype(jnp.int32),
-    ops,
-    cfg=cfg,
-  )
-  return (out, lse) if return_lse else out
+  return dataclasses.replace(cfg, page_size=page_size), ops
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
