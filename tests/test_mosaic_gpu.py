@@ -55,7 +55,15 @@ FAST_CASES = ("causal-gqa", "bf16-every-stage")
 
 @pytest.mark.parametrize("name", FAST_CASES)
 def test_forward_and_gradients_match_the_triton_path(name):
+  """Values and gradients at the Triton path's, and no race: the
+  interpreter's happens-before detector watches every shared-memory
+  access (it can fail: its test is in test_mosaic_gpu_forms.py)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  gpu_callbacks.reset_gpu_interpret_mode_state()
   _check_against_triton(CASES[name])
+  assert gpu_callbacks.get_races().races_found is False
+  gpu_callbacks.reset_gpu_interpret_mode_state()
 
 
 @pytest.mark.slow
@@ -95,47 +103,6 @@ def test_the_audit_passes_at_shapes_it_was_not_tuned_at(shape):
   report = sa.audit(fn, precision="bf16-fa2", shapes=(shape,))
   assert report.passed, str(report)
   assert {r["tensor"] for r in report.rows} == {"out", "dq", "dk", "dv"}
-
-
-def test_the_race_detector_runs_and_finds_no_race():
-  """The interpreter's happens-before detector watches every shared-memory
-  access of the forward and backward; a kernel that reads a buffer
-  before its copy's barrier is caught (the detector can fail)."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  _value_and_grads("mosaic_gpu", CASES["causal-gqa"])
-  assert gpu_callbacks.get_races().races_found is False
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  _racy_copy()
-  assert gpu_callbacks.get_races().races_found is True
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-
-
-def _racy_copy():
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  def body(x_ref, o_ref, smem, barrier):
-    plgpu.copy_gmem_to_smem(x_ref, smem, barrier.at[0])
-    early = smem[...]  # before the copy's barrier: a race
-    plgpu.barrier_wait(barrier.at[0])
-    smem[...] = early + 1
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(smem, o_ref)
-    plgpu.wait_smem_to_gmem(0)
-
-  shape = jax.ShapeDtypeStruct((128,), jnp.float32)
-  kernel = plgpu.kernel(
-    body,
-    out_type=shape,
-    scratch_types=[
-      plgpu.SMEM((128,), jnp.float32),
-      plgpu.Barrier(num_barriers=1),
-    ],
-    interpret=InterpretGPUParams(detect_races=True),
-  )
-  jax.block_until_ready(kernel(jnp.ones((128,), jnp.float32)))
 
 
 @pytest.mark.parametrize(
@@ -246,7 +213,17 @@ def _refusals(precision):
   return mosaic_attention.refusals(cfg)
 
 
-@pytest.mark.parametrize("precision", sa.preset_names())
+# A few presets in the fast tier (base, stable, FP8, one refused); each
+# lowering takes a second or two.
+@pytest.mark.parametrize(
+  "precision",
+  [
+    p
+    if p in ("bf16-fa2", "fp16-fa2-stable", "fp8-fa3", "fp32")
+    else pytest.param(p, marks=pytest.mark.slow)
+    for p in sa.preset_names()
+  ],
+)
 def test_every_preset_lowers_for_sm90_or_is_refused_with_its_reason(precision):
   """A preset the Hopper path runs builds its Mosaic GPU kernels for CUDA
   on the CPU, and no other kernel (no Pallas Triton one, which jax

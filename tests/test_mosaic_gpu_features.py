@@ -188,7 +188,7 @@ def test_lengths_and_segments_skip_key_blocks_by_range():
 
   rng = np.random.default_rng(8)
   q, k, v = (
-    jnp.asarray(rng.standard_normal((1, 192, 2, 64)), jnp.bfloat16)
+    jnp.asarray(rng.standard_normal((1, 192, 1, 64)), jnp.bfloat16)
     for _ in range(3)
   )
   segments = np.repeat(np.arange(3, dtype=np.int32), 64)[None]

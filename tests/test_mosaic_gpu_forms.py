@@ -108,6 +108,41 @@ def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths(
     np.testing.assert_array_equal(a, b)
 
 
+def test_the_race_detector_catches_a_read_before_its_copys_barrier():
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  _racy_copy()
+  assert gpu_callbacks.get_races().races_found is True
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+def _racy_copy():
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def body(x_ref, o_ref, smem, barrier):
+    plgpu.copy_gmem_to_smem(x_ref, smem, barrier.at[0])
+    early = smem[...]  # before the copy's barrier: a race
+    plgpu.barrier_wait(barrier.at[0])
+    smem[...] = early + 1
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  shape = jax.ShapeDtypeStruct((128,), jnp.float32)
+  kernel = plgpu.kernel(
+    body,
+    out_type=shape,
+    scratch_types=[
+      plgpu.SMEM((128,), jnp.float32),
+      plgpu.Barrier(num_barriers=1),
+    ],
+    interpret=InterpretGPUParams(detect_races=True),
+  )
+  jax.block_until_ready(kernel(jnp.ones((128,), jnp.float32)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case_name", ["key-lengths-d48", "causal-gqa"])
 def test_two_consumers_compiled_is_the_one_warpgroup_kernel_bit_for_bit(

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mosaic_lowered_text
+from helpers import mosaic_lowered_text, sampled
 
 import stableattn as sa
 from stableattn.experiments import hopper_check
@@ -50,7 +50,9 @@ def _assert_same(triton, hopper, golden, differ_at_most=0):
   assert errors[1] <= 1.5 * errors[0], errors
 
 
-@pytest.mark.parametrize("preset", FP8_PRESETS)
+# One preset in the fast tier: the three share every kernel but the
+# scales and the stages they round.
+@pytest.mark.parametrize("preset", sampled(FP8_PRESETS, 1))
 def test_fp8_presets_run_bit_for_bit_with_the_triton_path(preset):
   _assert_same(*_outputs(preset, BASE))
 

@@ -39,10 +39,18 @@ def _errors(precision, center_kv, features=None, dtype=jnp.bfloat16):
   ]
 
 
+# With a feature on (and on the Hopper path) in the fast tier through
+# test_offsets_features.py; the causal case here is slow.
 @pytest.mark.parametrize(
   "features",
-  [{}, {"causal": True, "key_value_seq_lengths": np.array([50], np.int32)}],
-  ids=["plain", "causal-lengths"],
+  [
+    pytest.param({}, id="plain"),
+    pytest.param(
+      {"causal": True, "key_value_seq_lengths": np.array([50], np.int32)},
+      id="causal-lengths",
+      marks=pytest.mark.slow,
+    ),
+  ],
 )
 def test_center_kv_removes_the_delta_error_from_dq(features):
   """Eq. 1's term is along the mean key: gone with the keys centred,

@@ -56,7 +56,7 @@ RULE_CASES = [
 
 @pytest.mark.parametrize(
   "devices, precision, causal, balanced, merge, reverse",
-  sampled(RULE_CASES, 1, unpack=True),
+  sampled(RULE_CASES, 1, seed=2, unpack=True),
 )
 def test_ring_passes_the_flashattention_rule_against_fp64(
   devices, precision, causal, balanced, merge, reverse
@@ -109,6 +109,7 @@ def _ulps_of_largest(x, reference):
   sampled(
     [(2, True, True), (4, True, False), (8, True, True), (8, False, False)],
     1,
+    seed=2,
     unpack=True,
   ),
 )

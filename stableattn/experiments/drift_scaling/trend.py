@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from scipy import stats
 
 AXES = ("parameters", "context", "steps")
 MIN_DISTINCT = 3  # distinct values of an axis before its slope is judged
@@ -74,6 +73,8 @@ class Trend:
     the mean: where the trend's line lies, not where one run falls)."""
     x = np.array([1.0] + [np.log10(axes[a]) for a in self.slopes])
     mean = float(x @ self.coefficients)
+    from scipy import stats  # 1-2 s to import: only where a band is drawn
+
     half = float(stats.t.ppf(0.975, self.df) * np.sqrt(x @ self.covariance @ x))
     return 10**mean, 10 ** (mean - half), 10 ** (mean + half)
 
@@ -128,6 +129,8 @@ def fit(points: list[dict]) -> Trend | None:
   residual = y - design @ coefficients
   variance = float(residual @ residual) / df
   covariance = variance * np.linalg.inv(design.T @ design)
+  from scipy import stats
+
   t = stats.t.ppf(0.975, df)
   slopes = {}
   for i, axis in enumerate(axes, start=1):

@@ -16,7 +16,6 @@ import json
 import re
 
 import numpy as np
-from scipy import stats
 
 from stableattn.experiments.drift_scaling.sizes import ModelSize
 from stableattn.experiments.drift_scaling.trend import MIN_DISTINCT, Slope
@@ -135,6 +134,8 @@ def size_trend(points: list[tuple[float, float]]) -> dict | None:
     return None
   x = np.log10([p for p, _ in points])
   y = np.abs([d for _, d in points])
+  from scipy import stats  # 1-2 s to import: only where a slope is fitted
+
   fit = stats.linregress(x, y)
   half = float(stats.t.ppf(0.975, len(points) - 2) * fit.stderr)
   slope = Slope(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import stats
 
 from stableattn.harness.reporting import Interval, mean_interval
 
@@ -143,6 +142,8 @@ def spread_ratio(
     return None
   observed = ms_a / ms_b
   tail = (1 - confidence) / 2
+  from scipy import stats  # 1-2 s to import: only where a ratio is judged
+
   upper = stats.f.ppf(1 - tail, len(a), len(b))
   lower = stats.f.ppf(tail, len(a), len(b))
   return Interval(
