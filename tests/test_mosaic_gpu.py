@@ -26,25 +26,36 @@ _value_and_grads = hopper_check.value_and_grads
 
 def _differences(case):
   """Per tensor: (entries that differ from the Triton path's interpret
-  mode, the largest difference over the tensor's largest entry)."""
+  mode, the largest difference over the tensor's largest entry, and one
+  unit of the output format at that entry, over it)."""
   ours = _value_and_grads("mosaic_gpu", case)
   triton = _value_and_grads("pallas", case)
+  eps = float(jnp.finfo(to_dtype(sa.Precision.from_name(case[0]).output)).eps)
+
+  def scaled(a, b):
+    largest = np.abs(b).max()
+    unit = eps * 2.0 ** np.floor(np.log2(largest))
+    return float(np.abs(a - b).max() / largest), float(unit / largest)
+
   return [
-    (int(np.sum(a != b)), float(np.abs(a - b).max() / np.abs(b).max()))
-    for a, b in zip(ours, triton)
+    (int(np.sum(a != b)), *scaled(a, b)) for a, b in zip(ours, triton)
   ], ours
 
 
 def _check_against_triton(case):
   differences, ours = _differences(case)
   assert all(np.isfinite(x).all() for x in ours)
-  for tensor, (count, largest) in zip(("out", "dq", "dk", "dv"), differences):
+  for tensor, (count, largest, unit) in zip(
+    ("out", "dq", "dk", "dv"), differences
+  ):
     # wgmma's products are summed in another order than XLA's dots (and
     # XLA:CPU may fuse a product into an add): a few entries round the
     # other way (FP16's 3 more bits see more of them: 1.1% of dq at head
-    # dim 128), never by more than 2^-8 of the tensor's scale.
+    # dim 128), never by more than 2^-8 of the tensor's scale or one unit
+    # of the format at its largest entry (BF16's is up to 2^-7 of it:
+    # MLA 576/512's dK differs by that one unit on some CPUs).
     assert count <= max(1, ours[0].size // 50), (tensor, count)
-    assert largest <= 2.0**-8, (tensor, largest)
+    assert largest <= max(2.0**-8, unit), (tensor, largest, unit)
 
 
 # The fast tier's cases: causal, GQA, lengths no tile divides; and the
