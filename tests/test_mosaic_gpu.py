@@ -14,9 +14,9 @@ import pytest
 from helpers import mosaic_lowered_text, stored_run
 
 import stableattn as sa
+from stableattn.auditing.invariance import ulp_at
 from stableattn.experiments import hopper_check
 from stableattn.kernels import mosaic_attention
-from stableattn.numerics.formats import to_dtype
 from stableattn.ops import registry
 
 CASES = hopper_check.CASES
@@ -30,12 +30,11 @@ def _differences(case):
   unit of the output format at that entry, over it)."""
   ours = _value_and_grads("mosaic_gpu", case)
   triton = _value_and_grads("pallas", case)
-  eps = float(jnp.finfo(to_dtype(sa.Precision.from_name(case[0]).output)).eps)
+  fmt = sa.Precision.from_name(case[0]).output
 
   def scaled(a, b):
     largest = np.abs(b).max()
-    unit = eps * 2.0 ** np.floor(np.log2(largest))
-    return float(np.abs(a - b).max() / largest), float(unit / largest)
+    return float(np.abs(a - b).max() / largest), ulp_at(largest, fmt) / largest
 
   return [
     (int(np.sum(a != b)), *scaled(a, b)) for a, b in zip(ours, triton)
@@ -305,9 +304,9 @@ def test_compiled_kernel_matches_interpret_mode(name):
   # rounded sum). FP8 products are summed by wgmma's FP8 accumulator,
   # which keeps about 14 bits between promotions (DeepSeek-V3, section
   # 3.3.2; `fp8-fa3-hopper` models it): not yet measured on a GPU.
-  fmt = to_dtype(sa.Precision.from_name(case[0]).output)
+  fmt = sa.Precision.from_name(case[0]).output
   for tensor, a, b in zip(("o", "dq", "dk", "dv"), compiled, interpreted):
-    ulp = float(jnp.finfo(fmt).eps) * 2.0 ** np.floor(np.log2(np.abs(b).max()))
+    ulp = ulp_at(np.abs(b).max(), fmt)
     assert np.abs(a - b).max() <= ulp, (
       f"{tensor}: {np.abs(a - b).max() / ulp:.2f} ulps apart at most, "
       f"{float(np.mean(a == b)):.4f} bit-identical"
