@@ -168,6 +168,19 @@ def results_page(*, folded: bool) -> str:
   return " ".join(text.split()) if folded else text
 
 
+def with_races_found(run):
+  """(run(), whether jax's GPU interpreter's race detector saw a race in
+  the shared-memory accesses of the kernels run() interpreted); the
+  detector's state is cleared before and after."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+  gpu_callbacks.reset_gpu_interpret_mode_state()
+  try:
+    return run(), gpu_callbacks.get_races().races_found
+  finally:
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
 def mosaic_lowered_text(precision="bf16-fa2", gradients=True, **features):
   """The Hopper path's forward and backward (value and gradients of a
   sum of squares; the forward alone without `gradients`) lowered for

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import mosaic_lowered_text, stored_run
+from helpers import mosaic_lowered_text, stored_run, with_races_found
 
 import stableattn as sa
 from stableattn.auditing.invariance import ulp_at
@@ -68,12 +68,8 @@ def test_forward_and_gradients_match_the_triton_path(name):
   """Values and gradients at the Triton path's, and no race: the
   interpreter's happens-before detector watches every shared-memory
   access (it can fail: its test is in test_mosaic_gpu_forms.py)."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  _check_against_triton(CASES[name])
-  assert gpu_callbacks.get_races().races_found is False
-  gpu_callbacks.reset_gpu_interpret_mode_state()
+  _, raced = with_races_found(lambda: _check_against_triton(CASES[name]))
+  assert raced is False
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, mosaic_lowered_text
+from helpers import REPO, mosaic_lowered_text, with_races_found
 
 import stableattn as sa
 from stableattn.contract.options import HOPPER_SWITCHES
@@ -45,8 +45,6 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
   form bit for bit at batch 2 with key lengths, with no race under the
   interpreter's detector; any other is refused in one line naming what
   it lacks."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
   lengths = np.array([150, 200], np.int32)
   text = mosaic_lowered_text(
     causal=True, hopper_form=form, key_value_seq_lengths=lengths
@@ -69,10 +67,8 @@ def test_fa3_forms_lower_for_sm90_and_run_where_the_interpreter_can(
     with pytest.raises(ValueError, match=r"hopper_form=.*GPU interpreter"):
       out(form)
   else:
-    gpu_callbacks.reset_gpu_interpret_mode_state()
-    ours = out(form)
-    assert gpu_callbacks.get_races().races_found is False
-    gpu_callbacks.reset_gpu_interpret_mode_state()
+    ours, raced = with_races_found(lambda: out(form))
+    assert raced is False
     np.testing.assert_array_equal(ours, out("interpreter"))
 
 
@@ -96,25 +92,19 @@ def test_the_warp_specialized_forward_is_race_free_at_batch_2_with_lengths(
   the interpreter form's values and gradients bit for bit. (The test
   session's XLA_FLAGS hold `SEQUENTIAL_SCHEDULE_FLAG`, without which the
   interpreter can deadlock on more than one warpgroup.)"""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
   case = CASES[case_name]
   assert _inputs(case)[0][1].shape[0] == 2
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  ours = hopper_check.value_and_grads("mosaic_gpu", case, hopper_form=form)
-  assert gpu_callbacks.get_races().races_found is False
-  gpu_callbacks.reset_gpu_interpret_mode_state()
+  ours, raced = with_races_found(
+    lambda: hopper_check.value_and_grads("mosaic_gpu", case, hopper_form=form)
+  )
+  assert raced is False
   for a, b in zip(ours, hopper_check.value_and_grads("mosaic_gpu", case)):
     np.testing.assert_array_equal(a, b)
 
 
 def test_the_race_detector_catches_a_read_before_its_copys_barrier():
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-
-  gpu_callbacks.reset_gpu_interpret_mode_state()
-  _racy_copy()
-  assert gpu_callbacks.get_races().races_found is True
-  gpu_callbacks.reset_gpu_interpret_mode_state()
+  _, raced = with_races_found(_racy_copy)
+  assert raced is True
 
 
 def _racy_copy():
